@@ -1,0 +1,122 @@
+"""EngineConfig: every knob of the engine in one validated place.
+
+Model-dependent limits (max_model_len, KV bytes per token) are resolved once the model's config is
+known, in :meth:`EngineConfig.resolve`, so that a bad value fails at construction, not mid-request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import lru_cache
+from typing import Literal
+
+import torch
+
+from asyncengine.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_supports_bf16() -> bool:
+    """True where bf16 matmul is native (AVX-512 BF16 / AMX): there it is ~4x fp32 on our CPUs."""
+    try:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+            return ("avx512_bf16" in flags or "amx_bf16" in flags) if flags else True
+    except Exception:
+        pass
+    return False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported (cpu, cuda, auto)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """How the engine runs. Defaults suit a 2-core CPU serving a small model.
+
+    KV cache size: give ``num_kv_blocks`` or ``kv_cache_bytes``; with neither, the cache takes
+    ``kv_cache_bytes`` = 2 GiB on CPU (bounded by what ``max_num_seqs`` full-length requests need).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None  # default: the model folder / GGUF
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    skip_tokenizer_init: bool = False
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    # async engine
+    async_scheduling: bool = True  # schedule step N+1 while step N executes
+    max_queued_requests: int | None = 4096
+    max_queued_tokens: int | None = None
+    # priority policy: a waiting request's effective priority improves by 1 every this many seconds
+    priority_aging_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ConfigError("max_queued_requests must be >= 1 or None")
+        if self.max_queued_tokens is not None and self.max_queued_tokens < 1:
+            raise ConfigError("max_queued_tokens must be >= 1 or None")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads must be >= 1 or None")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

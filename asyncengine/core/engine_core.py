@@ -1,0 +1,107 @@
+"""EngineCore: the synchronous heart. ``step()`` = schedule -> execute -> update -> outputs.
+
+It owns the scheduler (with its KV-cache manager) and the model runner, and knows nothing of text,
+streams or event loops: front ends (``LLM``, ``AsyncLLMEngine``) feed it validated ``Request``s and
+route its ``EngineCoreOutput``s. The async engine drives the three phases itself to overlap them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.request import Request
+from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.scheduler import Scheduler
+from asyncengine.errors import ConfigError
+from asyncengine.executor.model_runner import ModelRunner, kv_bytes_per_block
+from asyncengine.models.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel) -> int:
+    per_block = kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    n = budget // per_block
+    if config.kv_cache_bytes is None:
+        # never more than every sequence slot at full length could use
+        n = min(n, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)
+    if n < 2:
+        raise ConfigError(f"kv_cache_bytes={budget} holds fewer than 2 blocks of {per_block} bytes")
+    return int(n)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.loaded = loaded or load_model(config)
+        num_blocks = num_kv_blocks_for(config, self.loaded)
+        # a request can never hold more tokens than the whole cache
+        self.max_model_len = min(self.loaded.max_model_len, num_blocks * config.block_size)
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=config.policy,
+            enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s)
+        self.runner = ModelRunner(config, self.loaded, num_blocks)
+        log.info("engine core: %d KV blocks of %d tokens, max_model_len %d, dtype %s",
+                 num_blocks, config.block_size, self.max_model_len, config.torch_dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # the three phases, separately, for the async engine's overlapped loop
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(so)
+
+    def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        return self.scheduler.update(so, out)
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.schedule()
+        if so.is_empty:
+            if so.finished_req_ids:  # let the runner drop state of aborted requests
+                self.execute(so)
+            return []
+        return self.update(so, self.execute(so))
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_usage": self.kv.usage,
+            "num_kv_blocks": self.num_blocks,
+            "num_free_kv_blocks": self.kv.num_free_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.num_steps,
+            "num_scheduled_tokens": s.num_scheduled_tokens,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
+            "mean_queue_time_s": s.queue_time_s_total / s.num_started if s.num_started else 0.0,
+        }

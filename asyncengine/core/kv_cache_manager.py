@@ -1,0 +1,117 @@
+"""KVCacheManager: per-request block tables on top of the block pool, plus prefix-cache lookups.
+
+The scheduler asks it three things: which leading blocks of a new request are already computed
+(``get_computed_blocks``), whether ``num_new_tokens`` more slots fit (``allocate_slots``, which
+returns the new blocks or None), and to release a request (``free``). It never touches tensors.
+"""
+from __future__ import annotations
+
+from asyncengine.core.block_pool import BlockPool, KVBlock, hash_block
+from asyncengine.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        # prefix-cache counters, in tokens
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Hash the request's full blocks among its first ``num_tokens`` (known) tokens, once each."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        n_full = num_tokens // bs
+        while len(hashes) < n_full:
+            i = len(hashes)
+            start = i * bs
+            if start + bs <= req.num_prompt_tokens:
+                toks = req.prompt_token_ids[start:start + bs]
+            else:
+                toks = [req.token_id_at(p) for p in range(start, start + bs)]
+            hashes.append(hash_block(hashes[-1] if hashes else None, toks, req.cache_salt))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the start of the request. At least the last token
+        is always left to compute: its logits are needed to sample."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        n = req.num_tokens
+        self._extend_hashes(req, n)
+        max_blocks = (n - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hit.append(b)
+        self.prefix_queries += n
+        self.prefix_hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    def can_fit(self, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free_blocks
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones (and after
+        ``new_computed_blocks`` from a prefix hit). Returns the newly allocated blocks, or None (and
+        changes nothing) when the pool cannot supply them."""
+        bs = self.block_size
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * bs
+        total = num_computed + num_new_tokens
+        need = -(-total // bs) - len(blocks) - len(computed)
+        # hit blocks sitting in the free queue stop being free once touched
+        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return None
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self._num_cached_blocks[req.request_id] = len(blocks)
+        new = self.pool.get_new_blocks(need) if need > 0 else []
+        blocks.extend(new)
+        if self.enable_caching:
+            # register blocks that are full of *known* tokens once this step computes them
+            # (in-flight placeholder tokens get registered by a later step, when their ids are known)
+            self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
+        return new
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        n_full = num_tokens // self.block_size
+        start = self._num_cached_blocks.get(req.request_id, 0)
+        if n_full <= start:
+            return
+        self._extend_hashes(req, n_full * self.block_size)
+        for i in range(start, n_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self._num_cached_blocks[req.request_id] = n_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_to_blocks.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

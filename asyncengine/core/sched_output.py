@@ -1,0 +1,69 @@
+"""Typed messages between the scheduler and the model runner (the core's one-way data flow)."""
+from __future__ import annotations
+
+import msgspec
+
+from asyncengine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the runner has not seen yet (or is seeing again after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # first position this step computes (prefix-cache hits skip ahead)
+    eos_token_ids: list[int] = []
+    bad_words_token_ids: list[list[int]] | None = None
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # in batch order
+    total_num_scheduled_tokens: int
+    # requests the runner must forget before this step: finished, aborted or preempted
+    finished_req_ids: list[str]
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """Only rows that sampled appear. ``logprobs[i]`` is (token ids, logprobs, rank of the sampled
+    token) for rows whose request asked for logprobs, else None."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    # req_id -> prompt logprobs for the positions computed this step: list of (ids, logprobs, rank)
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] | None = None
+    execute_time_s: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True):
+    """What a step gave one request: new tokens and, once, why it finished."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

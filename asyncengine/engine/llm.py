@@ -1,0 +1,121 @@
+"""LLM: the synchronous offline API, shaped like vLLM's so user code ports unchanged.
+
+    from asyncengine import LLM, SamplingParams
+    llm = LLM(model="path/or/name", dtype="float32")
+    outs = llm.generate(["Hello", [1, 2, 3], {"prompt_token_ids": [4, 5]}], SamplingParams(max_tokens=32))
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine.output_processor import OutputProcessor
+from asyncengine.engine.processor import InputProcessor, PromptType
+from asyncengine.errors import InvalidRequestError
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    return isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, **engine_options)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.loaded.tokenizer
+        self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
+                                        self.engine.loaded.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order.
+
+        Every prompt is validated before any runs, so a bad one raises InvalidRequestError naming
+        it and nothing is left half-done in the engine."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        made = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                req, text = self.processor.make_request(
+                    f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt #{i}: {e}") from None
+            made.append((req, text))
+        return self._run(made, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template; one conversation or a list of them."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": render_chat(self.tokenizer, c, add_generation_prompt)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, made, use_tqdm: bool) -> list[RequestOutput]:
+        engine, outp = self.engine, self.output_processor
+        order = [req.request_id for req, _ in made]
+        for req, text in made:
+            outp.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params, req.arrival_time)
+            engine.add_request(req)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(made), desc="generate", unit="req", disable=not use_tqdm or len(made) < 2,
+                   dynamic_ncols=True)
+        n_out, t0 = 0, time.perf_counter()
+        try:
+            while len(done) < len(made):
+                core_outs = engine.step()
+                processed = outp.process(core_outs)
+                if processed.to_abort:
+                    engine.abort_requests(processed.to_abort)
+                n_out += sum(len(c.new_token_ids) for c in core_outs)
+                for o in processed.outputs:
+                    if o.finished:
+                        done[o.request_id] = o
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - t0):.0f}", refresh=False)
+                if not core_outs and not engine.has_unfinished() and len(done) < len(made):
+                    raise RuntimeError("engine went idle with requests unfinished")  # never expected
+        finally:
+            bar.close()
+            left = [rid for rid in order if rid not in done]
+            if left:  # an exception: leave the engine clean for the next call
+                engine.abort_requests(left)
+                engine.step()
+                for rid in left:
+                    outp.abort(rid)
+        return [done[rid] for rid in order]
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("the tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

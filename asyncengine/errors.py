@@ -1,0 +1,25 @@
+"""The exceptions users catch. Each names the problem in words a user can act on."""
+
+
+class AsyncEngineError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidRequestError(AsyncEngineError, ValueError):
+    """A request (prompt or sampling parameters) that can never be served; fails only that request."""
+
+
+class ConfigError(AsyncEngineError, ValueError):
+    """An EngineConfig that cannot work (bad sizes, unknown dtype, unsupported model...)."""
+
+
+class ModelLoadError(AsyncEngineError):
+    """A checkpoint that is missing, corrupt, or of an architecture we do not implement."""
+
+
+class EngineOverloaded(AsyncEngineError):
+    """The waiting queue is full: retry later (HTTP 429/503). Raised immediately, never after a wait."""
+
+
+class EngineDeadError(AsyncEngineError):
+    """The engine's loop died; every pending and future request fails with this. `__cause__` holds why."""

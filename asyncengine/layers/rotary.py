@@ -1,0 +1,84 @@
+"""Rotary position embeddings (the non-interleaved "rotate half" form) with the rope scaling types
+Llama-family checkpoints use: default, linear, dynamic-free llama3. cos/sin are tabulated once for
+every position up to max_model_len and gathered per token, so the hot path is two multiplies."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from asyncengine.errors import ModelLoadError
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of an HF config, across transformers versions (v5: ``rope_parameters``)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default") or "default")
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    theta = float(params["rope_theta"])
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_ff = float(params["low_freq_factor"])
+        high_ff = float(params["high_freq_factor"])
+        old_ctx = float(params["original_max_position_embeddings"])
+        low_wavelen = old_ctx / low_ff
+        high_wavelen = old_ctx / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are scaled down by `factor`, short ones kept, the band between blended
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ModelLoadError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, params: dict) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.params = head_dim, max_positions, params
+        self.build()
+
+    def build(self, device: torch.device | None = None) -> None:
+        """(Re)compute the tables; called again after the model is materialised from meta."""
+        inv_freq = compute_inv_freq(self.head_dim, self.params)
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)  # [max_pos, head_dim], fp32 (plain attributes: never cast)
+        self.sin = emb.sin().to(device)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[dtype]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos_t, sin_t = self.tables(q.dtype)
+        cos = cos_t[positions].unsqueeze(1)
+        sin = sin_t[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,606 @@
+"""Reading a GGUF file into Hugging Face terms: a config, HF-named float tensors, a tokenizer.
+
+    ckpt = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ckpt.config            # LlamaConfig(architectures=["LlamaForCausalLM"], ...)
+    ckpt.tensors           # {"model.embed_tokens.weight": float32 tensor, ...}, as in the HF checkpoint
+    ckpt.tokenizer         # a transformers fast tokenizer, chat template included
+    ckpt.eos_token_ids     # [2, 0]
+
+What llama.cpp's ``convert_hf_to_gguf.py`` changed, and what this module undoes:
+
+* names: ``blk.N.attn_q.weight`` <- ``model.layers.N.self_attn.q_proj.weight`` and so on (``_LAYER_NAMES``);
+* for the ``llama`` architecture only, the rows of ``q_proj`` and ``k_proj`` (weight and bias) were
+  permuted per head, from HF's "rotate half" rope layout to GGML's interleaved pairs
+  (``reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2)``). We apply the inverse, with the number of
+  KV heads for ``k_proj``. Qwen2/Qwen3 use GGML's NEOX rope, so nothing was permuted there;
+* weights are stored quantized; ``gguf.quants.dequantize`` turns them back to float32. The permutation
+  is over whole rows and the quantization blocks run along a row, so un-permuting after dequantizing
+  is exact;
+* the config lives in metadata keys (``llama.block_count``...), read in ``_build_config``;
+* Llama 3.x rope scaling becomes a ``rope_freqs`` tensor of per-frequency divisors; we fit the
+  ``llama3`` rope parameters back from it (``_llama3_rope_from_freqs``) and keep the raw tensor in
+  ``extra_tensors``.
+
+The tokenizer is rebuilt by transformers' GGUF tokenizer support, plus one fix of our own
+(``_fix_pre_tokenizer``). Anything wrong with the file raises :class:`ModelLoadError` naming the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from asyncengine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GGUFCheckpoint", "load_gguf", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES"]
+
+
+@dataclasses.dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in the terms a Hugging Face checkpoint would use."""
+
+    config: transformers.PretrainedConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerBase | None
+    eos_token_ids: list[int]
+    # Tensors with no HF name (e.g. Llama 3's "rope_freqs"), under their GGUF names.
+    extra_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # The raw GGUF metadata (scalars and short arrays; the vocabulary arrays are left out).
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    path: str = ""
+
+
+# GGUF `general.architecture` -> (transformers model_type, HF architecture name)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),  # also Mistral-style models, which llama.cpp writes as llama
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# Architectures whose q/k rows llama.cpp permuted for its interleaved ("normal") rope.
+_PERMUTED_QK_ARCHITECTURES = {"llama"}
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_QUANT_TYPES = (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M",
+    "TQ1_0", "TQ2_0",
+)
+
+
+def _supported_types() -> frozenset:
+    import gguf
+
+    names = {q.name for q in gguf.GGMLQuantizationType}
+    return frozenset(gguf.GGMLQuantizationType[n] for n in _FLOAT_TYPES + _QUANT_TYPES if n in names)
+
+
+SUPPORTED_TENSOR_TYPES: frozenset = _supported_types()
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+# GGUF tensors kept under their own names in `extra_tensors` (they have no HF counterpart).
+_EXTRA_TENSORS = {"rope_freqs.weight"}
+
+# llama.cpp pre-tokenizers that split every digit on its own before the byte-level regex
+# (llama-vocab.cpp: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA); transformers
+# leaves these on its GPT-2 default, which keeps runs of digits together.
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+
+# Texts llama.cpp treats as end-of-generation when they are in the vocabulary.
+_EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+    """Read a GGUF file (or a folder holding exactly one) into HF-named, dequantized tensors.
+
+    ``dtype`` is what each tensor is cast to right after it is dequantized (float32 by default, which
+    is exact for every GGUF type).
+    Raises :class:`ModelLoadError` for a missing, truncated or corrupt file, an unsupported tensor type
+    or an unsupported architecture.
+    """
+    path = _resolve_file(path)
+    reader = _open_reader(path)
+    try:
+        metadata = _read_metadata(reader, path)
+        gguf_arch = metadata.get("general.architecture")
+        if gguf_arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}."
+            )
+        _check_tensor_types_and_bounds(reader, path)
+        config = _build_config(reader, metadata, gguf_arch, path)
+        tensors, extra = _load_tensors(reader, config, gguf_arch, path, dtype)
+    finally:
+        # Drop the memory map now: every tensor above is a copy.
+        reader.data = None
+        del reader
+
+    _fix_rope_from_freqs(config, extra, path)
+    _check_tensors(config, tensors, path)
+    tokenizer = _build_tokenizer(path, metadata)
+    eos_ids = _eos_token_ids(metadata, tokenizer)
+    return GGUFCheckpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_ids,
+        extra_tensors=extra,
+        metadata=metadata,
+        path=path,
+    )
+
+
+# --------------------------------------------------------------------------------------------- file
+
+
+def _resolve_file(path: str | os.PathLike) -> str:
+    path = os.path.expanduser(os.fspath(path))
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+        if len(found) != 1:
+            what = "no .gguf file" if not found else f"{len(found)} .gguf files ({', '.join(found)})"
+            raise ModelLoadError(f"{path}: is a folder with {what}; pass the path of one .gguf file.")
+        path = os.path.join(path, found[0])
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such GGUF file.")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: not a regular file.")
+    return path
+
+
+def _open_reader(path: str):
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read the file: {exc.strerror or exc}.") from None
+    if len(head) < 8:
+        raise ModelLoadError(f"{path}: file is too short ({len(head)} bytes) to be a GGUF file.")
+    if head[:4] != b"GGUF":
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (it starts with {head[:4]!r}, a GGUF file starts with b'GGUF')."
+        )
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/KeyError/IndexError/... on bad bytes
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF file (could not parse its header: {type(exc).__name__}: {exc})."
+        ) from None
+
+
+def _field_value(field) -> Any:
+    """A metadata field as a Python value (str, int, float, bool or a list of those)."""
+    try:
+        return field.contents()
+    except AttributeError:  # gguf < 0.11 has no ReaderField.contents
+        from gguf import GGUFValueType
+
+        def one(i):
+            part = field.parts[i]
+            if field.types[-1] == GGUFValueType.STRING:
+                return bytes(part).decode("utf-8")
+            return part.tolist()[0]
+
+        if field.types[0] == GGUFValueType.ARRAY:
+            return [one(i) for i in field.data]
+        return one(field.data[0])
+
+
+def _read_metadata(reader, path: str) -> dict[str, Any]:
+    """All metadata except the big tokenizer arrays (those are read by the tokenizer code)."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap"):
+            metadata[key + ".count"] = len(field.data)
+            continue
+        try:
+            metadata[key] = _field_value(field)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"{path}: metadata key {key!r} cannot be decoded ({exc}).") from None
+    if "general.architecture" not in metadata:
+        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
+    return metadata
+
+
+def _check_tensor_types_and_bounds(reader, path: str) -> None:
+    import gguf
+
+    file_size = os.path.getsize(path)
+    unsupported: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            unsupported.setdefault(t.tensor_type.name, []).append(t.name)
+            continue
+        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        n_elements = int(np.prod([int(d) for d in t.shape]))
+        expected = n_elements // block * type_size
+        if n_elements % block or int(t.n_bytes) != expected or t.data.nbytes != expected:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(map(int, t.shape))}) should "
+                f"hold {expected} bytes but the file gives {t.data.nbytes}: the file is truncated or corrupt."
+            )
+        if int(t.data_offset) + expected > file_size:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} ends at byte {int(t.data_offset) + expected} but the file has only "
+                f"{file_size} bytes: the file is truncated."
+            )
+    if unsupported:
+        listed = "; ".join(f"{k} ({len(v)} tensors, e.g. {v[0]!r})" for k, v in sorted(unsupported.items()))
+        raise ModelLoadError(
+            f"{path}: unsupported tensor type(s): {listed}. Supported: "
+            f"{', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))}. Re-quantize the model "
+            f"(e.g. llama-quantize to Q4_K_M or Q8_0) or use an F16/F32 file."
+        )
+
+
+# ------------------------------------------------------------------------------------------- config
+
+
+def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> transformers.PretrainedConfig:
+    model_type, hf_arch = SUPPORTED_ARCHITECTURES[gguf_arch]
+    names = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = KeyError):
+        full = f"{gguf_arch}.{name}"
+        if full in md:
+            return md[full]
+        if default is KeyError:
+            raise ModelLoadError(f"{path}: required metadata key {full!r} is missing.")
+        return default
+
+    hidden = int(key("embedding_length"))
+    n_head = int(key("attention.head_count"))
+    n_kv = key("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):  # per-layer counts (some hybrid models); a plain transformer has one value
+        if len(set(n_kv)) != 1:
+            raise ModelLoadError(f"{path}: per-layer KV head counts {n_kv} are not supported.")
+        n_kv = n_kv[0]
+    n_kv = int(n_kv)
+
+    embd = names.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path}: the file has no 'token_embd.weight' tensor.")
+    vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
+
+    head_dim = key("attention.key_length", None)
+    if head_dim is None:
+        q = names.get("blk.0.attn_q.weight")
+        head_dim = int(q.shape[1]) // n_head if q is not None else hidden // n_head
+    head_dim = int(head_dim)
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        factor = float(key("rope.scaling.factor", 1.0))
+        original = key("rope.scaling.original_context_length", None)
+        if scaling == "linear":
+            rope.update(rope_type="linear", factor=factor)
+        elif scaling == "yarn":
+            rope.update(rope_type="yarn", factor=factor)
+            if original is not None:
+                rope["original_max_position_embeddings"] = int(original)
+        else:
+            raise ModelLoadError(f"{path}: rope scaling type {scaling!r} is not supported (linear and yarn are).")
+
+    def token_id(name: str) -> int | None:
+        value = md.get(f"tokenizer.ggml.{name}")
+        return int(value) if value is not None else None
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length", 4096)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=token_id("bos_token_id"),
+        eos_token_id=token_id("eos_token_id"),
+        pad_token_id=token_id("padding_token_id"),
+        hidden_act="silu",
+    )
+    if model_type == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    elif model_type == "qwen2":
+        del kwargs["head_dim"]  # Qwen2Config derives it (hidden // heads), it takes no argument
+        if head_dim != hidden // n_head:
+            raise ModelLoadError(f"{path}: qwen2 with head_dim {head_dim} != hidden/heads is not supported.")
+    elif model_type == "qwen3":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    try:
+        config = config_cls(**kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: the GGUF metadata does not make a valid {config_cls.__name__}: {exc}") from None
+    name = md.get("general.name")
+    if name:
+        config._name_or_path = str(name)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ tensors
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute(w, n_head)``: GGML's interleaved rope rows back to HF's halves.
+
+    llama.cpp wrote ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``; per head, HF row ``i`` of
+    the first half and row ``i`` of the second half became rows ``2i`` and ``2i + 1``. Works on a
+    weight (rows, cols) and on a bias (rows,).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows cannot be split into {n_head} heads of an even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _load_tensors(reader, config, gguf_arch: str, path: str, dtype: torch.dtype):
+    from gguf.quants import dequantize
+
+    permute = gguf_arch in _PERMUTED_QK_ARCHITECTURES
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    tensors: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None and t.name not in _EXTRA_TENSORS:
+            unknown.append(t.name)
+            continue
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
+                                 f"dequantized here ({exc}).") from None
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        array = array.reshape(shape)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, dtype=np.float32, order="C")  # detach from the read-only memory map
+        tensor = torch.from_numpy(array)
+        if tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if hf is None:
+            extra[t.name.removesuffix(".weight")] = tensor
+            continue
+        if permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+            try:
+                tensor = unpermute_qk(tensor, n_head if ".q_proj." in hf else n_kv)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} of shape {list(shape)}: {exc}.") from None
+        tensors[hf] = tensor
+    if unknown:
+        raise ModelLoadError(
+            f"{path}: {len(unknown)} tensor(s) have no known meaning for architecture {gguf_arch!r} "
+            f"(e.g. {', '.join(unknown[:5])}); this file is not a plain {gguf_arch} model."
+        )
+    return tensors, extra
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    h, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if config.model_type == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def _check_tensors(config, tensors: dict[str, torch.Tensor], path: str) -> None:
+    expected = _expected_shapes(config)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ModelLoadError(
+            f"{path}: {len(missing)} tensor(s) the {config.architectures[0]} config calls for are missing from "
+            f"the file (e.g. {', '.join(missing[:4])})."
+        )
+    wrong = [f"{n} is {list(tensors[n].shape)}, expected {list(s)}"
+             for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    if wrong:
+        raise ModelLoadError(f"{path}: tensor shapes do not match the metadata: {'; '.join(wrong[:4])}.")
+
+
+# ----------------------------------------------------------------------------------- llama3 rope
+
+
+def _llama3_rope_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, original_ctx: int):
+    """Recover ``llama3`` rope parameters from llama.cpp's ``rope_freqs`` divisors, or None.
+
+    llama.cpp stores, per frequency ``i``, the divisor it applies: 1 (high frequency), ``factor``
+    (low frequency) or ``1 / ((1 - s) / factor + s)`` in between, with
+    ``s = (original_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    ``s`` is affine in ``1 / wavelen``; fitting that line gives the two frequency factors for the
+    chosen ``original_ctx`` (any choice reproduces the same divisors).
+    """
+    freqs = np.asarray(freqs, dtype=np.float64)
+    factor = float(freqs.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if len(inv_freq) != len(freqs):
+        return None
+    wavelen = 2 * math.pi / inv_freq
+    inner = (freqs > 1.0 + 1e-4) & (freqs < factor - 1e-4 * factor)
+    if inner.sum() < 2:
+        return None
+    s = (1.0 / freqs[inner] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(1.0 / wavelen[inner], s, 1)  # s = slope / wavelen + intercept
+    if slope <= 0:
+        return None
+    span = original_ctx / slope  # high_freq_factor - low_freq_factor
+    low = -intercept * span
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": float(low),
+        "high_freq_factor": float(low + span),
+        "original_max_position_embeddings": int(original_ctx),
+    }
+    # Check: recompute the divisors as llama.cpp does.
+    low_wl, high_wl = original_ctx / params["low_freq_factor"], original_ctx / params["high_freq_factor"]
+    smooth = (original_ctx / wavelen - params["low_freq_factor"]) / span
+    recomputed = np.where(
+        wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth))
+    )
+    if not np.allclose(recomputed, freqs, rtol=1e-3, atol=1e-3):
+        return None
+    return params
+
+
+def _fix_rope_from_freqs(config, extra: dict[str, torch.Tensor], path: str) -> None:
+    freqs = extra.get("rope_freqs")
+    if freqs is None:
+        return
+    rope = dict(config.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default":
+        return  # the metadata already said how the rope is scaled
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    original_ctx = 8192  # Llama 3's; any value fits, see _llama3_rope_from_freqs
+    params = _llama3_rope_from_freqs(freqs.float().numpy(), rope.get("rope_theta", 10000.0), head_dim, original_ctx)
+    if params is None:
+        logger.warning(
+            "%s: has a rope_freqs tensor that is not Llama 3 rope scaling; it is left in extra_tensors "
+            "and the model will use unscaled rope.", path,
+        )
+        return
+    config.rope_parameters = params
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+
+def _build_tokenizer(path: str, md: dict[str, Any]):
+    if "tokenizer.ggml.model" not in md or "tokenizer.ggml.tokens.count" not in md:
+        return None
+    try:
+        tokenizer = _tokenizer_via_transformers(path)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds on unusual vocabularies
+        raise ModelLoadError(
+            f"{path}: could not build a tokenizer from the GGUF metadata (tokenizer model "
+            f"{md.get('tokenizer.ggml.model')!r}, pre-tokenizer {md.get('tokenizer.ggml.pre')!r}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    _fix_pre_tokenizer(tokenizer, md.get("tokenizer.ggml.pre"))
+    if tokenizer.chat_template is None and md.get("tokenizer.chat_template"):
+        tokenizer.chat_template = md["tokenizer.chat_template"]
+    return tokenizer
+
+
+def _tokenizer_via_transformers(path: str):
+    """transformers' own GGUF tokenizer conversion, called on the file alone.
+
+    ``PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=...)`` would also pick up a stray
+    tokenizer.json/tokenizer_config.json lying next to the GGUF, so we call the conversion directly,
+    falling back to the public path only if those internals moved.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+        backend, additional = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (ImportError, AttributeError, TypeError):
+        folder, name = os.path.split(os.path.abspath(path))
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    kwargs = {k: v for k, v in {**tokenizer_config, **(additional or {})}.items() if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+def _fix_pre_tokenizer(tokenizer, pre: str | None) -> None:
+    """Make digit handling match llama.cpp for the StarCoder-style pre-tokenizers (SmolLM among them)."""
+    if pre not in _DIGIT_SPLIT_PRE:
+        return
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+
+
+def _eos_token_ids(md: dict[str, Any], tokenizer) -> list[int]:
+    """The file's eos id first, then eot/eom ids, then known end-of-turn tokens in the vocabulary."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = md.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        for text in _EOG_TEXTS:
+            token_id = vocab.get(text)
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+    return ids

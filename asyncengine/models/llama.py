@@ -1,0 +1,205 @@
+"""The Llama family in plain torch: Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (per-head q/k norm).
+
+One decoder serves all four; the differences are three config switches. Weights are loaded from
+HF names and fused on the way in (q/k/v into one projection, gate/up into one) so each layer is
+four matmuls on a flat [tokens, hidden] batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine.layers.attention import AttentionMetadata, TorchPagedAttention
+from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+@dataclass
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, cfg, max_positions: int, qkv_bias: bool, qk_norm: bool) -> "LlamaArgs":
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps, rope=rope_parameters(cfg), max_positions=max_positions,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or bool(getattr(cfg, "attention_bias", False)), qk_norm=qk_norm,
+            hidden_act=getattr(cfg, "hidden_act", "silu"))
+
+
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.inter = a.intermediate_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.act = _ACTS[a.hidden_act]
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(a, rotary)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral; Qwen2/Qwen3 are the subclasses below."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, hf_config, max_positions: int) -> None:
+        super().__init__()
+        a = LlamaArgs.from_hf(hf_config, max_positions, self.qkv_bias, self.qk_norm)
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(a, rotary) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.args.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.args.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights) -> None:
+        """Take (HF name, tensor) pairs; fuse q/k/v and gate/up; complain about anything missing
+        or unexpected so a wrong checkpoint fails loudly, not with garbage output."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        a = self.args
+        qkv_sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        gate_up_sizes = [a.intermediate_size, a.intermediate_size]
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            parts = name.split(".")
+            target, shard = name, None
+            for i, p in enumerate(parts):
+                if p in fused:
+                    fname, shard = fused[p]
+                    parts[i] = fname
+                    target = ".".join(parts)
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            p = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    if p.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+                    p.copy_(tensor)
+                else:
+                    sizes = qkv_sizes if fname == "qkv_proj" else gate_up_sizes
+                    off = sum(sizes[:shard])
+                    dst = p.narrow(0, off, sizes[shard])
+                    if dst.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                    dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for n, _ in self.named_parameters():
+            if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
+                expected |= {f"{n}#0", f"{n}#1", f"{n}#2"}
+            elif n.endswith("gate_up_proj.weight"):
+                expected |= {f"{n}#0", f"{n}#1"}
+            else:
+                expected.add(f"{n}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

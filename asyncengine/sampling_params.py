@@ -1,0 +1,96 @@
+"""SamplingParams: how one request is decoded. Same names and meanings as vLLM / the OpenAI API.
+
+A msgspec Struct so it crosses process boundaries cheaply; validated in ``__post_init__`` so a bad
+value fails the request that carries it, with a message naming the field.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from asyncengine.errors import InvalidRequestError
+
+
+class OutputKind(enum.IntEnum):
+    """What a stream yields: only the new tokens, everything so far, or one final output."""
+
+    DELTA = 0
+    CUMULATIVE = 1
+    FINAL_ONLY = 2
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(f"SamplingParams: {msg}")
+
+        if self.n < 1:
+            bad(f"n must be >= 1, got {self.n}")
+        if not self.temperature >= 0.0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and any(not s for s in self.stop):
+            bad("stop strings must be non-empty")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids must not be empty")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])

@@ -1,0 +1,1 @@
+"""Thin layers over AsyncLLMEngine: OpenAI-compatible server, websocket streaming."""
