@@ -55,6 +55,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "gather_logprobs",
+    "process_logits",
     "seeded_uniform",
     "validate_token_ids",
 ]
@@ -121,12 +122,13 @@ def _plain_greedy(p: SamplingParams, num_output: int, bad_words) -> bool:
             and num_output >= p.min_tokens and not bad_words)
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max((len(r) for r in rows), default=1))
-    data = [r + [pad] * (width - len(r)) for r in rows]
-    t = torch.tensor(data, dtype=torch.int64, device=device)
-    # ids outside [0, pad) land in the pad column (dropped afterwards)
-    return t.clamp_(0, pad) if data else t
+def _padded(rows: list[list[int]], device: torch.device, width: int | None = None
+            ) -> torch.Tensor:
+    """[len(rows), width] int64, each row padded by repeating its last id (0 if it has none)."""
+    if width is None:
+        width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [r[-1] if r else 0] * (width - len(r)) for r in rows],
+                        dtype=torch.int64, device=device)
 
 
 @dataclass(slots=True)
@@ -146,34 +148,36 @@ class SamplingMetadata:
     temperature: torch.Tensor | None = None
     # [B] bool; None when there are no greedy rows, or all rows are greedy
     greedy_mask: torch.Tensor | None = None
-    # top-k: [B] int64. With topk_only (every random row has a top-k; greedy rows get k=1) the
-    # sampler works on the [B, max_top_k] candidates only, never on the whole vocabulary.
-    # Otherwise k = vocab_size where disabled, and top_k_rows lists the rows that use it.
+    # top-k / top-p: set when some random row uses either. top_k [B] int64 (vocab_size where
+    # disabled, 1 on greedy rows: their draw is discarded anyway), has_top_k [B, 1] bool, top_p
+    # [B, 1] float32 (2.0 where disabled: never drops anything). topk_only: every row has k < V.
     top_k: torch.Tensor | None = None
+    has_top_k: torch.Tensor | None = None
     topk_only: bool = False
     max_top_k: int = 0
-    top_k_rows: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None  # [B, 1] float32, 1.0 where disabled
+    top_p: torch.Tensor | None = None
     min_p_log: torch.Tensor | None = None  # [B, 1] float32 log(min_p), -inf where disabled
     # the uniform draw of each random row: rows with a seed get seeded_u (float64) at seeded_rows
     seeded_rows: torch.Tensor | None = None
     seeded_u: torch.Tensor | None = None
     any_unseeded_random: bool = False
-    # allowed_token_ids: rows, and their [A, V] "disallowed" mask
+    # allowed_token_ids: rows [A], and their allowed ids [A, La] (padded with repeats)
     allowed_rows: torch.Tensor | None = None
-    disallowed_mask: torch.Tensor | None = None
+    allowed_ids: torch.Tensor | None = None
     # logit_bias: (rows, cols, values)
     bias_index: tuple[torch.Tensor, torch.Tensor] | None = None
     bias_values: torch.Tensor | None = None
     # bad words + min_tokens: (rows, cols) set to -inf
     ban_index: tuple[torch.Tensor, torch.Tensor] | None = None
-    # penalties, over the subset of rows penalty_rows
-    penalty_rows: torch.Tensor | None = None
-    repetition_penalty: torch.Tensor | None = None  # [P, 1]
-    repetition_mask: torch.Tensor | None = None  # [P, V] bool: token in prompt or output
-    frequency_penalty: torch.Tensor | None = None  # [P, 1]
-    presence_penalty: torch.Tensor | None = None  # [P, 1]
-    output_counts: torch.Tensor | None = None  # [P, V] float32
+    # penalties, applied sparsely at the [rows, ids] positions (ids padded with repeats of a
+    # real id of the same row, so duplicates always write the same value)
+    rep_rows: torch.Tensor | None = None  # [R, 1] rows with repetition_penalty != 1
+    rep_ids: torch.Tensor | None = None  # [R, L] their prompt + output ids
+    repetition_penalty: torch.Tensor | None = None  # [R, 1]
+    fp_rows: torch.Tensor | None = None  # [F, 1] rows with frequency/presence penalty and output
+    fp_ids: torch.Tensor | None = None  # [F, Lo] their output ids
+    presence_penalty: torch.Tensor | None = None  # [F, 1]
+    frequency_src: torch.Tensor | None = None  # [F, Lo]: -frequency_penalty, 0 on padding
     generator: torch.Generator | None = None
     # logprobs
     logprob_rows: list[int] = field(default_factory=list)
@@ -219,8 +223,7 @@ class SamplingMetadata:
             meta._build_random(params, greedy, output_token_ids)
 
         allowed_rows: list[int] = []
-        allowed_r: list[int] = []
-        allowed_c: list[int] = []
+        allowed_ids: list[list[int]] = []
         bias_r: list[int] = []
         bias_c: list[int] = []
         bias_v: list[float] = []
@@ -230,12 +233,8 @@ class SamplingMetadata:
         for i, p in enumerate(params):
             out = output_token_ids[i]
             if p.allowed_token_ids is not None:
-                a = len(allowed_rows)
                 allowed_rows.append(i)
-                for t in p.allowed_token_ids:
-                    if 0 <= t < V:
-                        allowed_r.append(a)
-                        allowed_c.append(t)
+                allowed_ids.append([t for t in p.allowed_token_ids if 0 <= t < V])
             if p.logit_bias:
                 for t, b in p.logit_bias.items():
                     t = int(t)
@@ -273,38 +272,34 @@ class SamplingMetadata:
             meta.logprob_rows_t = idx(meta.logprob_rows)
         if allowed_rows:
             meta.allowed_rows = idx(allowed_rows)
-            mask = torch.ones(len(allowed_rows), V, dtype=torch.bool, device=device)
-            if allowed_r:
-                mask[idx(allowed_r), idx(allowed_c)] = False
-            meta.disallowed_mask = mask
+            meta.allowed_ids = _padded(allowed_ids, device)
         if bias_r:
             meta.bias_index = (idx(bias_r), idx(bias_c))
             meta.bias_values = torch.tensor(bias_v, dtype=torch.float32, device=device)
         if ban_r:
             meta.ban_index = (idx(ban_r), idx(ban_c))
-        if pen_rows:
-            pp = [params[i] for i in pen_rows]
-            meta.penalty_rows = idx(pen_rows)
-            outs = [output_token_ids[i] for i in pen_rows]
-            out_t = _padded(outs, V, device)
-            counts = torch.zeros(len(pen_rows), V + 1, dtype=torch.float32, device=device)
-            counts.scatter_add_(1, out_t, torch.ones_like(out_t, dtype=torch.float32))
-            counts = counts[:, :V]
-            if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in pp):
-                meta.output_counts = counts
-                meta.frequency_penalty = torch.tensor(
-                    [[p.frequency_penalty] for p in pp], dtype=torch.float32, device=device)
-                meta.presence_penalty = torch.tensor(
-                    [[p.presence_penalty] for p in pp], dtype=torch.float32, device=device)
-            if any(p.repetition_penalty != 1.0 for p in pp):
-                prompts = [prompt_token_ids[i] if p.repetition_penalty != 1.0 else []
-                           for i, p in zip(pen_rows, pp)]
-                pr_t = _padded(prompts, V, device)
-                seen = torch.zeros(len(pen_rows), V + 1, dtype=torch.bool, device=device)
-                seen.scatter_(1, pr_t, True)
-                meta.repetition_mask = seen[:, :V] | (counts > 0)
-                meta.repetition_penalty = torch.tensor(
-                    [[p.repetition_penalty] for p in pp], dtype=torch.float32, device=device)
+        rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0
+                    and (prompt_token_ids[i] or output_token_ids[i])]
+        if rep_rows:
+            meta.rep_rows = idx(rep_rows).unsqueeze(1)
+            meta.rep_ids = _padded([[t for t in (*prompt_token_ids[i], *output_token_ids[i])
+                                     if 0 <= t < V] for i in rep_rows], device)
+            meta.repetition_penalty = torch.tensor(
+                [[params[i].repetition_penalty] for i in rep_rows], dtype=torch.float32,
+                device=device)
+        fp_rows = [i for i in pen_rows if output_token_ids[i] and (
+            params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0)]
+        if fp_rows:
+            outs = [[t for t in output_token_ids[i] if 0 <= t < V] for i in fp_rows]
+            width = max(1, max(len(o) for o in outs))
+            meta.fp_rows = idx(fp_rows).unsqueeze(1)
+            meta.fp_ids = _padded(outs, device, width)
+            meta.presence_penalty = torch.tensor(
+                [[params[i].presence_penalty] for i in fp_rows], dtype=torch.float32,
+                device=device)
+            meta.frequency_src = torch.tensor(
+                [[-params[i].frequency_penalty] * len(o) + [0.0] * (width - len(o))
+                 for i, o in zip(fp_rows, outs)], dtype=torch.float32, device=device)
         return meta
 
     def _build_random(self, params: list[SamplingParams], greedy: list[bool],
@@ -315,21 +310,17 @@ class SamplingMetadata:
             dtype=torch.float32, device=device)
         if any(greedy):
             self.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
-        ks = [V if g or not 0 < p.top_k < V else p.top_k for p, g in zip(params, greedy)]
-        self.topk_only = all(k < V for k, g in zip(ks, greedy) if not g)
-        if self.topk_only:
-            ks = [1 if g else k for k, g in zip(ks, greedy)]
+        pg = list(zip(params, greedy))
+        any_k = any(not g and 0 < p.top_k < V for p, g in pg)
+        any_p = any(not g and p.top_p < 1.0 for p, g in pg)
+        if any_k or any_p:
+            ks = [1 if g else (p.top_k if 0 < p.top_k < V else V) for p, g in pg]
             self.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-            self.max_top_k = max(ks)
-        else:
-            k_rows = [i for i, k in enumerate(ks) if k < V]
-            if k_rows:
-                self.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-                self.max_top_k = max(ks[i] for i in k_rows)
-                if len(k_rows) < B:
-                    self.top_k_rows = torch.tensor(k_rows, dtype=torch.int64, device=device)
-        if any(not g and p.top_p < 1.0 for p, g in zip(params, greedy)):
-            self.top_p = torch.tensor([[1.0 if g else p.top_p] for p, g in zip(params, greedy)],
+            self.has_top_k = (self.top_k < V).unsqueeze(1)
+            self.max_top_k = max((k for k in ks if k < V), default=0)
+            self.topk_only = all(k < V for k in ks)
+        if any_p:
+            self.top_p = torch.tensor([[2.0 if g or p.top_p >= 1.0 else p.top_p] for p, g in pg],
                                       dtype=torch.float32, device=device)
         if any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)):
             self.min_p_log = torch.tensor(
@@ -352,7 +343,8 @@ class SamplingMetadata:
     @property
     def needs_logits_processing(self) -> bool:
         return (self.allowed_rows is not None or self.bias_index is not None
-                or self.ban_index is not None or self.penalty_rows is not None)
+                or self.ban_index is not None or self.rep_rows is not None
+                or self.fp_rows is not None)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -369,13 +361,12 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
     return token_ids, tok_lp, ranks
 
 
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
-    """Mask (in place, -inf) all but the top ``k[i]`` tokens of row i (``max_k = max(k)``).
+_TOP_P_CANDIDATES = 256
 
-    Ties at the threshold are all kept. Returns ``logits``."""
-    vals = logits.topk(max_k, dim=-1).values  # sorted descending
-    thresh = vals.gather(1, (k - 1).clamp(0, max_k - 1).unsqueeze(1))
-    return logits.masked_fill_(logits < thresh, _NEG_INF)
+
+def _apply_min_p(logits: torch.Tensor, max_logit: torch.Tensor, min_p_log: torch.Tensor) -> None:
+    """-inf (in place) where prob < min_p * max_prob, i.e. logit < max_logit + log(min_p)."""
+    logits.masked_fill_(logits < max_logit + min_p_log, _NEG_INF)
 
 
 def _top_p_sorted_desc(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -412,7 +403,7 @@ class Sampler:
             lp_src = logits if meta.logprob_rows_t is None else \
                 logits.index_select(0, meta.logprob_rows_t)
             raw_logprobs = lp_src.log_softmax(dim=-1)
-        self._process(logits, meta)
+        process_logits(logits, meta)
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -462,65 +453,83 @@ class Sampler:
 
         The CDF runs over the kept tokens in token-id order (float64), so a row's token depends
         only on its kept probabilities and its uniform, whichever code path the batch takes.
+
+        Top-k/top-p avoid sorting the vocabulary: they work on the top ``max(k, 256)`` candidates
+        of each row. A row without top-k whose candidates hold less than ``top_p`` of the mass
+        (a flat distribution) is redone exactly on the whole vocabulary, with a full sort.
         """
         u = cls._uniforms(meta, logits.device)
+        if meta.top_k is None:  # no top-k / top-p anywhere
+            logits.div_(meta.temperature)
+            if meta.min_p_log is not None:
+                _apply_min_p(logits, logits.amax(dim=-1, keepdim=True), meta.min_p_log)
+            return _inverse_cdf(logits.softmax(dim=-1), u).squeeze(1)
+
+        V = logits.shape[-1]
+        covered = None
         if meta.topk_only:
-            # work on the [B, max_k] candidates only (temperature keeps the order)
+            # temperature keeps the order: select first, then scale the candidates only
             vals, ids = logits.topk(meta.max_top_k, dim=-1)  # descending
             vals.div_(meta.temperature)
-            pos = torch.arange(meta.max_top_k, device=vals.device)
+            pos = torch.arange(vals.shape[1], device=vals.device)
             vals.masked_fill_(pos >= meta.top_k.unsqueeze(1), _NEG_INF)
             if meta.min_p_log is not None:
-                vals.masked_fill_(vals < vals[:, :1] + meta.min_p_log, _NEG_INF)
+                _apply_min_p(vals, vals[:, :1], meta.min_p_log)
             probs = vals.softmax(dim=-1)
-            if meta.top_p is not None:
-                _top_p_sorted_desc(probs, meta.top_p)
-            order = ids.argsort(dim=-1)
-            ids = ids.gather(1, order)
-            probs = probs.gather(1, order)
-            return ids.gather(1, _inverse_cdf(probs, u)).squeeze(1)
-        logits.div_(meta.temperature)
-        if meta.min_p_log is not None:
-            thresh = logits.amax(dim=-1, keepdim=True) + meta.min_p_log
-            logits.masked_fill_(logits < thresh, _NEG_INF)
-        if meta.top_p is not None:
-            V = logits.shape[-1]
-            svals, sids = logits.sort(dim=-1, descending=True)
-            if meta.top_k is not None:
-                pos = torch.arange(V, device=svals.device)
-                svals.masked_fill_(pos >= meta.top_k.unsqueeze(1), _NEG_INF)
-            sprobs = _top_p_sorted_desc(svals.softmax(dim=-1), meta.top_p)
-            probs = torch.zeros_like(sprobs).scatter_(1, sids, sprobs)
         else:
-            if meta.top_k is not None:
-                if meta.top_k_rows is None:
-                    apply_top_k(logits, meta.top_k, meta.max_top_k)
-                else:
-                    sub = logits.index_select(0, meta.top_k_rows)
-                    apply_top_k(sub, meta.top_k.index_select(0, meta.top_k_rows),
-                                meta.max_top_k)
-                    logits.index_copy_(0, meta.top_k_rows, sub)
-            probs = logits.softmax(dim=-1)
-        return _inverse_cdf(probs, u).squeeze(1)
+            logits.div_(meta.temperature)
+            if meta.min_p_log is not None:
+                _apply_min_p(logits, logits.amax(dim=-1, keepdim=True), meta.min_p_log)
+            n_cand = min(V, max(_TOP_P_CANDIDATES, meta.max_top_k))
+            vals, ids = logits.topk(n_cand, dim=-1)  # descending
+            pos = torch.arange(n_cand, device=vals.device)
+            vals.masked_fill_(pos >= meta.top_k.unsqueeze(1), _NEG_INF)
+            # normalize over the row's top-k (all among the candidates), else the whole vocab
+            norm = torch.where(meta.has_top_k, vals.logsumexp(dim=-1, keepdim=True),
+                               logits.logsumexp(dim=-1, keepdim=True))
+            probs = vals.sub_(norm).exp_()
+            covered = meta.has_top_k.squeeze(1)
+            if meta.top_p is not None:
+                covered = covered | (probs.sum(dim=-1) >= meta.top_p.squeeze(1))
+        if meta.top_p is not None:
+            _top_p_sorted_desc(probs, meta.top_p)
+        order = ids.argsort(dim=-1)
+        sampled = ids.gather(1, _inverse_cdf(probs.gather(1, order), u)).squeeze(1)
 
-    @staticmethod
-    def _process(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-        """Masks, bias, bans and penalties, in place."""
-        if meta.allowed_rows is not None:
-            sub = logits.index_select(0, meta.allowed_rows)
-            sub.masked_fill_(meta.disallowed_mask, _NEG_INF)
-            logits.index_copy_(0, meta.allowed_rows, sub)
-        if meta.bias_index is not None:
-            logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
-        if meta.ban_index is not None:
-            logits.index_put_(meta.ban_index, torch.tensor(_NEG_INF, device=logits.device))
-        if meta.penalty_rows is not None:
-            sub = logits.index_select(0, meta.penalty_rows)
-            if meta.repetition_penalty is not None:
-                rep = meta.repetition_penalty
-                penalized = torch.where(sub > 0, sub / rep, sub * rep)
-                sub = torch.where(meta.repetition_mask, penalized, sub)
-            if meta.output_counts is not None:
-                c = meta.output_counts
-                sub = sub - meta.frequency_penalty * c - meta.presence_penalty * (c > 0)
-            logits.index_copy_(0, meta.penalty_rows, sub)
+        if covered is not None and not bool(covered.all()):
+            rows = (~covered).nonzero().squeeze(1)
+            sub = logits.index_select(0, rows)  # tempered, min-p applied; these have no top-k
+            sub_p = meta.top_p.index_select(0, rows) if meta.top_p is not None else None
+            if sub_p is not None and bool((sub_p <= 1.0).any()):
+                svals, sids = sub.sort(dim=-1, descending=True)
+                sprobs = _top_p_sorted_desc(svals.softmax(dim=-1), sub_p)
+                full = torch.zeros_like(sprobs).scatter_(1, sids, sprobs)
+            else:
+                full = sub.softmax(dim=-1)
+            sampled.index_copy_(0, rows, _inverse_cdf(full, u.index_select(0, rows)).squeeze(1))
+        return sampled
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Apply, in place on float32 ``logits`` [B, V], everything that also changes the greedy
+    choice: ``allowed_token_ids``, ``logit_bias``, bad words and ``min_tokens`` bans, then the
+    repetition, presence and frequency penalties. Returns ``logits``."""
+    if meta.allowed_rows is not None:
+        r, ids = meta.allowed_rows.unsqueeze(1), meta.allowed_ids
+        kept = logits[r, ids]
+        logits.index_fill_(0, meta.allowed_rows, _NEG_INF)
+        if meta.allowed_ids.shape[1]:
+            logits[r, ids] = kept
+    if meta.bias_index is not None:
+        logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
+    if meta.ban_index is not None:
+        logits.index_put_(meta.ban_index, torch.tensor(_NEG_INF, device=logits.device))
+    if meta.rep_rows is not None:
+        r, ids, rep = meta.rep_rows, meta.rep_ids, meta.repetition_penalty
+        vals = logits[r, ids]
+        logits[r, ids] = torch.where(vals > 0, vals / rep, vals * rep)
+    if meta.fp_rows is not None:
+        r, ids = meta.fp_rows, meta.fp_ids
+        logits[r, ids] = logits[r, ids] - meta.presence_penalty
+        logits.index_put_((r.expand_as(ids), ids), meta.frequency_src, accumulate=True)
+    return logits

@@ -269,6 +269,11 @@ def _check_tensor_types_and_bounds(reader, path: str) -> None:
 # ------------------------------------------------------------------------------------------- config
 
 
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
 def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> transformers.PretrainedConfig:
     model_type, hf_arch = SUPPORTED_ARCHITECTURES[gguf_arch]
     names = {t.name: t for t in reader.tensors}
@@ -301,10 +306,10 @@ def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> tran
         head_dim = int(q.shape[1]) // n_head if q is not None else hidden // n_head
     head_dim = int(head_dim)
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
     scaling = key("rope.scaling.type", None)
     if scaling not in (None, "none"):
-        factor = float(key("rope.scaling.factor", 1.0))
+        factor = _f32(key("rope.scaling.factor", 1.0))
         original = key("rope.scaling.original_context_length", None)
         if scaling == "linear":
             rope.update(rope_type="linear", factor=factor)
@@ -329,7 +334,7 @@ def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> tran
         num_key_value_heads=n_kv,
         head_dim=head_dim,
         max_position_embeddings=int(key("context_length", 4096)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=rope,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=token_id("bos_token_id"),
@@ -504,15 +509,25 @@ def _llama3_rope_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, orig
         "high_freq_factor": float(low + span),
         "original_max_position_embeddings": int(original_ctx),
     }
-    # Check: recompute the divisors as llama.cpp does.
-    low_wl, high_wl = original_ctx / params["low_freq_factor"], original_ctx / params["high_freq_factor"]
-    smooth = (original_ctx / wavelen - params["low_freq_factor"]) / span
-    recomputed = np.where(
-        wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth))
-    )
-    if not np.allclose(recomputed, freqs, rtol=1e-3, atol=1e-3):
+    # The fit is exact up to float noise: prefer the round numbers configs use (1.0, 4.0) when they fit.
+    rounded = dict(params, low_freq_factor=round(params["low_freq_factor"], 4),
+                   high_freq_factor=round(params["high_freq_factor"], 4))
+    if np.allclose(_llama3_divisors(rounded, wavelen), freqs, rtol=1e-4, atol=1e-4):
+        params = rounded
+    if not np.allclose(_llama3_divisors(params, wavelen), freqs, rtol=1e-3, atol=1e-3):
         return None
     return params
+
+
+def _llama3_divisors(params: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """The per-frequency divisors llama.cpp derives from llama3 rope parameters."""
+    factor, original_ctx = params["factor"], params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    low_wl, high_wl = original_ctx / low, original_ctx / high
+    smooth = (original_ctx / wavelen - low) / (high - low)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        middle = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, middle))
 
 
 def _fix_rope_from_freqs(config, extra: dict[str, torch.Tensor], path: str) -> None:

@@ -1,0 +1,352 @@
+"""AsyncLLMEngine: the engine inside someone else's asyncio app.
+
+Threads: the app's event loop owns admission, scheduling, output routing and detokenization (all
+short Python work); one dedicated executor thread owns the model and runs ``ModelRunner.execute``
+(torch releases the GIL in its kernels), so the loop stays responsive while the model computes.
+
+Overlap: the busy loop keeps up to two steps in flight. While step N executes on the worker,
+step N+1 is already scheduled (each running request's in-flight token counted as a placeholder)
+and queued behind it, so the worker never waits for Python bookkeeping. When N returns, its tokens
+are folded in, step N+2 is scheduled and queued, and only then are N's outputs detokenized and
+routed to the streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.request import Request
+from asyncengine.engine.llm import render_chat
+from asyncengine.engine.output_processor import OutputProcessor
+from asyncengine.engine.processor import InputProcessor
+from asyncengine.engine.request_stream import RequestSlot, RequestStream
+from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import OutputKind, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_LONG_PROMPT_CHARS = 4096  # tokenize longer prompts on a worker thread, not on the loop
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.config = config
+        self.core = core or EngineCore(config)
+        loaded = self.core.loaded
+        self.tokenizer = loaded.tokenizer
+        self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
+                                        loaded.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._slots: dict[str, RequestSlot] = {}
+        self._new: list[Request] = []
+        self._aborts: set[str] = set()
+        self._num_queued_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-model")
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._closed = False
+        # metrics
+        self._started_at = time.monotonic()
+        self._tokens_out = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens) per step
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(config)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown(drain=False)
+
+    async def start(self) -> None:
+        """Bind to the running loop and start the busy loop (also done lazily by generate())."""
+        self._bind_loop()
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop and self._task is not None \
+                and not self._task.done() and not self._loop.is_closed() and self._loop.is_running():
+            raise RuntimeError(
+                "this AsyncLLMEngine is running on another event loop; use it from that loop "
+                "(or from another thread via asyncio.run_coroutine_threadsafe on that loop)")
+        # first use, or the old loop is gone (e.g. a second asyncio.run): rebind
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._busy_loop(), name="asyncengine-busy-loop")
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Stop the engine. drain=True lets running and queued requests finish; drain=False aborts
+        them (their streams end with finish_reason "abort")."""
+        if self._closed:
+            return
+        self._closing = True
+        if not drain:
+            for rid in list(self._slots):
+                self._abort_nowait(rid)
+        if self._task is not None and not self._task.done():
+            self._wake.set()
+            try:
+                await self._task
+            except EngineDeadError:
+                pass
+        self._closed = True
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None) -> RequestStream:
+        """Submit a request now; returns its async iterator of RequestOutputs (deltas in
+        ``out.text_delta`` / ``out.token_ids_delta``; ``out.outputs[0]`` as output_kind says).
+
+        ``prompt``: text, token ids, {"prompt_token_ids": [...]} or chat messages
+        ([{"role": ..., "content": ...}, ...]). Call it from a coroutine on the app's loop.
+        Raises at once: InvalidRequestError for a bad request, EngineOverloaded when the waiting
+        queue is full, EngineDeadError once the engine has died or shut down. (A very long text
+        prompt is tokenized on a worker thread; its errors surface at the first iteration.)
+        """
+        self._bind_loop()
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down")
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if request_id in self._slots:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt \
+                and isinstance(prompt[0], Mapping):
+            if self.tokenizer is None:
+                raise InvalidRequestError("chat messages need a tokenizer")
+            prompt = {"prompt_token_ids": render_chat(self.tokenizer, list(prompt))}
+        kind = (sampling_params or SamplingParams()).output_kind
+        slot = RequestSlot(request_id, kind)
+        self._slots[request_id] = slot
+        if isinstance(prompt, str) and len(prompt) > _LONG_PROMPT_CHARS and self.tokenizer is not None:
+            stream = RequestStream(slot, self._abort_nowait)
+            self._loop.create_task(self._submit_later(slot, prompt, sampling_params, priority, cache_salt))
+            return stream
+        try:
+            self._submit(request_id, prompt, sampling_params, priority, cache_salt)
+        except BaseException:
+            del self._slots[request_id]
+            raise
+        return RequestStream(slot, self._abort_nowait)
+
+    async def _submit_later(self, slot: RequestSlot, text: str, params, priority, cache_salt) -> None:
+        try:
+            _, ids = await asyncio.to_thread(self.processor.tokenize, text)
+            if slot.request_id in self._slots and not slot.finished:
+                self._submit(slot.request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                             priority, cache_salt)
+        except Exception as e:
+            self._slots.pop(slot.request_id, None)
+            slot.put_error(e)
+
+    def _submit(self, request_id: str, prompt, params, priority, cache_salt) -> None:
+        req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
+                                                cache_salt=cache_salt)
+        self._admit_check(req)
+        self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
+                                          req.arrival_time)
+        self._num_queued_tokens += req.num_prompt_tokens
+        self._new.append(req)
+        self._wake.set()
+
+    def _admit_check(self, req: Request) -> None:
+        c = self.config
+        queued = self.core.scheduler.num_waiting + len(self._new)
+        if c.max_queued_requests is not None and queued >= c.max_queued_requests:
+            raise EngineOverloaded(f"{queued} requests are waiting (max_queued_requests={c.max_queued_requests}); "
+                                   f"retry later")
+        if c.max_queued_tokens is not None and \
+                self._num_queued_tokens + req.num_prompt_tokens > c.max_queued_tokens:
+            raise EngineOverloaded(f"{self._num_queued_tokens} prompt tokens are waiting "
+                                   f"(max_queued_tokens={c.max_queued_tokens}); retry later")
+
+    async def complete(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, **kw) -> RequestOutput:
+        """Run one request to the end and return its final output."""
+        params = sampling_params or SamplingParams()
+        params = msgspec.structs.replace(params, output_kind=OutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.generate(prompt, params, request_id, **kw):
+            final = out
+        return final
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        """Safe from any thread and from __del__: the busy loop applies it at its next turn."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._mark_abort(request_id)
+        else:
+            loop.call_soon_threadsafe(self._mark_abort, request_id)
+
+    def _mark_abort(self, request_id: str) -> None:
+        if request_id in self._slots:
+            self._aborts.add(request_id)
+            if self._wake is not None:
+                self._wake.set()
+
+    # ------------------------------------------------------------------ the busy loop
+
+    def _drain_inputs(self) -> None:
+        core = self.core
+        if self._new:
+            new, self._new = self._new, []
+            for req in new:
+                self._num_queued_tokens -= req.num_prompt_tokens
+                if req.request_id in self._aborts:
+                    continue  # abandoned before it reached the core
+                core.add_request(req)
+        if self._aborts:
+            ids, self._aborts = list(self._aborts), set()
+            core.abort_requests(ids)
+            for rid in ids:
+                self.output_processor.abort(rid)
+                slot = self._slots.pop(rid, None)
+                if slot is not None and not slot.finished:
+                    slot.put(self._aborted_output(rid))
+
+    def _aborted_output(self, rid: str) -> RequestOutput:
+        from asyncengine.outputs import CompletionOutput
+        return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[],
+                             outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                             finished=True)
+
+    async def _busy_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        depth = 2 if self.config.async_scheduling else 1
+        inflight: deque = deque()
+        try:
+            while True:
+                self._drain_inputs()
+                if not inflight and not core.has_unfinished():
+                    if self._closing:
+                        return
+                    self._wake.clear()
+                    if self._new or self._aborts:
+                        continue
+                    await self._wake.wait()
+                    continue
+                while len(inflight) < depth and core.has_unfinished():
+                    so = core.schedule()
+                    if so.is_empty and not so.finished_req_ids:
+                        break
+                    inflight.append((so, loop.run_in_executor(self._executor, core.execute, so)))
+                    if so.is_empty:
+                        break
+                if not inflight:
+                    # work exists but none is schedulable now (cannot happen with a sane config):
+                    # wait for an input instead of spinning
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                so, fut = inflight.popleft()
+                out = await fut
+                core_outputs = core.update(so, out)
+                # queue the next step before the Python work on this one's outputs
+                if len(inflight) < depth and core.has_unfinished():
+                    self._drain_inputs()
+                    nxt = core.schedule()
+                    if not nxt.is_empty or nxt.finished_req_ids:
+                        inflight.append((nxt, loop.run_in_executor(self._executor, core.execute, nxt)))
+                await self._route(core_outputs)
+        except asyncio.CancelledError:
+            self._fail_all(EngineDeadError("the engine's busy loop was cancelled"))
+            raise
+        except BaseException as e:  # a model fault: every waiter learns why, nobody hangs
+            dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+            dead.__cause__ = e
+            log.exception("asyncengine busy loop died")
+            self._fail_all(dead)
+            raise dead from e
+        finally:
+            for _, fut in inflight:
+                fut.cancel()
+
+    def _fail_all(self, dead: EngineDeadError) -> None:
+        self._dead = dead
+        for slot in self._slots.values():
+            slot.put_error(dead)
+        self._slots.clear()
+        self._new.clear()
+
+    async def _route(self, core_outputs) -> None:
+        if not core_outputs:
+            return
+        self._tokens_out += sum(len(c.new_token_ids) for c in core_outputs)
+        self._recent.append((time.monotonic(), self._tokens_out))
+        processed = self.output_processor.process(core_outputs)
+        if processed.to_abort:
+            self.core.abort_requests(processed.to_abort)
+        for i, out in enumerate(processed.outputs):
+            slot = self._slots.get(out.request_id)
+            if slot is not None:
+                slot.put(out)
+                if out.finished:
+                    del self._slots[out.request_id]
+            if i % 256 == 255:
+                await asyncio.sleep(0)  # let the app breathe between chunks of a big batch
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict:
+        s = self.core.stats()
+        now = time.monotonic()
+        tps = 0.0
+        if len(self._recent) >= 2:
+            (t0, n0), (t1, n1) = self._recent[0], self._recent[-1]
+            if now - t1 < 5.0 and t1 > t0:
+                tps = (n1 - n0) / (t1 - t0)
+        s.update({
+            "num_streams": len(self._slots),
+            "tokens_per_s": tps,
+            "total_output_tokens": self._tokens_out,
+            "executor_busy_s": self.core.runner.execute_time_s,
+            "uptime_s": now - self._started_at,
+            "errored": self.errored,
+        })
+        return s
