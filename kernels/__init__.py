@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from typing import Any, Callable
 
@@ -19,17 +18,6 @@ __all__ = [
 ]
 
 _TRUE = {"1", "true", "yes", "on"}
-
-# Public names -> submodule that defines them, imported on first access so that
-# ``import asyncengine.kernels`` never needs triton (or even imports torch eagerly).
-_LAZY = {
-    "reshape_and_cache": "reshape_and_cache",
-    "reshape_and_cache_ref": "reshape_and_cache",
-    "paged_attention": "paged_attention",
-    "paged_attention_ref": "paged_attention",
-    "rms_norm": "rms_norm",
-    "rms_norm_ref": "rms_norm",
-}
 
 
 def triton_interpret() -> bool:
@@ -61,10 +49,15 @@ def triton_available() -> bool:
         return False
 
 
-# Kernels are kept as plain functions and handed to ``triton.jit`` on first launch, once per
-# interpreter mode: triton decides "interpreted or compiled" when ``triton.jit`` runs, so
-# decorating at import time would freeze whatever TRITON_INTERPRET was when the module was
-# first imported (e.g. by a model module) and break a later interpreted test run on CPU.
+# Kernels are written as plain module-level functions and handed to ``triton.jit`` on first launch,
+# once per interpreter mode:
+# * triton decides "interpreted or compiled" when ``triton.jit`` runs, so decorating at import time
+#   would freeze whatever TRITON_INTERPRET was when the module was first imported (e.g. by a model
+#   module) and break a later interpreted test run on CPU;
+# * importing this package never imports triton (~0.5 s, and optional): the kernel modules start with
+#   ``tl = None`` and string annotations (``from __future__ import annotations``; triton reads
+#   "tl.constexpr" fine), and ``_jit`` binds the module's ``tl`` to ``triton.language`` just before the
+#   first decoration.
 _JIT_CACHE: dict[tuple[Callable[..., Any], bool], Any] = {}
 
 
@@ -72,10 +65,17 @@ def _jit(fn: Callable[..., Any]) -> Any:
     key = (fn, triton_interpret())
     kernel = _JIT_CACHE.get(key)
     if kernel is None:
+        _require_triton(fn.__name__.strip("_"))
         import triton
+        import triton.language
 
+        fn.__globals__["tl"] = triton.language
         kernel = _JIT_CACHE[key] = triton.jit(fn)
     return kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _require_triton(what: str) -> None:
@@ -86,14 +86,8 @@ def _require_triton(what: str) -> None:
         )
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# Eager, cheap (torch only): binding the functions here also keeps ``asyncengine.kernels.paged_attention``
+# etc. the *functions* whatever the import order (use importlib / sys.modules for the modules).
+from .paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from .rms_norm import rms_norm, rms_norm_ref  # noqa: E402

@@ -18,20 +18,23 @@ get no defined output.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import _jit, _require_triton, triton_interpret
+from . import _jit, _next_pow2, _require_triton, triton_interpret
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # triton absent: only the torch reference is usable
-    triton = None
-    tl = None
+tl = None  # triton.language, bound by kernels._jit at first launch (importing this module never needs triton)
 
 _LOG2E = 1.4426950408889634
+
+# Kernel-writing notes (all kernels of this package):
+# * Row max / sum are written `tl.reduce(x, axis, tl.standard._elementwise_max / _sum_combine)`, not
+#   `tl.max` / `tl.sum` (same code on the GPU). triton's standard-library helpers (tl.max, tl.sum,
+#   tl.cdiv, tl.zeros, ...) are themselves @jit functions, decorated when triton is first imported; if
+#   that happened without TRITON_INTERPRET=1 (e.g. `import transformers` pulls in torch._dynamo, which
+#   imports triton), the CPU interpreter cannot call them later. tl.reduce is a builtin, and the
+#   interpreter recognises these two combine functions by identity and reduces with numpy.
+# * For the same reason: tl.full instead of tl.zeros, integer ceil-division instead of tl.cdiv, and no
+#   helper @jit functions of our own.
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -53,6 +56,13 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     if seq_lens.shape != (b,) or query_start_loc.shape != (b + 1,):
         raise ValueError(f"expected seq_lens [{b}] and query_start_loc [{b + 1}], "
                          f"got {tuple(seq_lens.shape)} and {tuple(query_start_loc.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 (or int64), got {t.dtype}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,16 +173,16 @@ def _paged_attention_kernel(
 
     # Keys this block needs: up to the last query token's position (causal), inclusive.
     kv_end = ctx_start + tl.minimum((q_blk + 1) * BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    num_tiles = (kv_end + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     # Finite "minus infinity" for the running max: fully masked rows/tiles then give
     # exp2(-inf - m) = 0 and alpha = exp2(0) = 1, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
 
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh * stride_kch
@@ -188,21 +198,28 @@ def _paged_attention_kernel(
             phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             k_off = phys * stride_kcb + (offs_n % BLOCK_SIZE) * stride_kco
             v_off = phys * stride_vcb + (offs_n % BLOCK_SIZE) * stride_vco
-        kv_mask_t = d_ok[:, None] & n_ok[None, :]
-        k = tl.load(k_head + k_off[None, :] + offs_d[:, None] * stride_kcd, mask=kv_mask_t, other=0.0)  # [D, N]
+        # K^T tile [D, N] and V tile [N, D], in q's dtype (the cache may be stored in another one).
+        k = tl.load(k_head + k_off[None, :] + offs_d[:, None] * stride_kcd,
+                    mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :] * stride_vcd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
-        s = tl.dot(q, k.to(q_ptr.dtype.element_ty).to(q.dtype), input_precision=DOT_PRECISION) * scale_log2  # [M, N] fp32, log2 domain
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] fp32, log2 domain
         allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Online softmax (row max / sum through tl.reduce: see the notes at the top of the module).
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :] * stride_vcd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        acc = tl.dot(p.to(q_ptr.dtype.element_ty).to(q.dtype), v.to(q_ptr.dtype.element_ty).to(q.dtype), acc, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        p = p.to(q_ptr.dtype.element_ty)  # P @ V on the tensor cores in the input dtype, fp32 accumulate
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -219,8 +236,8 @@ def _paged_attention_kernel(
 
 
 def _split_reduce_kernel(
-    out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
-    num_q_heads, head_dim,
+    out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr,
+    num_seqs, num_q_heads, head_dim,
     stride_ot, stride_oh, stride_od,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -228,17 +245,19 @@ def _split_reduce_kernel(
     # One program per (token, query head): merge the splits' partial softmax states.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if t >= tl.load(qsl_ptr + num_seqs):  # padding rows past the last request: leave `out` untouched
+        return
     row = t * num_q_heads + h
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m = tl.load(ws_m_ptr + row * NUM_SPLITS + offs_s)
     l = tl.load(ws_l_ptr + row * NUM_SPLITS + offs_s)
     acc = tl.load(ws_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    m_max = tl.max(m, 0)
+    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
     w = tl.math.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
+    denom = tl.reduce(w * l, 0, tl.standard._sum_combine)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    o = tl.sum(acc * w[:, None], 0) / denom
+    o = tl.reduce(acc * w[:, None], 0, tl.standard._sum_combine) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
@@ -263,18 +282,25 @@ def _pow2_divisor(n: int) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                    max_query_len: int | None = None) -> torch.Tensor:
     """Triton varlen paged attention (mixed prefill chunks + decodes in one launch); returns ``[T, Hq, D]``.
 
-    No host sync: launch sizes come from tensor shapes only (CUDA-graph friendly for fixed shapes).
-    ``num_splits`` (keyword, optional): split each request's keys over this many programs and merge
-    (flash-decoding). ``None`` picks it: split only pure-decode batches (``T == B``) on CUDA when
-    ``B * Hkv`` programs would leave SMs idle. Must be a power of two.
+    No host sync: launch sizes come from tensor shapes (and the optional host ints below) only, so it is
+    CUDA-graph friendly for fixed shapes. Only rows ``< query_start_loc[B]`` of ``out`` are written.
+
+    Keyword-only tuning knobs (never needed for correctness):
+
+    * ``max_query_len``: the scheduler's host-side max q_len of the batch. ``1`` selects the decode
+      configuration (small q tiles, split-K). Default: guessed from shapes (decode iff ``T == B``).
+    * ``num_splits``: split each request's keys over this many programs and merge the partial softmax
+      states (flash-decoding); a power of two. Default: 1, except decode batches on CUDA whose
+      ``B * Hkv`` programs would leave SMs idle.
     """
     _require_triton("paged_attention")
     _check(q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
     t, hq, d = q.shape
-    num_blocks, block_size, hkv, _ = k_cache.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     num_seqs = block_table.shape[0]
     group = hq // hkv
     if out is None:
@@ -284,9 +310,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == 0 or num_seqs == 0:
         return out
 
-    head_dim_pad = max(16, triton.next_power_of_2(d))
-    group_pad = triton.next_power_of_2(group)
-    decode_only = t == num_seqs  # every request has q_len == 1 (shape-level guess; correctness never depends on it)
+    head_dim_pad = max(16, _next_pow2(d))
+    group_pad = _next_pow2(group)
+    # Decode batch (every q_len == 1)? Only picks tile sizes; correctness never depends on it.
+    decode_only = max_query_len == 1 if max_query_len is not None else t == num_seqs
     if decode_only:
         block_m = max(16, group_pad)
     else:
@@ -334,16 +361,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, TILE_IN_ONE_BLOCK=tile_in_one_block,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and triton_interpret(),
-        num_warps=num_warps,
+        num_warps=num_warps, enable_fp_fusion=True,
     )
     if num_splits > 1:
         _jit(_split_reduce_kernel)[(t, hq)](
-            out, ws_acc, ws_m, ws_l, hq, d, *out.stride(),
-            NUM_SPLITS=num_splits, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+            out, ws_acc, ws_m, ws_l, query_start_loc, num_seqs, hq, d, *out.stride(),
+            NUM_SPLITS=num_splits, HEAD_DIM_PAD=head_dim_pad, num_warps=4, enable_fp_fusion=True,
         )
     return out
 
-
-def default_scale(head_dim: int) -> float:
-    """The usual softmax scale, ``1 / sqrt(head_dim)``."""
-    return 1.0 / math.sqrt(head_dim)

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _jit, _require_triton
+from . import _jit, _next_pow2, _require_triton
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # triton absent: only the torch reference is usable
-    triton = None
-    tl = None
+tl = None  # triton.language, bound by kernels._jit at first launch (importing this module never needs triton)
 
 
 def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -90,13 +85,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
-    block_d = triton.next_power_of_2(d)
+    block_d = _next_pow2(d)
     # ~2K elements per program: whole token for small models, a few heads per program for big ones.
-    block_h = max(1, min(triton.next_power_of_2(hkv), 2048 // block_d))
-    grid = (num_tokens, triton.cdiv(hkv, block_h))
+    block_h = max(1, min(_next_pow2(hkv), 2048 // block_d))
+    grid = (num_tokens, -(-hkv // block_h))
     _jit(_reshape_and_cache_kernel)[grid](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         hkv, d,
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        enable_fp_fusion=True,  # explicit: silences triton 3.9's default-change warning
     )

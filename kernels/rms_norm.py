@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _jit, _require_triton
+from . import _jit, _next_pow2, _require_triton
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # triton absent: only the torch reference is usable
-    triton = None
-    tl = None
+tl = None  # triton.language, bound by kernels._jit at first launch (importing this module never needs triton)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -49,7 +44,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / n_cols
+    var = tl.reduce(xf * xf, 0, tl.standard._sum_combine) / n_cols
     normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
@@ -82,13 +77,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(rows, h, dtype=x.dtype, device=x.device)
     res_out = torch.empty(rows, h, dtype=x.dtype, device=x.device) if r2 is not None else out
     if rows:
-        block = triton.next_power_of_2(h)
+        block = _next_pow2(h)
         num_warps = min(16, max(1, block // 256))
         _jit(_rms_norm_kernel)[(rows,)](
             x2, r2 if r2 is not None else x2, weight, out, res_out,
             h, float(eps),
             x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=num_warps, enable_fp_fusion=True,
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

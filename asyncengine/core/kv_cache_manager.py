@@ -60,9 +60,13 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        self.prefix_queries += n
-        self.prefix_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once its request is admitted (a request may be looked up many times
+        while it waits for room)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def can_fit(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free_blocks

@@ -103,6 +103,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
+    def _unschedule(self, victim: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> int:
+        """Take a request out of the step being built; returns the budget it gave back."""
+        new_blocks.pop(victim.request_id, None)
+        if victim in new_reqs:
+            new_reqs.remove(victim)
+        return num_scheduled.pop(victim.request_id, 0)
+
+    def _preempt_lower(self, req: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> bool:
+        """Priority policy: preempt the worst running request if it ranks below waiting ``req``
+        (whose rank includes its aging). Returns whether anything was preempted."""
+        if not self.running:
+            return False
+        victim = self.waiting.pick_victim(self.running)
+        req_rank = self.waiting.key(req, time.monotonic())
+        if (victim.priority, victim.arrival_time) <= req_rank:
+            return False
+        self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
+        self._preempt(victim)
+        return True
+
     def _tokens_to_schedule(self, req: Request) -> int:
         """Tokens the request could compute now: the rest of its prompt/recompute, or one decode."""
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
@@ -133,11 +153,7 @@ class Scheduler:
                     break
                 victim = self.waiting.pick_victim(self.running)
                 vi = self.running.index(victim)
-                if victim.request_id in num_scheduled:  # priority victims may already be scheduled
-                    budget += num_scheduled.pop(victim.request_id)
-                    new_blocks.pop(victim.request_id, None)
-                    if victim in new_reqs:
-                        new_reqs.remove(victim)
+                budget += self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
                 self._preempt(victim)
                 preempted += 1
                 if vi < i:
@@ -151,12 +167,18 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. waiting requests, unless this step had to preempt
+        # 2. waiting requests, unless this step had to preempt for running ones
+        priority = self.policy == "priority"
         if not preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
                 if req.num_output_placeholders:
                     break  # a token of it is still in flight from before its preemption
+                if len(self.running) >= self.max_num_seqs:
+                    if not (priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs)):
+                        break
+                    budget = self.max_num_batched_tokens - sum(num_scheduled.values())
+                    continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - num_hit
                 if n > budget:
@@ -165,8 +187,14 @@ class Scheduler:
                     n = budget
                 blocks = self.kv.allocate_slots(req, n, hit_blocks)
                 if blocks is None:
+                    # priority policy: a better waiting request may take a worse one's blocks
+                    if priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs):
+                        budget = self.max_num_batched_tokens - sum(num_scheduled.values())
+                        continue
                     break
                 self.waiting.pop()
+                if self.kv.enable_caching:
+                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:

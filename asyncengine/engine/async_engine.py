@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts on a worker thread, not on the loop
 
 
+def _check_params(params) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+    return params
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
@@ -51,6 +59,9 @@ class AsyncLLMEngine:
         self._slots: dict[str, RequestSlot] = {}
         self._new: list[Request] = []
         self._aborts: set[str] = set()
+        # prompt tokens of accepted requests that were never scheduled yet (in _new or waiting in
+        # the scheduler), for max_queued_tokens
+        self._queued_tokens: dict[str, int] = {}
         self._num_queued_tokens = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -96,6 +107,8 @@ class AsyncLLMEngine:
                 "this AsyncLLMEngine is running on another event loop; use it from that loop "
                 "(or from another thread via asyncio.run_coroutine_threadsafe on that loop)")
         # first use, or the old loop is gone (e.g. a second asyncio.run): rebind
+        if self._task is not None and not self._task.done():
+            self._abandon_all()  # its loop was closed (or stopped) without cancelling the busy loop
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
@@ -152,7 +165,7 @@ class AsyncLLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("chat messages need a tokenizer")
             prompt = {"prompt_token_ids": render_chat(self.tokenizer, list(prompt))}
-        kind = (sampling_params or SamplingParams()).output_kind
+        kind = _check_params(sampling_params).output_kind
         slot = RequestSlot(request_id, kind)
         self._slots[request_id] = slot
         if isinstance(prompt, str) and len(prompt) > _LONG_PROMPT_CHARS and self.tokenizer is not None:
@@ -182,6 +195,7 @@ class AsyncLLMEngine:
         self._admit_check(req)
         self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
                                           req.arrival_time)
+        self._queued_tokens[request_id] = req.num_prompt_tokens
         self._num_queued_tokens += req.num_prompt_tokens
         self._new.append(req)
         self._wake.set()
@@ -200,8 +214,7 @@ class AsyncLLMEngine:
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
         """Run one request to the end and return its final output."""
-        params = sampling_params or SamplingParams()
-        params = msgspec.structs.replace(params, output_kind=OutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(_check_params(sampling_params), output_kind=OutputKind.FINAL_ONLY)
         final = None
         async for out in self.generate(prompt, params, request_id, **kw):
             final = out
@@ -233,7 +246,6 @@ class AsyncLLMEngine:
         if self._new:
             new, self._new = self._new, []
             for req in new:
-                self._num_queued_tokens -= req.num_prompt_tokens
                 if req.request_id in self._aborts:
                     continue  # abandoned before it reached the core
                 core.add_request(req)
@@ -241,10 +253,21 @@ class AsyncLLMEngine:
             ids, self._aborts = list(self._aborts), set()
             core.abort_requests(ids)
             for rid in ids:
+                self._unqueue(rid)
                 self.output_processor.abort(rid)
                 slot = self._slots.pop(rid, None)
                 if slot is not None and not slot.finished:
                     slot.put(self._aborted_output(rid))
+
+    def _unqueue(self, rid: str) -> None:
+        self._num_queued_tokens -= self._queued_tokens.pop(rid, 0)
+
+    def _schedule(self):
+        so = self.core.schedule()
+        for nr in so.new_requests:  # scheduled for the first time: no longer queued
+            if nr.req_id in self._queued_tokens:
+                self._unqueue(nr.req_id)
+        return so
 
     def _aborted_output(self, rid: str) -> RequestOutput:
         from asyncengine.outputs import CompletionOutput
@@ -269,7 +292,7 @@ class AsyncLLMEngine:
                     await self._wake.wait()
                     continue
                 while len(inflight) < depth and core.has_unfinished():
-                    so = core.schedule()
+                    so = self._schedule()
                     if so.is_empty and not so.finished_req_ids:
                         break
                     inflight.append((so, loop.run_in_executor(self._executor, core.execute, so)))
@@ -290,12 +313,22 @@ class AsyncLLMEngine:
                 # queue the next step before the Python work on this one's outputs
                 if len(inflight) < depth and core.has_unfinished():
                     self._drain_inputs()
-                    nxt = core.schedule()
+                    nxt = self._schedule()
                     if not nxt.is_empty or nxt.finished_req_ids:
                         inflight.append((nxt, loop.run_in_executor(self._executor, core.execute, nxt)))
                 await self._route(core_outputs)
         except asyncio.CancelledError:
-            self._fail_all(EngineDeadError("the engine's busy loop was cancelled"))
+            # the loop is going away (asyncio.run cancels every task it leaves behind): end this
+            # loop's requests but keep the engine usable from the next loop. Steps already handed to
+            # the model thread still run there: their blocks are already in the prefix cache.
+            inflight.clear()
+            if self._task is asyncio.current_task():
+                self._abandon_all()
+            raise
+        except GeneratorExit:
+            # the coroutine is being destroyed with its closed loop (the engine has moved on to
+            # another loop, or is garbage): not a fault, and that loop can no longer be touched
+            inflight.clear()
             raise
         except BaseException as e:  # a model fault: every waiter learns why, nobody hangs
             dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
@@ -307,12 +340,37 @@ class AsyncLLMEngine:
             for _, fut in inflight:
                 fut.cancel()
 
+    def _abandon_all(self) -> None:
+        """End every request of the loop the engine leaves (its streams get an "abort" output) and
+        empty the core, so that the next loop starts clean."""
+        for slot in self._slots.values():
+            if not slot.finished:
+                try:
+                    slot.put(self._aborted_output(slot.request_id))
+                except RuntimeError:  # its loop is closed: nobody can read it anyway
+                    pass
+        self.core.abort_requests(list(self.core.scheduler.requests))
+        for rid in list(self.output_processor.states):
+            self.output_processor.abort(rid)
+        self._slots.clear()
+        self._new.clear()
+        self._aborts.clear()
+        self._queued_tokens.clear()
+        self._num_queued_tokens = 0
+        # the runner forgets them once the steps already queued on its thread are done
+        try:
+            self._executor.submit(self.core.runner.requests.clear)
+        except RuntimeError:  # the executor is shut down: nothing can run there any more
+            self.core.runner.requests.clear()
+
     def _fail_all(self, dead: EngineDeadError) -> None:
         self._dead = dead
         for slot in self._slots.values():
             slot.put_error(dead)
         self._slots.clear()
         self._new.clear()
+        self._queued_tokens.clear()
+        self._num_queued_tokens = 0
 
     async def _route(self, core_outputs) -> None:
         if not core_outputs:

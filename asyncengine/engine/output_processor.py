@@ -10,11 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 from asyncengine.core.sched_output import EngineCoreOutput
-try:
-    from asyncengine.engine.detokenizer import IncrementalDetokenizer
-    from asyncengine.engine.stop_strings import StopStringMatcher
-except ImportError:  # TEMP while being written
-    IncrementalDetokenizer = StopStringMatcher = None
+from asyncengine.engine.detokenizer import IncrementalDetokenizer
+from asyncengine.engine.stop_strings import StopStringMatcher
 from asyncengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -59,7 +56,7 @@ class OutputProcessor:
                     params: SamplingParams, arrival_time: float | None = None) -> RequestState:
         detok = None
         stops = None
-        if self.tokenizer is not None and params.detokenize and IncrementalDetokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens)
             if params.stop:
@@ -114,6 +111,8 @@ class OutputProcessor:
             finish, stop_reason = co.finish_reason, co.stop_reason
             if st.detokenizer is not None:
                 delta = st.detokenizer.push(new_ids)
+                if finish is not None:
+                    delta += st.detokenizer.finish()  # an unfinished character at the very end
                 if st.stops is not None:
                     delta, matched = st.stops.feed(delta)
                     if matched is not None:

@@ -16,7 +16,8 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.sampler import Sampler, SamplingMetadata
-from asyncengine.layers.attention import AttentionMetadata, PrefillChunk
+from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
+                                          build_decode_groups)
 from asyncengine.models.loader import LoadedModel
 from asyncengine.sampling_params import SamplingParams
 
@@ -26,6 +27,8 @@ class RunnerRequestState:
     req_id: str
     token_ids: list[int]  # prompt + outputs, including the runner's own latest samples
     num_prompt_tokens: int
+    prompt_ids: list[int]  # the two parts again, shared (not copied) with the sampler each step
+    output_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
@@ -47,11 +50,13 @@ class ModelRunner:
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = list(loaded.eos_token_ids)
         a = self.model.args
-        shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(a.num_layers)]
+        # scratch for the decode attention's gathered keys/values, reused by every layer and step
+        self.attn_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -65,7 +70,8 @@ class ModelRunner:
         for nr in so.new_requests:
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, token_ids=list(nr.prompt_token_ids) + list(nr.output_token_ids),
-                num_prompt_tokens=len(nr.prompt_token_ids), block_ids=list(nr.block_ids),
+                num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
+                output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids)
         for cr in so.cached_requests:
@@ -73,6 +79,15 @@ class ModelRunner:
             st.block_ids.extend(cr.new_block_ids)
             assert st.num_computed_tokens == cr.num_computed_tokens, \
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
+
+    def _workspace(self, groups) -> torch.Tensor:
+        """The decode scratch, grown (never shrunk) to hold the largest group's keys and values."""
+        a = self.model.args
+        need = max(2 * a.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
+                   for g in groups)
+        if self.attn_workspace.numel() < need:
+            self.attn_workspace = torch.empty(need, dtype=self.dtype, device=self.device)
+        return self.attn_workspace
 
     # ------------------------------------------------------------------ one step
 
@@ -98,23 +113,19 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat row of the last token of each request that samples
         sample_states: list[RunnerRequestState] = []
 
-        # decodes: one token each, batched attention over padded block tables
+        # decodes: one token each, longest context first, attended in groups of similar length
+        decodes.sort(key=lambda st: st.num_computed_tokens, reverse=True)
         nd = len(decodes)
-        max_blocks = 0
         for st in decodes:
             pos = st.num_computed_tokens
             input_ids.append(st.token_ids[pos])
             positions.append(pos)
             slots.append(st.block_ids[pos // bs] * bs + pos % bs)
-            max_blocks = max(max_blocks, pos // bs + 1)
         meta = AttentionMetadata(slot_mapping=None, num_decodes=nd)
         if nd:
-            table = torch.tensor([st.block_ids[:max_blocks] + [0] * (max_blocks - len(st.block_ids[:max_blocks]))
-                                  for st in decodes], dtype=torch.long, device=self.device)
-            seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.long, device=self.device)
-            key_pos = torch.arange(max_blocks * bs, device=self.device)
-            meta.decode_block_table = table
-            meta.decode_key_mask = (key_pos[None, :] < seq_lens[:, None]).view(nd, 1, 1, -1)
+            meta.decode_groups = build_decode_groups([st.block_ids for st in decodes],
+                                                     [p + 1 for p in positions], bs, self.device)
+            meta.workspace = self._workspace(meta.decode_groups)
             for i, st in enumerate(decodes):
                 if st.num_computed_tokens + 1 == len(st.token_ids):
                     sample_rows.append(i)
@@ -157,8 +168,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[idx]).float()
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
-                prompt_token_ids=[st.token_ids[:st.num_prompt_tokens] for st in sample_states],
-                output_token_ids=[st.token_ids[st.num_prompt_tokens:] for st in sample_states],
+                prompt_token_ids=[st.prompt_ids for st in sample_states],
+                output_token_ids=[st.output_ids for st in sample_states],
                 eos_token_ids=self.eos_token_ids,
                 bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
                 vocab_size=self.vocab_size, device=dev, generator=self.generator)
@@ -166,6 +177,7 @@ class ModelRunner:
             sampled = out.sampled_token_ids
             for st, tok in zip(sample_states, sampled):
                 st.token_ids.append(tok)
+                st.output_ids.append(tok)
                 req_ids.append(st.req_id)
             if out.logprobs is not None:
                 lp = out.logprobs

@@ -143,7 +143,6 @@ class SamplingMetadata:
     device: torch.device
     fast_greedy: bool = False  # every row: plain argmax, no logprobs
     all_greedy: bool = False
-    # [B] float32 (1.0 on greedy rows); None when all rows are greedy
     # [B, 1] float32 (1.0 on greedy rows); None when all rows are greedy
     temperature: torch.Tensor | None = None
     # [B] bool; None when there are no greedy rows, or all rows are greedy
@@ -493,8 +492,9 @@ class Sampler:
                 covered = covered | (probs.sum(dim=-1) >= meta.top_p.squeeze(1))
         if meta.top_p is not None:
             _top_p_sorted_desc(probs, meta.top_p)
-        order = ids.argsort(dim=-1)
-        sampled = ids.gather(1, _inverse_cdf(probs.gather(1, order), u)).squeeze(1)
+        order = ids.argsort(dim=-1)  # draw in token-id order
+        pick = order.gather(1, _inverse_cdf(probs.gather(1, order), u))
+        sampled = ids.gather(1, pick).squeeze(1)
 
         if covered is not None and not bool(covered.all()):
             rows = (~covered).nonzero().squeeze(1)

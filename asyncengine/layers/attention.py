@@ -2,13 +2,19 @@
 
 The runner builds one :class:`AttentionMetadata` per step; each layer then calls
 ``backend.forward(q, k, v, kv_cache, meta)``. The batch is flat and unpadded: the runner puts the
-decode rows (one query token each) first, then the prefill chunks.
+decode rows (one query token each) first, longest context first, then the prefill chunks.
 
-CPU backend (torch): new K/V go into their cache slots with one ``index_copy_``; decodes are
-attended together in one batched matmul over their gathered block tables (keys past a request's
-length masked); each prefill chunk attends with SDPA, causally over its own tokens and over its
-cached context. No dense mask over all requests' keys is ever built: attention cost is the sum over
-requests, not the product of the batch's totals.
+CPU backend (torch). The cache of a layer is ``(k_cache, v_cache)``, each laid out head-major,
+``[num_kv_heads, num_blocks, block_size, head_dim]`` (:meth:`TorchPagedAttention.kv_cache_shape`):
+gathering a set of blocks then yields ``[heads, tokens, head_dim]`` slabs that matmul reads as is,
+with no transposing copy. New K/V go into their slots with one ``index_copy_``.
+
+Decodes are attended in groups of rows with similar context lengths (:func:`plan_decode_groups`):
+per group, one ``index_select`` gathers the group's blocks into a reused workspace, then two
+batched matmuls and a softmax; keys past a row's length are masked. Grouping bounds the padding,
+and a group's gathered K/V (a few MiB at most) is still in cache when the matmuls read it. Each
+prefill chunk attends with SDPA, causally over its own tokens and over its cached context. No
+dense mask over all requests' keys is ever built: attention cost is the sum over requests.
 """
 from __future__ import annotations
 
@@ -16,6 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# A decode group's gathered keys span at most this many token slots (rows x padded length), so the
+# workspace (keys and values) stays cache-sized; see docs/benchmarks.md for the measurements.
+DECODE_GROUP_TOKENS = 8192
+# A row joins a group only if its context needs at least this fraction of the group's longest
+# row's blocks: padding stays below 1 / DECODE_GROUP_FILL - 1 (33%) of a group's gathered keys.
+DECODE_GROUP_FILL = 0.75
 
 
 @dataclass
@@ -27,16 +40,68 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # row range [start, end) in the flat batch (and among the decodes)
+    end: int
+    num_blocks: int  # blocks gathered per row (the group's longest row's)
+    block_ids: torch.Tensor  # [(end - start) * num_blocks] int64, row-major, padded with block 0
+    key_bias: torch.Tensor | None  # [rows, 1, num_blocks * block_size] float32, 0 / -inf; None: no padding
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
     num_decodes: int  # the first num_decodes rows are single-token decodes
-    decode_block_table: torch.Tensor | None = None  # [D, max_blocks] int64
-    decode_key_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool (True = attend)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    workspace: torch.Tensor | None = None  # flat scratch (cache dtype) for gathered decode keys/values
+
+
+def plan_decode_groups(num_blocks: list[int], block_size: int, max_tokens: int = DECODE_GROUP_TOKENS,
+                       fill: float = DECODE_GROUP_FILL) -> list[tuple[int, int, int]]:
+    """Split decode rows, sorted by block count descending, into ``(start, end, group_blocks)``.
+
+    A group takes rows while they need at least ``fill`` x the first row's blocks and while
+    rows x first row's tokens fit in ``max_tokens`` (every group takes at least one row)."""
+    groups = []
+    n = len(num_blocks)
+    i = 0
+    while i < n:
+        mb = num_blocks[i]
+        cap = max(1, max_tokens // (mb * block_size))
+        j = i + 1
+        while j < n and j - i < cap and num_blocks[j] >= fill * mb:
+            j += 1
+        groups.append((i, j, mb))
+        i = j
+    return groups
+
+
+def build_decode_groups(block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                        device: torch.device) -> list[DecodeGroup]:
+    """Groups for decode rows given longest first: each row's block ids and context length
+    (including the token being decoded)."""
+    nblocks = [-(-s // block_size) for s in seq_lens]
+    groups = []
+    for start, end, mb in plan_decode_groups(nblocks, block_size):
+        flat: list[int] = []
+        for r in range(start, end):
+            ids = block_tables[r]
+            flat.extend(ids[:mb])
+            flat.extend([0] * (mb - min(len(ids), mb)))
+        key_bias = None
+        length = mb * block_size
+        if any(seq_lens[r] != length for r in range(start, end)):
+            lens = torch.tensor(seq_lens[start:end], device=device)
+            pad = torch.arange(length, device=device)[None, :] >= lens[:, None]
+            key_bias = torch.zeros(end - start, 1, length, device=device).masked_fill_(
+                pad.unsqueeze(1), float("-inf"))
+        groups.append(DecodeGroup(start, end, mb, torch.tensor(flat, dtype=torch.long, device=device), key_bias))
+    return groups
 
 
 class TorchPagedAttention:
-    """Reference-quality paged attention in plain torch; the CPU backend."""
+    """Paged attention in plain torch; the CPU backend."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -45,33 +110,49 @@ class TorchPagedAttention:
         self.group = num_heads // num_kv_heads
         self.scale = scale
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache: head-major."""
+        return (num_kv_heads, num_blocks, block_size, head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: ([blocks, bs, Hkv, D], same). Returns [T, Hq*D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: ([Hkv, blocks, bs, D], same). Returns [T, Hq*D]."""
         k_cache, v_cache = kv_cache
         hk, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(hk, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(hk, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for grp in meta.decode_groups:
+            out[grp.start:grp.end] = self._decode(q[grp.start:grp.end], k_cache, v_cache, grp, meta.workspace)
         for ch in meta.prefills:
             out[ch.q_start:ch.q_end] = self._prefill(q[ch.q_start:ch.q_end], k[ch.q_start:ch.q_end],
                                                      v[ch.q_start:ch.q_end], k_cache, v_cache, ch)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        nd = q.shape[0]
+    def _decode(self, q, k_cache, v_cache, grp: DecodeGroup, workspace: torch.Tensor | None) -> torch.Tensor:
+        n = q.shape[0]
         hk, d, g = self.num_kv_heads, self.head_dim, self.group
-        table = meta.decode_block_table
-        keys = k_cache[table].view(nd, -1, hk, d).transpose(1, 2)  # [D, Hkv, L, d]
-        vals = v_cache[table].view(nd, -1, hk, d).transpose(1, 2)
-        qg = q.view(nd, hk, g, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [D, Hkv, g, L]
-        scores.masked_fill_(~meta.decode_key_mask, float("-inf"))
+        bs = k_cache.shape[2]
+        length = grp.num_blocks * bs
+        size = hk * n * length * d
+        if workspace is not None and workspace.numel() >= 2 * size:
+            kbuf = workspace[:size].view(hk, n * grp.num_blocks, bs, d)
+            vbuf = workspace[size:2 * size].view(hk, n * grp.num_blocks, bs, d)
+            torch.index_select(k_cache, 1, grp.block_ids, out=kbuf)
+            torch.index_select(v_cache, 1, grp.block_ids, out=vbuf)
+        else:
+            kbuf = k_cache.index_select(1, grp.block_ids)
+            vbuf = v_cache.index_select(1, grp.block_ids)
+        keys = kbuf.view(hk, n, length, d)
+        vals = vbuf.view(hk, n, length, d)
+        qg = q.view(n, hk, g, d).transpose(0, 1)  # [Hkv, n, g, d]: a kv head's query heads as rows
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, n, g, L]
+        scores.mul_(self.scale)
+        if grp.key_bias is not None:
+            scores.add_(grp.key_bias)
         probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        return torch.matmul(probs, vals).view(nd, hk * g, d)
+        return torch.matmul(probs, vals).transpose(0, 1).reshape(n, hk * g, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, ch: PrefillChunk) -> torch.Tensor:
         n = q.shape[0]
@@ -84,10 +165,10 @@ class TorchPagedAttention:
                                                enable_gqa=self.group > 1)
         else:
             total = ch.context_len + n
-            kh = k_cache[ch.block_ids].view(-1, hk, d)[:total].transpose(0, 1).unsqueeze(0)
-            vh = v_cache[ch.block_ids].view(-1, hk, d)[:total].transpose(0, 1).unsqueeze(0)
-            qpos = torch.arange(ch.context_len, total)
-            mask = torch.arange(total)[None, :] <= qpos[:, None]  # [n, total]
+            kh = k_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total].unsqueeze(0)
+            vh = v_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total].unsqueeze(0)
+            qpos = torch.arange(ch.context_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o.squeeze(0).transpose(0, 1)

@@ -104,12 +104,18 @@ def ensure_default_model() -> str:
                 file=sys.stderr,
             )
             target.unlink(missing_ok=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(target.parent / (GGUF_FILENAME + ".lock")):
-            # Another process may have fetched it while we waited for the lock.
-            if target.is_file() and _check_file(target):
-                return str(target)
-            _download(target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(target.parent / (GGUF_FILENAME + ".lock")):
+                # Another process may have fetched it while we waited for the lock.
+                if target.is_file() and _check_file(target):
+                    return str(target)
+                _download(target)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"Cannot write the default model into the cache folder {target.parent}: {exc}. Set "
+                f"ASYNCENGINE_CACHE to a writable folder, or pass a local model path."
+            ) from None
         return str(target)
 
 

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -115,7 +116,7 @@ _EXTRA_TENSORS = {"rope_freqs.weight"}
 # leaves these on its GPT-2 default, which keeps runs of digits together.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
 
-# Texts llama.cpp treats as end-of-generation when they are in the vocabulary.
+# Special tokens llama.cpp treats as end-of-generation when the vocabulary has them.
 _EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 
 
@@ -128,22 +129,19 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
     or an unsupported architecture.
     """
     path = _resolve_file(path)
-    reader = _open_reader(path)
-    try:
-        metadata = _read_metadata(reader, path)
-        gguf_arch = metadata.get("general.architecture")
-        if gguf_arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}."
-            )
-        _check_tensor_types_and_bounds(reader, path)
-        config = _build_config(reader, metadata, gguf_arch, path)
-        tensors, extra = _load_tensors(reader, config, gguf_arch, path, dtype)
-    finally:
-        # Drop the memory map now: every tensor above is a copy.
-        reader.data = None
-        del reader
+    gguf_file = _GGUFFile(path)
+    metadata = gguf_file.metadata
+    gguf_arch = metadata.get("general.architecture")
+    if gguf_arch is None:
+        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
+    if gguf_arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}."
+        )
+    _check_tensor_types(gguf_file, path)
+    config = _build_config(gguf_file, gguf_arch, path)
+    tensors, extra = _load_tensors(gguf_file, config, gguf_arch, path, dtype)
+    del gguf_file  # every tensor is a copy: the memory map can go
 
     _fix_rope_from_freqs(config, extra, path)
     _check_tensors(config, tensors, path)
@@ -178,85 +176,178 @@ def _resolve_file(path: str | os.PathLike) -> str:
     return path
 
 
-def _open_reader(path: str):
-    import gguf
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    type_id: int  # a gguf.GGMLQuantizationType value (kept as int: the file may hold an unknown one)
+    dims: tuple[int, ...]  # GGUF order: innermost (contiguous) dimension first
+    offset: int  # absolute, in bytes from the start of the file
 
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read the file: {exc.strerror or exc}.") from None
-    if len(head) < 8:
-        raise ModelLoadError(f"{path}: file is too short ({len(head)} bytes) to be a GGUF file.")
-    if head[:4] != b"GGUF":
-        raise ModelLoadError(
-            f"{path}: not a GGUF file (it starts with {head[:4]!r}, a GGUF file starts with b'GGUF')."
-        )
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/KeyError/IndexError/... on bad bytes
-        raise ModelLoadError(
-            f"{path}: corrupt or truncated GGUF file (could not parse its header: {type(exc).__name__}: {exc})."
-        ) from None
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The torch/numpy shape (outermost first), e.g. (out_features, in_features)."""
+        return tuple(reversed(self.dims))
 
+    @property
+    def type_name(self) -> str:
+        import gguf
 
-def _field_value(field) -> Any:
-    """A metadata field as a Python value (str, int, float, bool or a list of those)."""
-    try:
-        return field.contents()
-    except AttributeError:  # gguf < 0.11 has no ReaderField.contents
-        from gguf import GGUFValueType
-
-        def one(i):
-            part = field.parts[i]
-            if field.types[-1] == GGUFValueType.STRING:
-                return bytes(part).decode("utf-8")
-            return part.tolist()[0]
-
-        if field.types[0] == GGUFValueType.ARRAY:
-            return [one(i) for i in field.data]
-        return one(field.data[0])
-
-
-def _read_metadata(reader, path: str) -> dict[str, Any]:
-    """All metadata except the big tokenizer arrays (those are read by the tokenizer code)."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                   "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap"):
-            metadata[key + ".count"] = len(field.data)
-            continue
         try:
-            metadata[key] = _field_value(field)
-        except Exception as exc:  # noqa: BLE001
-            raise ModelLoadError(f"{path}: metadata key {key!r} cannot be decoded ({exc}).") from None
-    if "general.architecture" not in metadata:
-        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
-    return metadata
+            return gguf.GGMLQuantizationType(self.type_id).name
+        except ValueError:
+            return f"unknown type id {self.type_id}"
 
 
-def _check_tensor_types_and_bounds(reader, path: str) -> None:
-    import gguf
+# GGUF metadata value types -> struct format (fixed-size ones); 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# Metadata arrays we only count: the vocabulary (transformers' tokenizer code reads those itself).
+_COUNTED_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap"}
 
-    file_size = os.path.getsize(path)
+
+class _Truncated(Exception):
+    pass
+
+
+class _GGUFFile:
+    """A GGUF v2/v3 file: its metadata and tensor table, parsed with ``struct`` over a memory map.
+
+    ``gguf.GGUFReader`` builds a numpy view per metadata element, which takes seconds on a 50k-150k
+    token vocabulary (about 2 s for SmolLM2, several for Qwen/Llama 3); this parser skips the
+    vocabulary arrays and takes milliseconds. Tensor bytes are read as numpy views of the map and
+    dequantized with ``gguf.quants``; the tests cross-check this parser against ``GGUFReader``.
+    """
+
+    def __init__(self, path: str):
+        import mmap
+
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ModelLoadError(f"{path}: file is too short ({len(head)} bytes) to be a GGUF file.")
+                if head[:4] != b"GGUF":
+                    raise ModelLoadError(
+                        f"{path}: not a GGUF file (it starts with {head[:4]!r}, a GGUF file starts with b'GGUF')."
+                    )
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: cannot read the file: {exc.strerror or exc}.") from None
+        self.size = size
+        try:
+            self._parse()
+        except (_Truncated, struct.error):
+            raise ModelLoadError(
+                f"{path}: the GGUF header is cut short ({size} bytes in all): the file is truncated or corrupt."
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{path}: corrupt GGUF header (a string is not UTF-8: {exc}).") from None
+
+    # -- parsing
+    def _take(self, fmt: str):
+        value = struct.unpack_from(fmt, self._map, self._pos)[0]
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._take("<Q")
+        end = self._pos + n
+        if end > self.size:
+            raise _Truncated
+        text = self._map[self._pos:end].decode("utf-8")
+        self._pos = end
+        return text
+
+    def _value(self, type_id: int, key: str):
+        if type_id in _SCALAR_FORMATS:
+            return self._take(_SCALAR_FORMATS[type_id])
+        if type_id == 8:
+            return self._string()
+        if type_id == 9:
+            item_type, count = self._take("<I"), self._take("<Q")
+            if key in _COUNTED_ARRAYS:
+                self._skip_array(item_type, count)
+                return _ArrayCount(count)  # a plain int once stored
+            return [self._value(item_type, key) for _ in range(count)]
+        raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (key {key!r} has unknown value type {type_id}).")
+
+    def _skip_array(self, item_type: int, count: int) -> None:
+        if item_type in _SCALAR_FORMATS:
+            self._pos += struct.calcsize(_SCALAR_FORMATS[item_type]) * count
+        elif item_type == 8:
+            unpack, buf, pos = struct.Struct("<Q").unpack_from, self._map, self._pos
+            for _ in range(count):
+                pos += 8 + unpack(buf, pos)[0]
+            self._pos = pos
+        else:
+            for _ in range(count):
+                self._value(item_type, "")
+        if self._pos > self.size:
+            raise _Truncated
+
+    def _parse(self) -> None:
+        self._pos = 4
+        version = self._take("<I")
+        if version not in (2, 3):
+            hint = " (a big-endian file?)" if version > 0xFFFF else ""
+            raise ModelLoadError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are){hint}.")
+        n_tensors, n_kv = self._take("<Q"), self._take("<Q")
+        if n_tensors > self.size or n_kv > self.size:
+            raise _Truncated
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            metadata[key] = self._value(self._take("<I"), key)
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = self._take("<I")
+            if n_dims > 8:
+                raise ModelLoadError(f"{self.path}: corrupt tensor table ({name!r} has {n_dims} dimensions).")
+            dims = tuple(self._take("<Q") for _ in range(n_dims))
+            type_id, offset = self._take("<I"), self._take("<Q")
+            infos.append((name, type_id, dims, offset))
+        alignment = int(metadata.get("general.alignment", 32))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ModelLoadError(f"{self.path}: invalid general.alignment {alignment}.")
+        data_start = (self._pos + alignment - 1) // alignment * alignment
+        # A skipped vocabulary array `k` appears as `k.count`.
+        self.metadata = {(k + ".count" if isinstance(v, _ArrayCount) else k): v for k, v in metadata.items()}
+        self.tensors = [_TensorInfo(n, t, d, data_start + o) for n, t, d, o in infos]
+        self.tensor_names = {t.name for t in self.tensors}
+
+    # -- tensor data
+    def nbytes(self, t: _TensorInfo) -> int:
+        import gguf
+
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
+        n_elements = math.prod(t.dims)
+        if n_elements % block or (t.dims and t.dims[0] % block):
+            raise ModelLoadError(
+                f"{self.path}: tensor {t.name!r} has shape {list(t.shape)}, whose rows do not divide into "
+                f"{t.type_name} blocks of {block}: the file is corrupt."
+            )
+        return n_elements // block * type_size
+
+    def raw(self, t: _TensorInfo) -> np.ndarray:
+        """The tensor's bytes as uint8 with shape (*outer dims, bytes per row): what gguf.quants expects."""
+        nbytes = self.nbytes(t)
+        data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=t.offset)
+        return data.reshape(*t.shape[:-1], nbytes // max(1, math.prod(t.shape[:-1])))
+
+
+class _ArrayCount(int):
+    """Stands for a metadata array that was skipped: the number of its elements."""
+
+
+def _check_tensor_types(f: _GGUFFile, path: str) -> None:
+    supported_ids = {int(q) for q in SUPPORTED_TENSOR_TYPES}
     unsupported: dict[str, list[str]] = {}
-    for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            unsupported.setdefault(t.tensor_type.name, []).append(t.name)
-            continue
-        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        n_elements = int(np.prod([int(d) for d in t.shape]))
-        expected = n_elements // block * type_size
-        if n_elements % block or int(t.n_bytes) != expected or t.data.nbytes != expected:
-            raise ModelLoadError(
-                f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(map(int, t.shape))}) should "
-                f"hold {expected} bytes but the file gives {t.data.nbytes}: the file is truncated or corrupt."
-            )
-        if int(t.data_offset) + expected > file_size:
-            raise ModelLoadError(
-                f"{path}: tensor {t.name!r} ends at byte {int(t.data_offset) + expected} but the file has only "
-                f"{file_size} bytes: the file is truncated."
-            )
+    for t in f.tensors:
+        if t.type_id not in supported_ids:
+            unsupported.setdefault(t.type_name, []).append(t.name)
     if unsupported:
         listed = "; ".join(f"{k} ({len(v)} tensors, e.g. {v[0]!r})" for k, v in sorted(unsupported.items()))
         raise ModelLoadError(
@@ -264,6 +355,13 @@ def _check_tensor_types_and_bounds(reader, path: str) -> None:
             f"{', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))}. Re-quantize the model "
             f"(e.g. llama-quantize to Q4_K_M or Q8_0) or use an F16/F32 file."
         )
+    for t in f.tensors:
+        end = t.offset + f.nbytes(t)
+        if end > f.size:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} ends at byte {end} but the file has only {f.size} bytes: "
+                f"the file is truncated."
+            )
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -274,9 +372,10 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> transformers.PretrainedConfig:
+def _build_config(f: _GGUFFile, gguf_arch: str, path: str) -> transformers.PretrainedConfig:
     model_type, hf_arch = SUPPORTED_ARCHITECTURES[gguf_arch]
-    names = {t.name: t for t in reader.tensors}
+    md = f.metadata
+    names = {t.name: t for t in f.tensors}
 
     def key(name: str, default: Any = KeyError):
         full = f"{gguf_arch}.{name}"
@@ -298,12 +397,12 @@ def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> tran
     embd = names.get("token_embd.weight")
     if embd is None:
         raise ModelLoadError(f"{path}: the file has no 'token_embd.weight' tensor.")
-    vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
+    vocab_size = int(embd.shape[0])  # (vocab, hidden)
 
     head_dim = key("attention.key_length", None)
     if head_dim is None:
         q = names.get("blk.0.attn_q.weight")
-        head_dim = int(q.shape[1]) // n_head if q is not None else hidden // n_head
+        head_dim = int(q.shape[0]) // n_head if q is not None else hidden // n_head
     head_dim = int(head_dim)
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
@@ -351,14 +450,12 @@ def _build_config(reader, md: dict[str, Any], gguf_arch: str, path: str) -> tran
             raise ModelLoadError(f"{path}: qwen2 with head_dim {head_dim} != hidden/heads is not supported.")
     elif model_type == "qwen3":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
-    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    config_cls = transformers.CONFIG_MAPPING[model_type]
     try:
         config = config_cls(**kwargs)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"{path}: the GGUF metadata does not make a valid {config_cls.__name__}: {exc}") from None
-    name = md.get("general.name")
-    if name:
-        config._name_or_path = str(name)
+    config._name_or_path = path  # as from_pretrained records where a model came from
     return config
 
 
@@ -377,55 +474,57 @@ def _hf_name(gguf_name: str) -> str | None:
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute(w, n_head)``: GGML's interleaved rope rows back to HF's halves.
 
-    llama.cpp wrote ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``; per head, HF row ``i`` of
+    llama.cpp wrote ``w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2)``: per head, HF row ``i`` of
     the first half and row ``i`` of the second half became rows ``2i`` and ``2i + 1``. Works on a
-    weight (rows, cols) and on a bias (rows,).
+    weight (rows, cols) and on a bias (rows,). For ``k_proj`` pass the number of KV heads.
     """
-    rows = w.shape[0]
+    return w.index_select(0, torch.from_numpy(unpermute_rows(w.shape[0], n_head)))
+
+
+def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: ``hf = gguf[index]``."""
     if rows % (2 * n_head):
         raise ValueError(f"{rows} rows cannot be split into {n_head} heads of an even size")
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _load_tensors(reader, config, gguf_arch: str, path: str, dtype: torch.dtype):
+def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dtype):
+    import gguf
     from gguf.quants import dequantize
 
-    permute = gguf_arch in _PERMUTED_QK_ARCHITECTURES
-    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
-    tensors: dict[str, torch.Tensor] = {}
-    extra: dict[str, torch.Tensor] = {}
-    unknown: list[str] = []
-    for t in reader.tensors:
-        hf = _hf_name(t.name)
-        if hf is None and t.name not in _EXTRA_TENSORS:
-            unknown.append(t.name)
-            continue
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
-                                 f"dequantized here ({exc}).") from None
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        array = array.reshape(shape)
-        if not array.flags.writeable or not array.flags.c_contiguous:
-            array = np.array(array, dtype=np.float32, order="C")  # detach from the read-only memory map
-        tensor = torch.from_numpy(array)
-        if tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        if hf is None:
-            extra[t.name.removesuffix(".weight")] = tensor
-            continue
-        if permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
-            try:
-                tensor = unpermute_qk(tensor, n_head if ".q_proj." in hf else n_kv)
-            except ValueError as exc:
-                raise ModelLoadError(f"{path}: tensor {t.name!r} of shape {list(shape)}: {exc}.") from None
-        tensors[hf] = tensor
+    unknown = [t.name for t in f.tensors if _hf_name(t.name) is None and t.name not in _EXTRA_TENSORS]
     if unknown:
         raise ModelLoadError(
             f"{path}: {len(unknown)} tensor(s) have no known meaning for architecture {gguf_arch!r} "
             f"(e.g. {', '.join(unknown[:5])}); this file is not a plain {gguf_arch} model."
         )
+    permute = gguf_arch in _PERMUTED_QK_ARCHITECTURES
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    tensors: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor] = {}
+    for t in f.tensors:
+        try:
+            array = dequantize(f.raw(t), gguf.GGMLQuantizationType(t.type_id))
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has type {t.type_name}, which cannot be "
+                                 f"dequantized here ({exc}).") from None
+        array = array.reshape(t.shape)
+        hf = _hf_name(t.name)
+        if permute and hf is not None and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+            try:
+                rows = unpermute_rows(t.shape[0], n_head if ".q_proj." in hf else n_kv)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} of shape {list(t.shape)}: {exc}.") from None
+            array = array[rows]  # a gather: a fresh array
+        if not array.flags.writeable or not array.flags.c_contiguous or array.dtype != np.float32:
+            array = np.array(array, dtype=np.float32, order="C")  # F32/F16 can still be views of the map
+        tensor = torch.from_numpy(array)
+        if tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if hf is None:
+            extra[t.name.removesuffix(".weight")] = tensor
+        else:
+            tensors[hf] = tensor
     return tensors, extra
 
 
@@ -565,7 +664,8 @@ def _build_tokenizer(path: str, md: dict[str, Any]):
             f"{md.get('tokenizer.ggml.model')!r}, pre-tokenizer {md.get('tokenizer.ggml.pre')!r}): "
             f"{type(exc).__name__}: {exc}"
         ) from None
-    _fix_pre_tokenizer(tokenizer, md.get("tokenizer.ggml.pre"))
+    if md.get("tokenizer.ggml.model") == "gpt2":  # byte-level BPE
+        _fix_pre_tokenizer(tokenizer, md.get("tokenizer.ggml.pre"))
     if tokenizer.chat_template is None and md.get("tokenizer.chat_template"):
         tokenizer.chat_template = md["tokenizer.chat_template"]
     return tokenizer
@@ -606,16 +706,20 @@ def _fix_pre_tokenizer(tokenizer, pre: str | None) -> None:
 
 
 def _eos_token_ids(md: dict[str, Any], tokenizer) -> list[int]:
-    """The file's eos id first, then eot/eom ids, then known end-of-turn tokens in the vocabulary."""
+    """The file's eos id first, then its eot/eom ids, then known end-of-turn special tokens.
+
+    llama.cpp also stops on those special tokens (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``...)
+    when the vocabulary has them, as HF generation configs often list several.
+    """
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = md.get(f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in ids:
             ids.append(int(value))
     if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
+        special = {tok.content: i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
         for text in _EOG_TEXTS:
-            token_id = vocab.get(text)
+            token_id = special.get(text)
             if token_id is not None and token_id not in ids:
                 ids.append(token_id)
     return ids

@@ -5,6 +5,7 @@ Sizes are tiny on purpose: off-GPU the kernel runs in triton's (slow) CPU interp
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -117,6 +118,26 @@ def test_split_k_decode(paged_batch, num_splits, dtype):
     check_close(out, paged_attention_ref(*batch.args()), dtype)
 
 
+def test_decode_graph_padding_with_dummy_requests(paged_batch):
+    """CUDA-graph style decode padding: dummy requests with q_len 1 and seq_len 0 give zeros, no NaN."""
+    batch = paged_batch([1, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, pad_tokens=2)
+    q, kc, vc, bt, seq_lens, qsl, scale = batch.args()
+    bt = torch.cat([bt, torch.zeros_like(bt[:2])])  # dummy rows: point at block 0, must never be read
+    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(2)])
+    qsl = torch.arange(5, dtype=torch.int32, device=q.device)
+    out = paged_attention(q, kc, vc, bt, seq_lens, qsl, scale, max_query_len=1)
+    check_close(out[:2], paged_attention_ref(*batch.args())[:2], torch.float32)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1, 64])
+def test_max_query_len_hint_only_tunes(paged_batch, max_query_len):
+    """The hint picks tile sizes only: even a wrong hint (1 for a prefill batch) stays correct."""
+    batch = paged_batch([7, 1], [20, 18], num_q_heads=4, num_kv_heads=1, head_dim=16, block_size=16)
+    out = paged_attention(*batch.args(), max_query_len=max_query_len)
+    check_close(out, paged_attention_ref(*batch.args()), torch.float32)
+
+
 def test_split_k_mixed_batch(paged_batch):
     """Splitting is also correct for prefill chunks (rows whose keys all sit in later splits)."""
     batch = paged_batch([6, 1], [40, 20], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
@@ -124,7 +145,8 @@ def test_split_k_mixed_batch(paged_batch):
     check_close(out, paged_attention_ref(*batch.args()), torch.float32)
 
 
-def test_strided_q_out_and_padding_rows(paged_batch):
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_strided_q_out_and_padding_rows(paged_batch, num_splits):
     """q sliced from a fused projection, caller-provided strided `out`, graph-padding rows untouched."""
     batch = paged_batch([3, 1], [10, 27], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                         pad_tokens=3, strided_q=True)
@@ -132,7 +154,7 @@ def test_strided_q_out_and_padding_rows(paged_batch):
     t = batch.q.shape[0]
     big = torch.full((t, 6, 16), 7.0, device=batch.q.device)
     out = big[:, 1:5]
-    ret = paged_attention(*batch.args(), out=out)
+    ret = paged_attention(*batch.args(), out=out, num_splits=num_splits)
     assert ret.data_ptr() == out.data_ptr()
     ref = paged_attention_ref(*batch.args())
     n = sum(batch.q_lens)
@@ -204,3 +226,23 @@ def test_validation_errors(paged_batch):
         paged_attention(q, kc, vc, bt, sl, qsl[:-1], scale)  # wrong query_start_loc length
     with pytest.raises(ValueError):
         paged_attention(q, kc, vc, bt, sl, qsl, scale, num_splits=3)
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,hq,hkv,d,bs,dtype,num_splits,arch",
+    [
+        ([7, 1, 1], [30, 40, 9], 32, 8, 128, 16, torch.bfloat16, 1, 90),  # mixed prefill + decode, GQA 4
+        ([1, 1], [30, 90], 8, 2, 64, 16, torch.float16, 4, 90),  # split-K decode + reduce kernel
+        ([3, 1], [20, 33], 12, 4, 256, 32, torch.float32, 1, 80),  # fp32 (ieee dots), D 256, group 3, A100
+        ([1], [40], 4, 4, 96, 24, torch.bfloat16, 1, 90),  # odd block size (gather path), padded D
+    ],
+)
+def test_compiles_for_cuda(paged_batch, compile_for_cuda, q_lens, seq_lens, hq, hkv, d, bs, dtype, num_splits, arch):
+    """The launch configurations compile to a cubin (the interpreter above never runs the compiler)."""
+    pa_mod = importlib.import_module("asyncengine.kernels.paged_attention")  # the module, not the function
+    log = compile_for_cuda(pa_mod, arch)
+    batch = paged_batch(q_lens, seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                        dtype=dtype, device=torch.device("cpu"))
+    pa_mod.paged_attention(*batch.args(), num_splits=num_splits)
+    want = ["_paged_attention_kernel"] + (["_split_reduce_kernel"] if num_splits > 1 else [])
+    assert [name for name, _ in log] == want

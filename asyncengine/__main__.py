@@ -1,0 +1,5 @@
+import sys
+
+from asyncengine.cli import main
+
+sys.exit(main())

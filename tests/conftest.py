@@ -1,0 +1,98 @@
+"""Shared, session-scoped tiny models for the engine tests.
+
+Only model fixtures live here (other test files bring their own helpers):
+
+* ``tiny_model_dir(arch, **overrides)`` -> path of a tiny random-weight HF checkpoint (safetensors),
+  made once per session per (arch, overrides). The plain ``llama`` one also has a tokenizer.
+* ``tiny_llama_dir``, ``tiny_mistral_dir``, ``tiny_qwen2_dir``, ``tiny_qwen3_dir``: the plain ones.
+* ``tiny_reference(arch, **overrides)`` -> ``(requests, refs)``: the standard parity workload
+  (``PARITY_NUM_REQUESTS`` requests, prompts 3-60 tokens, outputs 1-24 tokens) and transformers'
+  greedy fp32 references for it, computed once per session per checkpoint.
+* ``hf_reference(model_dir, requests)``: the same cache for any other (dir, workload) pair.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/model_utils.py importable from every test file
+
+from model_utils import ARCHS, hf_greedy, make_tiny_checkpoint, random_requests  # noqa: E402
+
+TINY_ARCHS = tuple(ARCHS)  # llama, mistral, qwen2, qwen3
+TINY_VOCAB = 512
+PARITY_NUM_REQUESTS = 18
+PARITY_PROMPT_LEN = (3, 60)
+PARITY_OUTPUT_LEN = (1, 24)
+
+
+def _key(arch: str, overrides: dict) -> str:
+    return arch + repr(sorted(overrides.items()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: ``tiny_model_dir("qwen2")`` or ``tiny_model_dir("llama", tie_word_embeddings=True)``."""
+    made: dict[str, str] = {}
+
+    def get(arch: str = "llama", **overrides) -> str:
+        key = _key(arch, overrides)
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"tiny-{arch}")
+            make_tiny_checkpoint(str(d), arch, tokenizer=(arch == "llama" and not overrides), **overrides)
+            made[key] = str(d)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Factory: ``hf_reference(model_dir, requests)`` -> transformers greedy references, cached."""
+    cache: dict[tuple, list] = {}
+
+    def get(model_dir: str, requests) -> list:
+        key = (model_dir, tuple((tuple(p), m) for p, m in requests))
+        if key not in cache:
+            cache[key] = hf_greedy(model_dir, requests)
+        return cache[key]
+
+    return get
+
+
+def _parity_requests(seed: int = 0, n: int = PARITY_NUM_REQUESTS):
+    """The standard workload: ``n`` (prompt ids, max_tokens) pairs, never using ids 0-2 (bos/eos/pad)."""
+    return random_requests(n, TINY_VOCAB, seed=seed, plen=PARITY_PROMPT_LEN, olen=PARITY_OUTPUT_LEN)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_dir, hf_reference):
+    """Factory: ``tiny_reference(arch, **overrides)`` -> (requests, refs) for that tiny checkpoint."""
+
+    def get(arch: str = "llama", **overrides):
+        reqs = _parity_requests(seed=sum(map(ord, arch)))
+        return reqs, hf_reference(tiny_model_dir(arch, **overrides), reqs)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir) -> str:
+    return tiny_model_dir("qwen3")
