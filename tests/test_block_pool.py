@@ -51,7 +51,7 @@ def pool_snapshot(kv: KVCacheManager):
             p.num_free_blocks, p.num_evictions)
 
 
-SEEN = {"hits": 0, "evictions": 0, "failed_allocations": 0}  # summed over a whole hypothesis run
+SEEN = {"admitted": 0, "hits": 0, "evictions": 0, "failed_allocations": 0, "finished": 0, "steps": 0}  # summed over a whole hypothesis run
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -116,6 +116,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert pool_snapshot(self.kv) == before, "a failed allocation changed the pool"
             SEEN["failed_allocations"] += 1
             return multiple()  # never admitted: no handle
+        SEEN["admitted"] += 1
         SEEN["hits"] += len(hit)
         SEEN["evictions"] += self.kv.pool.num_evictions - evictions
         self._take(hit, new)
@@ -139,6 +140,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         self._take([], new)
         self._compute(req, n)
+        SEEN["steps"] += 1
 
     @rule(req=consumes(reqs))
     def finish(self, req):
@@ -148,6 +150,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         refs = {b.block_id: b.ref_cnt for b in table}
         self.kv.free(req)
         del self.live[req.request_id]
+        SEEN["finished"] += 1
         for b in reversed(table):  # deepest block first
             refs[b.block_id] -= 1
             if refs[b.block_id] == 0:
@@ -201,7 +204,7 @@ def test_kv_cache_state_machine():
     for k in SEEN:
         SEEN[k] = 0
     run_state_machine_as_test(KVCacheMachine, settings=settings(
-        max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
+        max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
     assert SEEN["hits"] > 0 and SEEN["evictions"] > 0 and SEEN["failed_allocations"] > 0, SEEN
 
 

@@ -40,9 +40,13 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """Lower ``priority`` runs first, ties by arrival. Aging prevents starvation: a request's
-    effective priority improves by one level for every ``aging_s`` seconds it has waited, so any
-    request eventually outranks a stream of newer high-priority arrivals."""
+    """Lower ``priority`` runs first, ties by arrival.
+
+    Aging prevents starvation: a request's effective priority improves by one level for every
+    ``aging_s`` seconds since it *arrived* (running or waiting), so any request eventually outranks
+    a stream of newer high-priority arrivals, both for admission and for keeping its blocks.
+    Because every request ages at the same rate, an older request never falls behind a younger
+    one of the same base priority, which rules out preemption ping-pong."""
 
     def __init__(self, aging_s: float = 10.0, clock=time.monotonic) -> None:
         self.aging_s = aging_s
@@ -77,9 +81,15 @@ class PriorityQueue:
         return iter(self._q)
 
     def pick_victim(self, running: list[Request]) -> Request:
-        """The running request with the worst (priority, arrival) — no aging: aging only lifts
-        the waiting, so a preempted request does not bounce straight back."""
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+        """The running request with the worst effective (aged) priority, newest first."""
+        now = self.clock()
+        return max(running, key=lambda r: self.key(r, now))
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        """May ``waiting`` take ``running``'s place? Only with a strictly better effective
+        priority: equals never preempt each other."""
+        now = self.clock()
+        return self.key(waiting, now)[0] < self.key(running, now)[0]
 
 
 def make_queue(policy: str, aging_s: float = 10.0):

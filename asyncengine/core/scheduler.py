@@ -111,13 +111,12 @@ class Scheduler:
         return num_scheduled.pop(victim.request_id, 0)
 
     def _preempt_lower(self, req: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> bool:
-        """Priority policy: preempt the worst running request if it ranks below waiting ``req``
-        (whose rank includes its aging). Returns whether anything was preempted."""
+        """Priority policy: preempt the worst running request if waiting ``req`` strictly
+        outranks it (both ranks aged). Returns whether anything was preempted."""
         if not self.running:
             return False
         victim = self.waiting.pick_victim(self.running)
-        req_rank = self.waiting.key(req, time.monotonic())
-        if (victim.priority, victim.arrival_time) <= req_rank:
+        if not self.waiting.outranks(req, victim):
             return False
         self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
         self._preempt(victim)

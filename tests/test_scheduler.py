@@ -1,0 +1,488 @@
+"""Scheduler unit tests with a real KVCacheManager and a fake model runner.
+
+The fake runner keeps per-request state exactly like ``ModelRunner`` (token ids as far as it knows
+them, including its own latest samples; computed count; block table) and "samples" whenever a
+request's scheduled tokens reach the end of what it knows. The k-th output token of every request
+is ``TOK0 + k``, so an output list that is not exactly ``TOK0, TOK0+1, ...`` means a token was lost,
+duplicated or reordered. It also checks the scheduler's messages: a request is only ever asked to
+compute tokens the runner knows, into slots of blocks it was given, from the position the runner is
+at, and the runner's block table always equals the KV manager's.
+
+Two driving orders: synchronous (schedule N, execute N, update N) and overlapped, as the async
+engine runs (schedule N+1 before update N, so step N+1 is planned on placeholders).
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.scheduler import Scheduler
+from asyncengine.sampling_params import SamplingParams
+
+TOK0 = 100
+
+
+def make_req(rid: str, prompt_len: int, max_tokens: int, eos_at: int | None = None, priority: int = 0,
+             first: int = 3) -> Request:
+    """A request whose ``eos_at``-th output (0-based) is its EOS token (the fake runner's ``TOK0 + eos_at``)."""
+    eos = frozenset() if eos_at is None else frozenset({TOK0 + eos_at})
+    return Request(request_id=rid, prompt_token_ids=[first + (i % 90) for i in range(prompt_len)],
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens), eos_token_ids=eos,
+                   max_tokens=max_tokens, priority=priority)
+
+
+class FakeRunner:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.kv = sched.kv
+        self.bs = sched.kv.block_size
+        self.state: dict[str, dict] = {}
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(so)
+        for rid in so.finished_req_ids:
+            self.state.pop(rid, None)
+        for nr in so.new_requests:
+            assert nr.req_id not in self.state, f"{nr.req_id} sent as new while the runner holds it"
+            self.state[nr.req_id] = dict(tokens=list(nr.prompt_token_ids) + list(nr.output_token_ids),
+                                         n_prompt=len(nr.prompt_token_ids), computed=nr.num_computed_tokens,
+                                         blocks=list(nr.block_ids), max_tokens=self.sched.requests[nr.req_id].max_tokens)
+        for cr in so.cached_requests:
+            s = self.state[cr.req_id]
+            assert s["computed"] == cr.num_computed_tokens, (cr.req_id, s["computed"], cr.num_computed_tokens)
+            s["blocks"] += cr.new_block_ids
+        assert set(so.num_scheduled_tokens) == {r.req_id for r in so.new_requests} | {
+            r.req_id for r in so.cached_requests}
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        req_ids, toks = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            s = self.state[rid]
+            assert n >= 1
+            assert s["blocks"] == self.kv.block_ids(rid), f"{rid}: runner and KV manager disagree on blocks"
+            assert s["computed"] + n <= len(s["tokens"]), f"{rid}: asked to compute tokens nobody knows yet"
+            assert s["computed"] + n <= len(s["blocks"]) * self.bs, f"{rid}: no slot for a scheduled token"
+            s["computed"] += n
+            if s["computed"] == len(s["tokens"]):
+                k = len(s["tokens"]) - s["n_prompt"]
+                assert k < s["max_tokens"], f"{rid}: sampled past max_tokens"
+                s["tokens"].append(TOK0 + k)
+                req_ids.append(rid)
+                toks.append(TOK0 + k)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks)
+
+
+def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True, policy="fcfs",
+                  chunked=True) -> tuple[Scheduler, FakeRunner]:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=num_blocks * block_size, policy=policy, enable_chunked_prefill=chunked)
+    return sched, FakeRunner(sched)
+
+
+class Driver:
+    """Steps a scheduler with the fake runner, synchronously or one step overlapped; records outputs."""
+
+    def __init__(self, sched: Scheduler, runner: FakeRunner, overlap: bool = False) -> None:
+        self.sched, self.runner, self.overlap = sched, runner, overlap
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.num_steps = 0
+
+    def add(self, req: Request) -> None:
+        self.sched.add_request(req)
+        self.outputs[req.request_id] = []
+
+    def abort(self, rids) -> list[str]:
+        done = self.sched.abort_requests(rids)
+        for rid in done:
+            assert rid not in self.finish
+            self.finish[rid] = "abort"
+        return done
+
+    def _update(self, so, out) -> None:
+        for o in self.sched.update(so, out):
+            assert o.req_id not in self.finish, f"output for {o.req_id} after it finished"
+            self.outputs[o.req_id] += o.new_token_ids
+            if o.finished:
+                self.finish[o.req_id] = o.finish_reason
+
+    def step(self) -> SchedulerOutput:
+        s = self.sched
+        so = s.schedule()
+        self.num_steps += 1
+        assert so.total_num_scheduled_tokens <= s.max_num_batched_tokens
+        assert len(so.num_scheduled_tokens) <= s.max_num_seqs and s.num_running <= s.max_num_seqs
+        out = self.runner.execute(so)
+        if self.overlap:
+            prev, self.in_flight = self.in_flight, (so, out)
+            if prev is not None:
+                self._update(*prev)
+        else:
+            self._update(so, out)
+        check_accounting(s)
+        return so
+
+    def idle(self) -> bool:
+        return not self.sched.has_unfinished() and (not self.overlap or self.in_flight is None
+                                                    or self.in_flight[0].is_empty)
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if self.idle():
+                return
+            self.step()
+            if self.overlap and not self.sched.has_unfinished() and self.in_flight is not None:
+                self._update(*self.in_flight)
+                self.in_flight = None
+        raise AssertionError(f"not finished after {max_steps} steps: running {self.sched.num_running}, "
+                             f"waiting {self.sched.num_waiting}")
+
+
+def check_accounting(s: Scheduler) -> None:
+    """Every live request is in exactly one of running / waiting, and only running ones hold blocks;
+    each block's ref count is the number of block tables holding it; free + held == all."""
+    running = {r.request_id for r in s.running}
+    waiting = {r.request_id for r in s.waiting}
+    assert not running & waiting and running | waiting == set(s.requests)
+    assert len(running) == len(s.running) and len(waiting) == len(s.waiting)
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+    for r in s.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
+    holders: dict[int, int] = {}
+    for table in s.kv.req_to_blocks.values():
+        for b in table:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in s.kv.pool.blocks)
+    assert s.kv.num_free_blocks + len(holders) == s.kv.pool.num_blocks
+    s.kv.pool.check_invariants()
+
+
+def expected_tokens(n: int) -> list[int]:
+    return [TOK0 + k for k in range(n)]
+
+
+def check_all_done(d: Driver, reqs: list[Request]) -> None:
+    s = d.sched
+    assert not s.requests and not s.running and not len(s.waiting)
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
+    for r in reqs:
+        rid = r.request_id
+        assert rid in d.finish, f"{rid} was lost"
+        assert d.outputs[rid] == expected_tokens(len(d.outputs[rid])), f"{rid}: {d.outputs[rid]}"
+        assert r.output_token_ids == d.outputs[rid]
+        if d.finish[rid] == "length":
+            assert len(d.outputs[rid]) == r.max_tokens
+        elif d.finish[rid] == "stop":
+            (eos,) = r.eos_token_ids
+            assert d.outputs[rid][-1] == eos and eos not in d.outputs[rid][:-1]
+
+
+# ---------------------------------------------------------------------------- budget and batch size
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_budget_and_max_num_seqs(overlap):
+    sched, runner = new_scheduler(budget=16, max_num_seqs=3)
+    d = Driver(sched, runner, overlap)
+    reqs = [make_req(f"r{i}", 5 + 4 * i, 3 + i % 4, first=3 + 7 * i) for i in range(10)]
+    for r in reqs:
+        d.add(r)
+    d.run()
+    check_all_done(d, reqs)
+    assert all(d.finish[r.request_id] == "length" for r in reqs)
+    assert max(so.total_num_scheduled_tokens for so in runner.steps) == 16  # the budget is used, not exceeded
+    assert max(len(so.num_scheduled_tokens) for so in runner.steps) == 3
+
+
+def test_chunked_prefill_splits_long_prompt():
+    sched, runner = new_scheduler(budget=16)
+    d = Driver(sched, runner)
+    r = make_req("long", 50, 3)
+    d.add(r)
+    d.run()
+    check_all_done(d, [r])
+    sizes = [so.num_scheduled_tokens.get("long") for so in runner.steps if "long" in so.num_scheduled_tokens]
+    assert sizes == [16, 16, 16, 2, 1, 1]
+    assert len(runner.steps[0].new_requests) == 1 and runner.steps[1].cached_requests[0].num_computed_tokens == 16
+    assert sched.stats.num_scheduled_tokens == 52
+
+
+def test_chunked_prefill_disabled_waits_for_room():
+    sched, runner = new_scheduler(budget=16, chunked=False)
+    d = Driver(sched, runner)
+    a, b = make_req("a", 12, 4), make_req("b", 12, 4, first=50)
+    d.add(a)
+    d.add(b)
+    so = d.step()
+    assert so.num_scheduled_tokens == {"a": 12}  # b does not fit the 4 tokens left: it waits, unchunked
+    so = d.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 12}  # now it fits whole
+    d.run()
+    check_all_done(d, [a, b])
+    assert all(n in (1, 12) for so in runner.steps for n in so.num_scheduled_tokens.values())
+
+
+def test_decodes_and_prefill_chunk_in_one_step():
+    sched, runner = new_scheduler(budget=16)
+    d = Driver(sched, runner)
+    a = make_req("a", 4, 10)
+    d.add(a)
+    d.step()
+    d.step()  # a decodes
+    b = make_req("b", 40, 2)
+    d.add(b)
+    so = d.step()
+    assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]  # running first, then a chunk
+    so = d.step()
+    assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    assert [c.req_id for c in so.cached_requests] == ["a", "b"]
+    d.run()
+    check_all_done(d, [a, b])
+
+
+# ---------------------------------------------------------------------------- preemption
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_by_recompute(overlap):
+    # 6 blocks of 4 = 24 slots; three requests of 6 + 10 tokens (4 blocks each) cannot all run
+    sched, runner = new_scheduler(num_blocks=6, block_size=4, budget=32, caching=False)
+    d = Driver(sched, runner, overlap)
+    reqs = [make_req(f"r{i}", 6, 10, first=3 + 10 * i) for i in range(4)]
+    for r in reqs:
+        d.add(r)
+    seen_front = False
+    for _ in range(500):
+        if d.idle():
+            break
+        before = list(sched.running)
+        so = d.step()
+        if so.num_preempted:
+            victims = [r for r in before if r.status == RequestStatus.PREEMPTED]
+            assert victims and all(v.request_id in so.finished_req_ids for v in victims)
+            assert victims[-1] is before[-1]  # fcfs: the newest running request loses its blocks
+            assert list(sched.waiting)[:len(victims)] == victims  # ...and waits at the front, in order
+            assert all(v.num_computed_tokens == 0 and not sched.kv.req_to_blocks.get(v.request_id) for v in victims)
+            assert not so.new_requests  # nothing admitted in a step that preempted
+            seen_front = True
+        if d.overlap and not sched.has_unfinished() and d.in_flight is not None:
+            d._update(*d.in_flight)
+            d.in_flight = None
+    assert seen_front and sched.stats.num_preemptions > 0
+    check_all_done(d, reqs)
+    assert all(d.finish[r.request_id] == "length" for r in reqs)
+    resumed = [nr for so in runner.steps for nr in so.new_requests if nr.output_token_ids]
+    assert resumed, "a preempted request resumes with its outputs so far"
+    assert sum(r.num_preemptions for r in reqs) == sched.stats.num_preemptions
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("num_blocks", [2, 3, 5])
+def test_tiny_pool_no_deadlock(num_blocks, overlap):
+    bs = 4
+    cap = num_blocks * bs
+    sched, runner = new_scheduler(num_blocks=num_blocks, block_size=bs, budget=8, max_num_seqs=4)
+    d = Driver(sched, runner, overlap)
+    reqs = []
+    for i in range(8):
+        p = 1 + (3 * i) % (cap - 1)
+        reqs.append(make_req(f"r{i}", p, max(1, min(cap - p, 1 + i)), first=3 + i))
+    for r in reqs:
+        d.add(r)
+    d.run(max_steps=3000)
+    check_all_done(d, reqs)
+
+
+# ---------------------------------------------------------------------------- abort
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_blocks(overlap):
+    sched, runner = new_scheduler(budget=64, max_num_seqs=2)
+    d = Driver(sched, runner, overlap)
+    reqs = [make_req(f"r{i}", 10, 8, first=3 + 10 * i) for i in range(3)]
+    for r in reqs:
+        d.add(r)
+    d.step()
+    d.step()
+    assert sched.kv.req_to_blocks.get("r0") and reqs[2].status == RequestStatus.WAITING
+    free_before = sched.kv.num_free_blocks
+    held = len(sched.kv.req_to_blocks["r0"])
+    assert d.abort(["r0", "r2", "nope"]) == ["r0", "r2"]
+    assert sched.kv.num_free_blocks == free_before + held and "r0" not in sched.kv.req_to_blocks
+    assert reqs[0].status == RequestStatus.FINISHED_ABORTED and reqs[2].status == RequestStatus.FINISHED_ABORTED
+    assert d.abort(["r0"]) == []  # twice: nothing to do
+    so = d.step()
+    assert {"r0", "r2"} <= set(so.finished_req_ids) and "r0" not in runner.state
+    assert "r0" not in so.num_scheduled_tokens
+    d.run()
+    check_all_done(d, [reqs[1]])
+    assert d.finish == {"r0": "abort", "r2": "abort", "r1": "length"}
+    n0 = len(d.outputs["r0"])
+    assert reqs[0].output_token_ids == d.outputs["r0"] and n0 <= 2  # in-flight output of r0 was discarded
+
+
+# ---------------------------------------------------------------------------- async placeholders
+
+
+def test_async_placeholders_reconcile():
+    """Step N+1 is scheduled before step N's token is known; the counts reconcile as tokens land."""
+    sched, runner = new_scheduler(budget=32)
+    r = make_req("a", 5, 4)
+    sched.add_request(r)
+
+    def state():
+        return r.num_computed_tokens, r.num_output_placeholders, list(r.output_token_ids)
+
+    so1 = sched.schedule()
+    out1 = runner.execute(so1)  # prefill: samples output #0
+    assert state() == (5, 1, [])
+    so2 = sched.schedule()  # planned on the placeholder: decode the token step 1 is producing
+    assert so2.num_scheduled_tokens == {"a": 1} and so2.cached_requests[0].num_computed_tokens == 5
+    assert state() == (6, 2, [])
+    out2 = runner.execute(so2)
+    outs = sched.update(so1, out1)
+    assert [(o.req_id, o.new_token_ids, o.finished) for o in outs] == [("a", [TOK0], False)]
+    assert state() == (6, 1, [TOK0])
+    so3 = sched.schedule()
+    out3 = runner.execute(so3)
+    assert state() == (7, 2, [TOK0])
+    sched.update(so2, out2)
+    assert state() == (7, 1, expected_tokens(2))
+    so4 = sched.schedule()  # 2 known + 1 in flight < 4: one more decode
+    out4 = runner.execute(so4)
+    assert so4.num_scheduled_tokens == {"a": 1} and state() == (8, 2, expected_tokens(2))
+    sched.update(so3, out3)
+    so5 = sched.schedule()  # 3 known + 1 in flight == max_tokens: nothing to schedule
+    assert so5.is_empty and state() == (8, 1, expected_tokens(3))
+    outs = sched.update(so4, out4)
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([TOK0 + 3], "length")]
+    assert state() == (8, 0, expected_tokens(4)) and r.status == RequestStatus.FINISHED_LENGTH
+    assert not sched.requests and sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    assert "a" in sched.schedule().finished_req_ids
+
+
+def test_async_placeholders_sequence():
+    """Step by step: computed counts run ahead of known tokens by exactly the placeholders."""
+    sched, runner = new_scheduler(budget=32)
+    r = make_req("a", 5, 4)
+    d = Driver(sched, runner, overlap=True)
+    d.add(r)
+    trace = []
+    while not d.idle():
+        d.step()
+        trace.append((r.num_computed_tokens, len(r.output_token_ids), r.num_output_placeholders,
+                      r.status.name))
+        if not sched.has_unfinished() and d.in_flight is not None:
+            d._update(*d.in_flight)
+            d.in_flight = None
+    assert d.outputs["a"] == expected_tokens(4) and d.finish["a"] == "length"
+    # step 1: prefill (5 computed, 1 placeholder); each later step decodes one placeholder while the
+    # previous step's token lands; the last sample (output #4) is never fed back
+    assert trace[:4] == [(5, 0, 1, "RUNNING"), (6, 1, 1, "RUNNING"), (7, 2, 1, "RUNNING"), (8, 3, 1, "RUNNING")]
+    check_all_done(d, [r])
+
+
+def test_stop_at_step_n_discards_step_n_plus_1():
+    sched, runner = new_scheduler(budget=32)
+    r = make_req("a", 5, 10, eos_at=1)  # the 2nd output is EOS
+    other = make_req("b", 6, 3, first=50)
+    sched.add_request(r)
+    sched.add_request(other)
+    so1 = sched.schedule()
+    out1 = runner.execute(so1)  # prefill -> TOK0
+    so2 = sched.schedule()
+    out2 = runner.execute(so2)  # decode -> TOK0+1 (EOS)
+    sched.update(so1, out1)
+    so3 = sched.schedule()  # planned before step 2's EOS is known
+    assert so3.num_scheduled_tokens["a"] == 1
+    out3 = runner.execute(so3)  # decode -> TOK0+2, wasted
+    assert "a" in out3.req_ids
+    outs = sched.update(so2, out2)
+    (oa,) = [o for o in outs if o.req_id == "a"]
+    assert oa.finish_reason == "stop" and oa.new_token_ids == [TOK0 + 1]
+    assert r.status == RequestStatus.FINISHED_STOPPED and "a" not in sched.requests
+    assert "a" not in sched.kv.req_to_blocks
+    outs = sched.update(so3, out3)
+    assert all(o.req_id != "a" for o in outs), "the step after the stop leaked an output"
+    assert r.output_token_ids == [TOK0, TOK0 + 1]
+    assert other.output_token_ids == expected_tokens(3) and other.status == RequestStatus.FINISHED_LENGTH
+    so4 = sched.schedule()
+    assert {"a", "b"} <= set(so4.finished_req_ids) and so4.is_empty
+    assert not sched.requests and sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+
+
+def test_preempted_with_token_in_flight_waits_for_it():
+    """Overlapped: a request preempted while its step-N token is in flight is not re-admitted before
+    that token lands (its recompute must include it)."""
+    sched, runner = new_scheduler(num_blocks=4, block_size=4, budget=32, caching=False)
+    a = make_req("a", 4, 8, first=3)
+    b = make_req("b", 4, 8, first=40)
+    sched.add_request(a)
+    sched.add_request(b)
+    pending = []
+    preempted_with_placeholder = False
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        so = sched.schedule()
+        for v in (a, b):
+            if v.status == RequestStatus.PREEMPTED and v.num_output_placeholders:
+                preempted_with_placeholder = True
+                assert v.request_id not in so.num_scheduled_tokens
+        pending.append((so, runner.execute(so)))
+        if len(pending) == 2:
+            sched.update(*pending.pop(0))
+    for p in pending:
+        sched.update(*p)
+    assert preempted_with_placeholder
+    assert a.output_token_ids == expected_tokens(8) and b.output_token_ids == expected_tokens(8)
+    assert sched.kv.num_free_blocks == 4
+
+
+# ---------------------------------------------------------------------------- random workloads
+
+ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 11)),
+                st.integers(0, 2))
+EVENT = st.one_of(ADD, ADD, ADD, st.tuples(st.just("step"), st.integers(1, 4)),
+                  st.tuples(st.just("abort"), st.integers(0, 50)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(EVENT, min_size=6, max_size=40), num_blocks=st.integers(3, 12),
+       budget=st.integers(1, 24), max_num_seqs=st.integers(1, 5), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_workload(overlap, events, num_blocks, budget, max_num_seqs, caching, policy):
+    bs = 4
+    cap = num_blocks * bs
+    sched, runner = new_scheduler(num_blocks=num_blocks, block_size=bs, budget=budget,
+                                  max_num_seqs=max_num_seqs, caching=caching, policy=policy)
+    d = Driver(sched, runner, overlap)
+    reqs: list[Request] = []
+    for ev in events:
+        if ev[0] == "add":
+            _, plen, max_tokens, eos_at, prio = ev
+            plen = min(plen, cap - 1)  # what the input processor guarantees: prompt + outputs fit the pool
+            max_tokens = max(1, min(max_tokens, cap - plen))
+            # shared first tokens, so prefix hits happen
+            r = make_req(f"r{len(reqs)}", plen, max_tokens, eos_at=eos_at, priority=prio, first=3 + len(reqs) % 3)
+            reqs.append(r)
+            d.add(r)
+        elif ev[0] == "abort":
+            if reqs:
+                d.abort([reqs[ev[1] % len(reqs)].request_id])
+        else:
+            for _ in range(ev[1]):
+                d.step()
+    d.run(max_steps=3000)
+    check_all_done(d, reqs)
+    assert sched.stats.num_finished == len(reqs)
