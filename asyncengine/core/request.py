@@ -13,7 +13,16 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from asyncengine.sampling_params import SamplingParams
+
+_SEED_MOD = 2**63
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The core id of sample ``index`` of a request with ``n > 1`` (``n == 1`` keeps its own id)."""
+    return f"{parent_id}#{index}"
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +64,13 @@ class Request:
     first_scheduled_time: float | None = None
     # chained hashes of this request's full blocks; extended as tokens arrive (prefix caching)
     block_hashes: list[bytes] = field(default_factory=list)
+    # n > 1: the user request this sample belongs to (None for a plain request)
+    parent_id: str | None = None
+    # n > 1, samples 1..n-1: held out of the waiting queue until this request (sample 0) has had
+    # its whole prompt scheduled, so that they find its prompt blocks in the prefix cache
+    hold_for: "Request | None" = None
+    # prompt logprobs: positions delivered so far (a recompute after preemption does not resend)
+    num_prompt_logprobs: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +92,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def make_children(self) -> list["Request"]:
+        """The ``n`` single-sample core requests of a request with ``n > 1`` (vLLM's fan-out):
+        ids ``child_request_id(id, i)``, ``seed + i`` when a seed is given (each sample its own
+        stream), and prompt logprobs asked of sample 0 only (they are the same for all)."""
+        sp = self.sampling_params
+        children = []
+        for i in range(sp.n):
+            params = msgspec.structs.replace(
+                sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % _SEED_MOD,
+                prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
+            children.append(Request(
+                request_id=child_request_id(self.request_id, i), prompt_token_ids=self.prompt_token_ids,
+                sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
+                priority=self.priority, arrival_time=self.arrival_time, cache_salt=self.cache_salt,
+                bad_words_token_ids=self.bad_words_token_ids, parent_id=self.request_id))
+        return children
 
     def token_id_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

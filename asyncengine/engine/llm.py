@@ -49,7 +49,11 @@ class LLM:
         it and nothing is left half-done in the engine."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:  # e.g. a number: neither a prompt nor an iterable of prompts
+            raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, "
+                                      f"not {type(prompts).__name__}") from None
         if isinstance(sampling_params, Sequence):
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -1,0 +1,210 @@
+"""A fake model runner that checks the KV cache's *contents*, for scheduler + prefix-cache tests.
+
+``KVOracleRunner`` plays the model runner for a real ``Scheduler`` + ``KVCacheManager``. It keeps
+what every KV slot holds, as the id of the exact (cache salt, token prefix) whose last token was
+computed into it, and per request the token ids it knows (prompt, resumed outputs and its own
+samples), its computed count and its block table. Each step it
+
+1. writes the slots of every scheduled position, for the whole batch first (as the real attention
+   does: every layer stores the batch's K/V before any request reads), failing if two requests of
+   one step write the same slot;
+2. checks every scheduled request can *read* correct KV for all its positions so far: each slot it
+   attends to holds exactly its own (salt, prefix). A prefix hit on a block nobody wrote, or one
+   written for other tokens, or a block reused while someone still reads it, fails here;
+3. "samples" a token for requests that reached the end of what they know. The token is a function
+   of the whole (salt-free) token sequence, like greedy decoding, so identical contexts produce
+   identical continuations (and generated tokens can be prefix-cache hits too).
+
+``Driver`` steps the scheduler synchronously or overlapped by one step (as the async engine does:
+step N+1 is scheduled before step N's tokens are folded back), and ``check_accounting`` asserts the
+block bookkeeping after every step.
+"""
+from __future__ import annotations
+
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.scheduler import Scheduler
+from asyncengine.sampling_params import SamplingParams
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model's greedy choice: a small-alphabet function of the whole sequence."""
+    h = 0
+    for t in tokens:
+        h = (h * 1000003 + t) & 0xFFFFFFFF
+    return 3 + h % 7
+
+
+def make_req(rid: str, prompt: list[int], max_tokens: int, priority: int = 0, salt: str | None = None,
+             arrival_time: float | None = None) -> Request:
+    kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+    return Request(request_id=rid, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                   max_tokens=max_tokens, priority=priority, cache_salt=salt, **kw)
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
+class KVOracleRunner:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bs = sched.kv.block_size
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> prefix id written there
+        self._ids: dict[tuple, int] = {}  # (parent prefix id, token, salt) -> prefix id
+        self.state: dict[str, dict] = {}
+        self.num_scheduled_prompt_tokens = 0  # prompt positions computed (recomputes included)
+
+    def _prefix_ids(self, s: dict) -> list[int]:
+        pids = s["pids"]
+        toks = s["tokens"]
+        while len(pids) < len(toks):
+            key = (pids[-1] if pids else -1, toks[len(pids)], s["salt"])
+            pids.append(self._ids.setdefault(key, len(self._ids)))
+        return pids
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.state.pop(rid, None)
+        for nr in so.new_requests:
+            assert nr.req_id not in self.state, f"{nr.req_id} sent as new while the runner holds it"
+            req = self.sched.requests[nr.req_id]
+            self.state[nr.req_id] = dict(tokens=list(nr.prompt_token_ids) + list(nr.output_token_ids),
+                                         n_prompt=len(nr.prompt_token_ids), computed=nr.num_computed_tokens,
+                                         blocks=list(nr.block_ids), salt=req.cache_salt, pids=[])
+        for cr in so.cached_requests:
+            s = self.state[cr.req_id]
+            assert s["computed"] == cr.num_computed_tokens, (cr.req_id, s["computed"], cr.num_computed_tokens)
+            s["blocks"] += cr.new_block_ids
+        # 1. the batch writes its K/V
+        written: dict[tuple[int, int], str] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            s = self.state[rid]
+            c = s["computed"]
+            assert n >= 1 and c + n <= len(s["tokens"]), f"{rid}: asked to compute unknown tokens"
+            assert c + n <= len(s["blocks"]) * self.bs, f"{rid}: no slot for a scheduled token"
+            assert s["blocks"] == self.sched.kv.block_ids(rid), f"{rid}: runner and KV manager disagree"
+            pids = self._prefix_ids(s)
+            for p in range(c, c + n):
+                slot = (s["blocks"][p // self.bs], p % self.bs)
+                assert slot not in written, f"slot {slot} written by {written[slot]} and {rid} in one step"
+                written[slot] = rid
+                self.slots[slot] = pids[p]
+            self.num_scheduled_prompt_tokens += max(0, min(c + n, s["n_prompt"]) - c)
+        # 2. every scheduled request reads correct K/V for all its positions
+        req_ids, toks = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            s = self.state[rid]
+            pids = s["pids"]
+            end = s["computed"] + n
+            for p in range(end):
+                got = self.slots.get((s["blocks"][p // self.bs], p % self.bs))
+                assert got == pids[p], (f"{rid}: the KV at position {p} (block {s['blocks'][p // self.bs]}) "
+                                        f"is not its own (computed {s['computed']}, scheduled {n})")
+            s["computed"] = end
+            # 3. sample at the end of the known tokens
+            if end == len(s["tokens"]):
+                t = next_token(s["tokens"])
+                s["tokens"].append(t)
+                req_ids.append(rid)
+                toks.append(t)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks)
+
+
+def check_accounting(s: Scheduler) -> None:
+    """Live requests are in exactly one of running / waiting, only running ones hold blocks; each
+    block's ref count is the number of block tables holding it; free + referenced == total."""
+    running = {r.request_id for r in s.running}
+    waiting = {r.request_id for r in s.waiting}
+    assert not running & waiting and running | waiting == set(s.requests)
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+    assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
+    holders: dict[int, int] = {}
+    for table in s.kv.req_to_blocks.values():
+        for b in table:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    pool = s.kv.pool
+    assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in pool.blocks), "ref_cnt != tables holding it"
+    assert pool.num_free_blocks + len(holders) == pool.num_blocks
+    pool.check_invariants()
+
+
+class Driver:
+    """Steps a scheduler with the oracle runner; records each request's outputs and finish reason."""
+
+    def __init__(self, sched: Scheduler, overlap: bool = False) -> None:
+        self.sched = sched
+        self.runner = KVOracleRunner(sched)
+        self.overlap = overlap
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.finish_order: list[str] = []
+        self.num_steps = 0
+
+    def add(self, req: Request) -> None:
+        self.sched.add_request(req)
+        self.outputs[req.request_id] = []
+
+    def abort(self, rids) -> list[str]:
+        done = self.sched.abort_requests(rids)
+        for rid in done:
+            self.finish[rid] = "abort"
+            self.finish_order.append(rid)
+        return done
+
+    def _update(self, so, out) -> None:
+        for o in self.sched.update(so, out):
+            assert o.req_id not in self.finish, f"output for {o.req_id} after it finished"
+            self.outputs[o.req_id] += o.new_token_ids
+            if o.finished:
+                self.finish[o.req_id] = o.finish_reason
+                self.finish_order.append(o.req_id)
+
+    def step(self) -> SchedulerOutput:
+        so = self.sched.schedule()
+        self.num_steps += 1
+        assert so.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
+        assert self.sched.num_running <= self.sched.max_num_seqs
+        out = self.runner.execute(so)
+        if self.overlap:
+            prev, self.in_flight = self.in_flight, (so, out)
+            if prev is not None:
+                self._update(*prev)
+        else:
+            self._update(so, out)
+        check_accounting(self.sched)
+        return so
+
+    def flush(self) -> None:
+        if self.in_flight is not None:
+            self._update(*self.in_flight)
+            self.in_flight = None
+
+    def run(self, max_steps: int = 3000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                self.flush()
+                if not self.sched.has_unfinished():
+                    return
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps: running {self.sched.num_running}, "
+                             f"waiting {self.sched.num_waiting}")
+
+    def check_done(self, reqs: list[Request]) -> None:
+        s = self.sched
+        assert not s.requests and not s.running and not len(s.waiting)
+        assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
+        assert all(b.ref_cnt == 0 for b in s.kv.pool.blocks)
+        for r in reqs:
+            rid = r.request_id
+            assert rid in self.finish, f"{rid} was lost"
+            if self.finish[rid] == "abort":
+                continue
+            want = expected_output(r.prompt_token_ids, r.max_tokens)
+            assert self.outputs[rid] == want, f"{rid}: {self.outputs[rid]} != {want}"
