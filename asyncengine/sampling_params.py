@@ -21,6 +21,31 @@ class OutputKind(enum.IntEnum):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How one request is decoded (vLLM's fields and meanings; see executor/sampler.py for the order
+    in which the logits processors apply).
+
+    * ``n``: parallel samples of the same prompt, returned as ``RequestOutput.outputs[i]``. They
+      share the prompt's KV blocks (one prefill when prefix caching is on). With a ``seed``,
+      sample ``i`` uses ``seed + i`` (so it equals an ``n=1`` request with that seed).
+    * ``seed``: a seeded request's tokens depend only on the seed, the logits, and the output
+      position: the same in any batch, order or slot.
+    * ``logprobs=k``: per generated token, a dict ``{token_id: Logprob(logprob, rank,
+      decoded_token)}`` holding the sampled token and the ``k`` most likely ones (``0``: the
+      sampled one only); ``rank`` is 1-based. ``cumulative_logprob`` sums the sampled ones.
+    * ``prompt_logprobs=k``: the same per prompt token (``None`` for the first one, which has no
+      context); requests asking for them bypass the prefix cache (every position is computed).
+    * Both are the model's RAW log-probabilities, ``log_softmax(logits)``, taken before
+      temperature, penalties, logit bias, bans and top-k/top-p/min-p (vLLM's default
+      ``logprobs_mode="raw_logprobs"``).
+    * ``stop``: strings that end the sample; never streamed, cut from the text (kept with
+      ``include_stop_str_in_output``); ``stop_reason`` is the string. ``stop_token_ids``: token ids
+      that end it (``stop_reason`` is the id; its text is not in the output unless
+      ``include_stop_str_in_output``). Neither, nor EOS, can end it before ``min_tokens`` tokens;
+      ``ignore_eos`` ignores EOS (not ``stop_token_ids``).
+
+    Out-of-range values raise ``InvalidRequestError`` naming the field.
+    """
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0

@@ -16,11 +16,13 @@ samples), its computed count and its block table. Each step it
    identical continuations (and generated tokens can be prefix-cache hits too).
 
 ``Driver`` steps the scheduler synchronously or overlapped by one step (as the async engine does:
-step N+1 is scheduled before step N's tokens are folded back), and ``check_accounting`` asserts the
-block bookkeeping after every step.
+step N+1 is scheduled before step N's tokens are folded back). After every step it asserts the
+block bookkeeping (``check_accounting``) and that every block the prefix cache offers holds exactly
+the KV its hash names (``KVOracleRunner.check_cached_contents``), even if nobody reads it again.
 """
 from __future__ import annotations
 
+from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
@@ -41,6 +43,17 @@ def make_req(rid: str, prompt: list[int], max_tokens: int, priority: int = 0, sa
     return Request(request_id=rid, prompt_token_ids=list(prompt),
                    sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
                    max_tokens=max_tokens, priority=priority, cache_salt=salt, **kw)
+
+
+def new_sched(num_blocks=32, block_size=4, max_num_seqs=4, budget=16, policy="priority", caching=True,
+              clock=None) -> Scheduler:
+    """A real scheduler + KV manager; ``clock`` replaces the priority queue's clock (aging)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    s = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                  max_model_len=num_blocks * block_size, policy=policy)
+    if clock is not None:
+        s.waiting.clock = clock
+    return s
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -114,6 +127,23 @@ class KVOracleRunner:
                 toks.append(t)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks)
 
+    def check_cached_contents(self, reqs) -> None:
+        """Every block the prefix cache offers under one of these requests' block hashes holds
+        exactly the KV that hash names (written by some step already executed), whether or not
+        anyone reads it later."""
+        pool = self.sched.kv.pool
+        for r in reqs:
+            toks = r.all_token_ids
+            pid = -1
+            for i, h in enumerate(r.block_hashes):
+                b = pool.cached.get(h)
+                for j in range(self.bs):
+                    pid = self._ids.get((pid, toks[i * self.bs + j], r.cache_salt), -2)
+                    if b is not None:
+                        assert self.slots.get((b.block_id, j)) == pid, (
+                            f"cached block {b.block_id} (block {i} of {r.request_id}) does not hold the KV "
+                            f"its hash names at slot {j}")
+
 
 def check_accounting(s: Scheduler) -> None:
     """Live requests are in exactly one of running / waiting, only running ones hold blocks; each
@@ -145,11 +175,13 @@ class Driver:
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.finish_order: list[str] = []
+        self.seen: list[Request] = []
         self.num_steps = 0
 
     def add(self, req: Request) -> None:
         self.sched.add_request(req)
         self.outputs[req.request_id] = []
+        self.seen.append(req)
 
     def abort(self, rids) -> list[str]:
         done = self.sched.abort_requests(rids)
@@ -179,6 +211,7 @@ class Driver:
         else:
             self._update(so, out)
         check_accounting(self.sched)
+        self.runner.check_cached_contents(self.seen)
         return so
 
     def flush(self) -> None:

@@ -51,7 +51,8 @@ def pool_snapshot(kv: KVCacheManager):
             p.num_free_blocks, p.num_evictions)
 
 
-SEEN = {"admitted": 0, "hits": 0, "evictions": 0, "failed_allocations": 0, "finished": 0, "steps": 0}  # summed over a whole hypothesis run
+# what the machine exercised, summed over a whole hypothesis run
+SEEN = {"admitted": 0, "hits": 0, "evictions": 0, "failed_allocations": 0, "finished": 0, "steps": 0}
 
 
 class KVCacheMachine(RuleBasedStateMachine):

@@ -149,6 +149,12 @@ class BlockPool:
         b.block_hash = block_hash
         self.cached[block_hash] = b
 
+    def uncache_block(self, b: KVBlock) -> None:
+        """Take a block out of the prefix cache (it was registered for a step that will not write it)."""
+        if b.block_hash is not None:
+            del self.cached[b.block_hash]
+            b.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no request holds a block."""
         if self.num_free_blocks != self.num_blocks:

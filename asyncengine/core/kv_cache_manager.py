@@ -110,6 +110,26 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], req.block_hashes[i])
         self._num_cached_blocks[req.request_id] = n_full
 
+    def uncache_unscheduled(self, req: Request) -> bool:
+        """``req`` is being taken back out of the step being built (preempted for another request):
+        forget the hashes ``allocate_slots`` registered for blocks that only this step would have
+        filled, since their KV will never be written. Returns False and changes nothing when one of
+        them is already shared by a prefix hit made in this step (that request relies on this step
+        writing it): then ``req`` must stay scheduled."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        if not blocks:
+            return True
+        first = req.num_computed_tokens // self.block_size  # blocks before it were written earlier
+        end = self._num_cached_blocks.get(req.request_id, 0)
+        fresh = [b for b in blocks[first:end] if b.block_hash is not None]
+        if any(b.ref_cnt > 1 for b in fresh):
+            return False
+        for b in fresh:
+            self.pool.uncache_block(b)
+        if end > first:
+            self._num_cached_blocks[req.request_id] = first
+        return True
+
     def free(self, req: Request) -> None:
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)

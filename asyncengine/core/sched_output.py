@@ -48,8 +48,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
-    # req_id -> prompt logprobs for the positions computed this step: list of (ids, logprobs, rank)
-    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] | None = None
+    # req_id -> (first position p, entries) for requests with prompt_logprobs whose chunk this step
+    # covers prompt positions p, p+1, ...: entry i is (ids, logprobs, rank) for prompt token
+    # p + i + 1 (the sampler's logprobs format), computed from the logits at position p + i
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
     execute_time_s: float = 0.0
 
 

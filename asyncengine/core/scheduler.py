@@ -8,6 +8,16 @@ blocks are freed and it waits again at the front. Nothing is admitted in a step 
 
 Async scheduling: ``num_computed_tokens`` advances when a step is scheduled and each step that will
 sample adds an output placeholder, so step N+1 can be planned before step N's tokens are known.
+
+Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample requests
+(``Request.make_children``: ids ``"<id>#<i>"``, ``seed + i``). With prefix caching on, samples
+1..n-1 are *held* (neither waiting nor running) until sample 0 has had its whole prompt scheduled;
+then they queue at the front and their prefix lookup finds sample 0's full prompt blocks, which they
+share by reference count: the prompt is prefilled once, and each other sample recomputes only the
+prompt's last block (the partial one; or the last full one when the prompt ends exactly on a block
+boundary, since the last prompt token is always recomputed to sample from). With prefix caching off
+nothing can be shared and the samples are independent requests from the start (n prefills).
+Aborting the user's id aborts every sample still running.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from asyncengine.core.sched_output import (CachedRequestData, EngineCoreOutput, 
 
 class SchedulerStats:
     __slots__ = ("num_preemptions", "num_steps", "num_scheduled_tokens", "num_finished", "queue_time_s_total",
-                 "num_started")
+                 "num_started", "num_computed_prompt_tokens")
 
     def __init__(self) -> None:
         self.num_preemptions = 0
@@ -31,6 +41,8 @@ class SchedulerStats:
         self.num_finished = 0
         self.queue_time_s_total = 0.0
         self.num_started = 0
+        # prompt positions actually computed (prefix-cache hits excluded, recomputes included)
+        self.num_computed_prompt_tokens = 0
 
 
 class Scheduler:
@@ -47,26 +59,62 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the runner at the next schedule()
+        # n > 1: user request id -> ids of its samples still in the engine
+        self.parents: dict[str, set[str]] = {}
+        self._held: list[Request] = []  # samples waiting for sample 0's prompt (see the docstring)
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.request_id in self.parents:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
-        self.requests[req.request_id] = req
-        req.status = RequestStatus.WAITING
-        self.waiting.add(req)
+        if req.sampling_params.n == 1:
+            self.requests[req.request_id] = req
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+            return
+        children = req.make_children()
+        for c in children:
+            if c.request_id in self.requests:
+                raise ValueError(f"request id {c.request_id!r} is already in the engine")
+        self.parents[req.request_id] = {c.request_id for c in children}
+        leader = children[0]
+        # hold the others only when they can share something: at least one full prompt block
+        hold = self.kv.enable_caching and (leader.num_prompt_tokens - 1) // self.kv.block_size > 0
+        for c in children:
+            self.requests[c.request_id] = c
+            c.status = RequestStatus.WAITING
+            if hold and c is not leader:
+                c.hold_for = leader
+                self._held.append(c)
+            else:
+                self.waiting.add(c)
+
+    def _release_held(self) -> None:
+        """Queue the held samples whose sample 0 has had its whole prompt scheduled (or is gone)."""
+        ready = [c for c in self._held if c.hold_for.is_finished
+                 or c.hold_for.num_computed_tokens >= c.hold_for.num_prompt_tokens]
+        if not ready:
+            return
+        # at the front: they arrived with sample 0, before anything still waiting
+        for c in reversed(ready):
+            self._held.remove(c)
+            c.hold_for = None
+            self.waiting.push_front(c)
 
     def abort_requests(self, request_ids) -> list[str]:
-        """Abort whatever of ``request_ids`` is still here; returns the ids actually aborted."""
+        """Abort whatever of ``request_ids`` is still here (a user id of an ``n > 1`` request
+        aborts all its samples); returns the core ids actually aborted."""
         done = []
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            done.append(rid)
+            kids = self.parents.get(rid)
+            for cid in (sorted(kids) if kids else (rid,)):
+                req = self.requests.get(cid)
+                if req is None:
+                    continue
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                done.append(cid)
         return done
 
     def has_unfinished(self) -> bool:
@@ -74,7 +122,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -83,11 +131,20 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.hold_for is not None:
+            self._held.remove(req)
+            req.hold_for = None
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
+        if req.parent_id is not None:
+            kids = self.parents.get(req.parent_id)
+            if kids is not None:
+                kids.discard(req.request_id)
+                if not kids:
+                    del self.parents[req.parent_id]
         self._finished_ids.append(req.request_id)
         self.stats.num_finished += 1
 
@@ -118,6 +175,10 @@ class Scheduler:
         victim = self.waiting.pick_victim(self.running)
         if not self.waiting.outranks(req, victim):
             return False
+        # a victim already scheduled in this step registered the blocks its chunk fills as cached;
+        # they must leave the cache, unless a request admitted in this step already hit them
+        if victim.request_id in num_scheduled and not self.kv.uncache_unscheduled(victim):
+            return False
         self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
         self._preempt(victim)
         return True
@@ -132,6 +193,8 @@ class Scheduler:
         return n
 
     def schedule(self) -> SchedulerOutput:
+        if self._held:
+            self._release_held()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -152,6 +215,9 @@ class Scheduler:
                     break
                 victim = self.waiting.pick_victim(self.running)
                 vi = self.running.index(victim)
+                if victim.request_id in num_scheduled:  # nothing hit its fresh blocks yet this step
+                    uncached = self.kv.uncache_unscheduled(victim)
+                    assert uncached
                 budget += self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
                 self._preempt(victim)
                 preempted += 1
@@ -222,6 +288,8 @@ class Scheduler:
             else:
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens))
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1
@@ -235,11 +303,35 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results back
 
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, chunk) -> list | None:
+        """The part of a step's prompt logprobs ``(first position, entries)`` not delivered yet (a
+        recompute after preemption computes them again)."""
+        if chunk is None:
+            return None
+        start, entries = chunk
+        skip = req.num_prompt_logprobs - start
+        assert skip >= 0, f"{req.request_id}: prompt logprobs from {start}, expected {req.num_prompt_logprobs}"
+        new = entries[skip:] if skip else entries
+        req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
+        return new or None
+
     def update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Fold a finished step's sampled tokens into request states; emit per-request outputs."""
+        """Fold a finished step's sampled tokens into request states; emit per-request outputs
+        (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
+        if prompt_lps:
+            sampled = set(out.req_ids)
+            for rid, chunk in prompt_lps.items():
+                req = self.requests.get(rid)
+                if rid in sampled or req is None:
+                    continue
+                plp = self._new_prompt_logprobs(req, chunk)
+                if plp:
+                    outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], new_prompt_logprobs=plp,
+                                                    num_cached_tokens=max(req.num_cached_tokens, 0)))
         for j, (rid, tok) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None:
@@ -253,7 +345,7 @@ class Scheduler:
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=req.stop_reason if status else None,
                 new_logprobs=[lp] if lp is not None else None,
-                new_prompt_logprobs=prompt_lps.get(rid),
+                new_prompt_logprobs=self._new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
             if status is not None:
                 self._finish(req, status)

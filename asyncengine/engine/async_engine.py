@@ -147,6 +147,9 @@ class AsyncLLMEngine:
                  cache_salt: str | None = None) -> RequestStream:
         """Submit a request now; returns its async iterator of RequestOutputs (deltas in
         ``out.text_delta`` / ``out.token_ids_delta``; ``out.outputs[0]`` as output_kind says).
+        With ``sampling_params.n > 1`` the one stream carries every sample: ``outputs[i]`` has
+        ``index`` i (with DELTA, only the samples that changed); it ends when all have finished,
+        and aborting it aborts them all. The samples share the prompt's KV blocks.
 
         ``prompt``: text, token ids, {"prompt_token_ids": [...]} or chat messages
         ([{"role": ..., "content": ...}, ...]). Call it from a coroutine on the app's loop.
@@ -254,10 +257,10 @@ class AsyncLLMEngine:
             core.abort_requests(ids)
             for rid in ids:
                 self._unqueue(rid)
-                self.output_processor.abort(rid)
+                st = self.output_processor.abort(rid)
                 slot = self._slots.pop(rid, None)
                 if slot is not None and not slot.finished:
-                    slot.put(self._aborted_output(rid))
+                    slot.put(self._aborted_output(rid, st))
 
     def _unqueue(self, rid: str) -> None:
         self._num_queued_tokens -= self._queued_tokens.pop(rid, 0)
@@ -265,11 +268,15 @@ class AsyncLLMEngine:
     def _schedule(self):
         so = self.core.schedule()
         for nr in so.new_requests:  # scheduled for the first time: no longer queued
-            if nr.req_id in self._queued_tokens:
-                self._unqueue(nr.req_id)
+            rid = self.output_processor.request_id_of(nr.req_id)  # n > 1: the sample's request
+            if rid in self._queued_tokens:
+                self._unqueue(rid)
         return so
 
-    def _aborted_output(self, rid: str) -> RequestOutput:
+    def _aborted_output(self, rid: str, state=None) -> RequestOutput:
+        """The last output of an aborted stream: what it had (every sample "abort"), if known."""
+        if state is not None:
+            return self.output_processor.make_output(state)
         from asyncengine.outputs import CompletionOutput
         return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[],
                              outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import msgspec
 from tqdm.auto import tqdm
 
 from asyncengine.config import EngineConfig
@@ -18,7 +19,7 @@ from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import RequestOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import OutputKind, SamplingParams
 
 
 def _is_single_prompt(prompts) -> bool:
@@ -45,6 +46,9 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order.
 
+        ``n > 1`` gives ``outputs[i]`` (``index`` i) per sample; the samples share the prompt's KV
+        blocks (one prefill with prefix caching on). ``output_kind`` is ignored: outputs are final.
+
         Every prompt is validated before any runs, so a bad one raises InvalidRequestError naming
         it and nothing is left half-done in the engine."""
         if _is_single_prompt(prompts):
@@ -64,6 +68,9 @@ class LLM:
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         made = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            if isinstance(sp, SamplingParams) and sp.output_kind != OutputKind.FINAL_ONLY:
+                # only the final outputs are returned: don't build the intermediate ones (vLLM too)
+                sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)
             try:
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)

@@ -1,14 +1,43 @@
 """Output processing: core outputs (token ids) in, user-facing ``RequestOutput``s out.
 
-Per request it keeps an incremental detokenizer and a stop-string matcher, so text is decoded
+Per sample it keeps an incremental detokenizer and a stop-string matcher, so text is decoded
 once, incrementally, and no part of a stop string is ever streamed. A stop-string match finishes
-the request here; the caller must abort it in the core (returned in ``ProcessedOutputs.to_abort``).
+the sample here; the caller must abort it in the core (its core id is in
+``ProcessedOutputs.to_abort``).
+
+Text convention (vLLM's): a completion's text is what its tokens add *after the prompt*, i.e.
+``decode(prompt + output)[len(decode(prompt)):]``; the detokenizer is primed with the prompt's last
+tokens (``IncrementalDetokenizer(..., prompt_context=True)``). For SentencePiece-style tokenizers
+(Llama 2, Mistral, Gemma) this keeps the leading space that ``decode(output_ids)`` alone drops
+(``" Paris"``, not ``"Paris"``), so ``prompt + text`` reads right; for byte-level BPE tokenizers
+(GPT-2, Llama 3, Qwen, SmolLM...) it is exactly ``decode(output_ids)``. Either way the streamed
+text deltas concatenate to the final ``text``.
+
+A sample ended by EOS or one of ``stop_token_ids`` keeps that token in ``token_ids`` but not its
+text in ``text``, unless ``include_stop_str_in_output`` (vLLM's rule); a stop *string* cuts the
+text before it (or after it, with ``include_stop_str_in_output``) and is never streamed.
+
+Parallel samples (``n > 1``): the core runs one request per sample, ids
+``child_request_id(request_id, i)``; here they are gathered into ONE ``RequestOutput`` per user
+request, with ``outputs[i]`` (``index == i``) per sample, finished when every sample is. What an
+output carries follows ``output_kind``:
+
+* ``CUMULATIVE``: all ``n`` samples, everything so far.
+* ``DELTA``: only the samples that changed since the previous output, each with its new tokens and
+  text (``CompletionOutput.index`` says which); ``prompt_logprobs`` only in the first output.
+* ``FINAL_ONLY``: one output, once every sample has finished.
+
+``RequestOutput.text_delta`` / ``token_ids_delta`` are sample 0's news since the previous output.
+Prompt logprobs arrive chunk by chunk (chunked prefill); they are assembled here and shown once
+complete (``[None, {...}, ...]``: one entry per prompt token, the first has none), which is at the
+latest with sample 0's first token.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from asyncengine.core.request import child_request_id
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine.detokenizer import IncrementalDetokenizer
 from asyncengine.engine.stop_strings import StopStringMatcher
@@ -17,62 +46,106 @@ from asyncengine.sampling_params import OutputKind, SamplingParams
 
 
 @dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
+class SampleState:
+    """One of the ``n`` samples of a request (the only one when ``n == 1``)."""
+
+    index: int
+    core_id: str
     detokenizer: IncrementalDetokenizer | None
     stops: StopStringMatcher | None
-    metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list | None = None
-    prompt_logprobs: list | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    sent_tokens: int = 0  # for DELTA outputs
+    sent_tokens: int = 0  # what the previous output showed (for deltas)
     sent_text: int = 0
+    sent_finish: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def has_news(self) -> bool:
+        return (len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_text
+                or (self.finished and not self.sent_finish))
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[SampleState]
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
 
 @dataclass
 class ProcessedOutputs:
     outputs: list[RequestOutput]
-    to_abort: list[str]  # finished here by a stop string: abort them in the core
+    to_abort: list[str]  # core ids finished here by a stop string: abort them in the core
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # by user request id
+        self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None) -> RequestState:
-        detok = None
-        stops = None
-        if self.tokenizer is not None and params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                           skip_special_tokens=params.skip_special_tokens)
-            if params.stop:
-                stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        n = params.n
+        want_lp = params.logprobs is not None
+        samples = []
+        for i in range(n):
+            detok = stops = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               skip_special_tokens=params.skip_special_tokens,
+                                               prompt_context=True)
+                if params.stop:
+                    stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            samples.append(SampleState(
+                index=i, core_id=request_id if n == 1 else child_request_id(request_id, i),
+                detokenizer=detok, stops=stops, logprobs=[] if want_lp else None,
+                cumulative_logprob=0.0 if want_lp else None))
         st = RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                          params=params, detokenizer=detok, stops=stops,
-                          metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
-                          logprobs=[] if params.logprobs is not None else None,
-                          cumulative_logprob=0.0 if params.logprobs is not None else None)
+                          params=params, metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+                          samples=samples,
+                          # the first prompt token has no logprob
+                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.states[request_id] = st
+        for s in samples:
+            self._samples[s.core_id] = (st, s)
         return st
 
+    def request_id_of(self, core_id: str) -> str:
+        """The user request id of a core request id (itself when unknown or ``n == 1``)."""
+        ref = self._samples.get(core_id)
+        return ref[0].request_id if ref is not None else core_id
+
     def abort(self, request_id: str) -> RequestState | None:
+        """Forget a user request; its unfinished samples end with finish_reason "abort"."""
         st = self.states.pop(request_id, None)
-        if st is not None and not st.finished:
-            st.finish_reason = "abort"
+        if st is None:
+            return None
+        now = time.monotonic()
+        for s in st.samples:
+            self._samples.pop(s.core_id, None)
+            if not s.finished:
+                s.finish_reason = "abort"
+        if st.metrics.finished_time is None:
+            st.metrics.finished_time = now
         return st
 
     def _decode_logprobs(self, entry) -> dict[int, Logprob]:
@@ -89,64 +162,90 @@ class OutputProcessor:
         now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        touched: dict[str, RequestState] = {}
         for co in core_outputs:
-            st = self.states.get(co.req_id)
-            if st is None or st.finished:
+            ref = self._samples.get(co.req_id)
+            if ref is None:
                 continue
+            st, s = ref
+            if s.finished:
+                continue
+            touched[st.request_id] = st
             m = st.metrics
-            if m.first_token_time is None and co.new_token_ids:
-                m.first_token_time = now
-            m.last_token_time = now
-            st.num_cached_tokens = co.num_cached_tokens
             new_ids = co.new_token_ids
-            st.token_ids.extend(new_ids)
-            if co.new_logprobs and st.logprobs is not None:
-                for entry in co.new_logprobs:
-                    st.logprobs.append(self._decode_logprobs(entry))
-                    st.cumulative_logprob += entry[1][0]
-            if co.new_prompt_logprobs:
-                if st.prompt_logprobs is None:
-                    st.prompt_logprobs = [None]  # the first prompt token has no logprob
+            if new_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+            if s.index == 0:
+                st.num_cached_tokens = co.num_cached_tokens
+            if co.new_prompt_logprobs and st.prompt_logprobs is not None:
                 st.prompt_logprobs.extend(self._decode_logprobs(e) for e in co.new_prompt_logprobs)
+            s.token_ids.extend(new_ids)
+            if co.new_logprobs and s.logprobs is not None:
+                for entry in co.new_logprobs:
+                    s.logprobs.append(self._decode_logprobs(entry))
+                    s.cumulative_logprob += entry[1][0]
             finish, stop_reason = co.finish_reason, co.stop_reason
-            if st.detokenizer is not None:
-                delta = st.detokenizer.push(new_ids)
+            if s.detokenizer is not None:
+                text_ids = new_ids
+                if co.finish_reason == "stop" and new_ids and not st.params.include_stop_str_in_output:
+                    text_ids = new_ids[:-1]  # the EOS / stop token that ended it is not text (vLLM)
+                delta = s.detokenizer.push(text_ids)
                 if finish is not None:
-                    delta += st.detokenizer.finish()  # an unfinished character at the very end
-                if st.stops is not None:
-                    delta, matched = st.stops.feed(delta)
+                    delta += s.detokenizer.finish()  # an unfinished character at the very end
+                if s.stops is not None:
+                    delta, matched = s.stops.feed(delta)
                     if matched is not None:
                         finish, stop_reason = "stop", matched
                         if co.finish_reason is None:
                             to_abort.append(co.req_id)
                     elif finish is not None:
-                        delta += st.stops.flush()
-                st.text += delta
+                        delta += s.stops.flush()
+                s.text += delta
             if finish is not None:
-                st.finish_reason, st.stop_reason = finish, stop_reason
-                m.finished_time = now
-                del self.states[co.req_id]
-            if st.params.output_kind == OutputKind.FINAL_ONLY and not st.finished:
+                s.finish_reason, s.stop_reason = finish, stop_reason
+                del self._samples[co.req_id]
+        for st in touched.values():
+            if st.finished:
+                st.metrics.finished_time = now
+                del self.states[st.request_id]
+            elif st.params.output_kind == OutputKind.FINAL_ONLY:
                 continue
+            elif not any(s.has_news for s in st.samples):
+                continue  # e.g. a prefill chunk that only brought prompt logprobs
             results.append(self.make_output(st))
         return ProcessedOutputs(results, to_abort)
 
     def make_output(self, st: RequestState) -> RequestOutput:
-        """The output as the request's output_kind wants it, with the delta since the last one."""
-        text_delta = st.text[st.sent_text:]
-        ids_delta = st.token_ids[st.sent_tokens:]
-        if st.params.output_kind == OutputKind.DELTA:
-            text, ids = text_delta, ids_delta
-            lps = st.logprobs[st.sent_tokens:] if st.logprobs is not None else None
-        else:
-            text, ids = st.text, list(st.token_ids)
-            lps = list(st.logprobs) if st.logprobs is not None else None
-        st.sent_text, st.sent_tokens = len(st.text), len(st.token_ids)
-        comp = CompletionOutput(index=0, text=text, token_ids=ids, finish_reason=st.finish_reason,
-                                stop_reason=st.stop_reason, logprobs=lps,
-                                cumulative_logprob=st.cumulative_logprob)
+        """The output as the request's output_kind wants it, with the deltas since the last one."""
+        delta_kind = st.params.output_kind == OutputKind.DELTA
+        comps = []
+        for s in st.samples:
+            if delta_kind and not s.has_news:
+                continue
+            if delta_kind:
+                text, ids = s.text[s.sent_text:], s.token_ids[s.sent_tokens:]
+                lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+            else:
+                text, ids = s.text, list(s.token_ids)
+                lps = list(s.logprobs) if s.logprobs is not None else None
+            comps.append(CompletionOutput(index=s.index, text=text, token_ids=ids, finish_reason=s.finish_reason,
+                                          stop_reason=s.stop_reason, logprobs=lps,
+                                          cumulative_logprob=s.cumulative_logprob))
+        s0 = st.samples[0]
+        text_delta, ids_delta = s0.text[s0.sent_text:], s0.token_ids[s0.sent_tokens:]
+        for s in st.samples:
+            s.sent_text, s.sent_tokens = len(s.text), len(s.token_ids)
+            s.sent_finish = s.finished
+        prompt_lps = st.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < len(st.prompt_token_ids):
+            prompt_lps = None  # still arriving (another sample may be ahead of sample 0's prefill)
+        if delta_kind:
+            prompt_lps = None if st.prompt_logprobs_sent else prompt_lps
+            st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         st.metrics.num_cached_tokens = st.num_cached_tokens
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
-                             outputs=[comp], finished=st.finished, prompt_logprobs=st.prompt_logprobs,
+                             outputs=comps, finished=st.finished, prompt_logprobs=prompt_lps,
                              metrics=st.metrics, num_cached_tokens=st.num_cached_tokens,
                              text_delta=text_delta, token_ids_delta=ids_delta)

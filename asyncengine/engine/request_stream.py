@@ -18,6 +18,8 @@ def merge_outputs(old: RequestOutput, new: RequestOutput, kind: OutputKind) -> R
     the newer value."""
     new.text_delta = old.text_delta + new.text_delta
     new.token_ids_delta = old.token_ids_delta + new.token_ids_delta
+    if new.prompt_logprobs is None:  # DELTA shows them only once
+        new.prompt_logprobs = old.prompt_logprobs
     if kind == OutputKind.DELTA:
         by_index = {c.index: c for c in old.outputs}
         merged = []

@@ -8,6 +8,8 @@ of a decode is always the runner's own last sample.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from dataclasses import dataclass
 
@@ -15,7 +17,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.executor.sampler import Sampler, SamplingMetadata
+from asyncengine.executor.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
                                           build_decode_groups)
 from asyncengine.models.loader import LoadedModel
@@ -40,9 +42,57 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
 
 
+def kv_cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV-cache tensor. On Linux CPUs its memory is first advised to use transparent huge
+    pages (where THP is in "madvise" mode, the default on many distributions, nothing else asks):
+    decode attention gathers blocks scattered over the whole cache, and 2 MiB pages spare it most
+    TLB misses (about 15% faster gathers, see docs/benchmarks.md)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and sys.platform.startswith("linux"):
+        _madvise_hugepages(t.data_ptr(), t.numel() * t.element_size())
+    return t.zero_()  # first touch after the advice, so the pages are allocated huge
+
+
+def _madvise_hugepages(addr: int, nbytes: int) -> None:
+    huge = 2 << 20
+    start = -(-addr // huge) * huge
+    end = (addr + nbytes) // huge * huge
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        pass  # an advice only: without it the cache just uses 4 KiB pages
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc malloc to keep freed memory for reuse instead of giving it back to the OS.
+
+    torch's CPU allocator has no cache of its own: every step allocates its activations afresh
+    (several MiB each at 2048 tokens) and frees them. By default glibc serves blocks that large
+    with fresh mmap()s, or trims the heap as they are freed, so every step pays page faults on
+    every large tensor; prefill attention ran at half speed for it (docs/benchmarks.md). With
+    these settings the process keeps its peak heap instead (its RSS does not shrink after a burst).
+    Process-wide and idempotent; a no-op (False) off glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum: larger blocks still mmap
+        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
         self.config = config
+        if config.torch_device.type == "cpu":
+            keep_freed_memory()
         self.model = loaded.model
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -52,12 +102,14 @@ class ModelRunner:
         a = self.model.args
         shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(kv_cache_zeros(shape, self.dtype, self.device),
+                           kv_cache_zeros(shape, self.dtype, self.device))
                           for _ in range(a.num_layers)]
         # scratch for the decode attention's gathered keys/values, reused by every layer and step
         self.attn_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         self.requests: dict[str, RunnerRequestState] = {}
+        # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
+        self._prompt_logprob_ids: set[str] = set()
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
@@ -67,6 +119,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self._prompt_logprob_ids.discard(rid)
         for nr in so.new_requests:
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, token_ids=list(nr.prompt_token_ids) + list(nr.output_token_ids),
@@ -74,6 +127,10 @@ class ModelRunner:
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids)
+            if nr.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprob_ids.add(nr.req_id)
+            else:
+                self._prompt_logprob_ids.discard(nr.req_id)
         for cr in so.cached_requests:
             st = self.requests[cr.req_id]
             st.block_ids.extend(cr.new_block_ids)
@@ -149,6 +206,8 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_states.append(st)
 
+        plp_spans = self._prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
+
         for st in decodes:
             st.num_computed_tokens += 1
         for st, n in prefills:
@@ -183,7 +242,49 @@ class ModelRunner:
                 lp = out.logprobs
                 logprobs = [None if ids is None else (ids, vals, rank)
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
+        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 execute_time_s=dt)
+                                 prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+
+    # ------------------------------------------------------------------ prompt logprobs
+
+    def _prompt_logprob_spans(self, decodes, prefills, positions: list[int]
+                              ) -> list[tuple[RunnerRequestState, int, int, int]]:
+        """(state, first flat row, first position, count) of the prompt positions this step computes
+        for requests with prompt_logprobs: every position but the prompt's last (whose logits are
+        the first sample's). Call before the computed counts advance; rows as execute() lays them
+        out (decodes first, then the prefill chunks in order)."""
+        spans = []
+        for i, st in enumerate(decodes):
+            if st.sampling_params.prompt_logprobs is not None and st.num_computed_tokens < st.num_prompt_tokens - 1:
+                spans.append((st, i, st.num_computed_tokens, 1))
+        row = len(decodes)
+        for st, n in prefills:
+            if st.sampling_params.prompt_logprobs is not None:
+                start = st.num_computed_tokens
+                m = min(start + n, st.num_prompt_tokens - 1) - start
+                if m > 0:
+                    spans.append((st, row, start, m))
+            row += n
+        for st, row, start, m in spans:  # the batch layout is as assumed above
+            assert positions[row] == start and positions[row + m - 1] == start + m - 1, "batch layout changed"
+        return spans
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans, rows_per_pass: int = 512) -> dict:
+        """Raw log_softmax logprobs of each next prompt token (and the top k), computed in slices of
+        rows so that a long chunk never materializes [chunk, vocab] logits at once."""
+        out = {}
+        V = self.vocab_size
+        for st, row, start, m in spans:
+            k = min(st.sampling_params.prompt_logprobs, V)
+            targets = torch.tensor(st.prompt_ids[start + 1:start + m + 1], dtype=torch.long, device=self.device)
+            entries: list = []
+            for c in range(0, m, rows_per_pass):
+                e = min(m, c + rows_per_pass)
+                lp = self.model.compute_logits(hidden[row + c:row + e]).float()[:, :V].log_softmax(dim=-1)
+                ids_t, lps_t, ranks_t = gather_logprobs(lp, targets[c:e], k)
+                entries.extend(zip(ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()))
+            out[st.req_id] = (start, entries)
+        return out

@@ -13,7 +13,8 @@ Decodes are attended in groups of rows with similar context lengths (:func:`plan
 per group, one ``index_select`` gathers the group's blocks into a reused workspace, then two
 batched matmuls and a softmax; keys past a row's length are masked. Grouping bounds the padding,
 and a group's gathered K/V (a few MiB at most) is still in cache when the matmuls read it. Each
-prefill chunk attends with SDPA, causally over its own tokens and over its cached context. No
+prefill chunk attends causally over its cached context and its own tokens, in blocks of query rows
+(two matmuls and a softmax per block; faster than SDPA's CPU flash kernel at these sizes). No
 dense mask over all requests' keys is ever built: attention cost is the sum over requests.
 """
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 # A decode group's gathered keys span at most this many token slots (rows x padded length), so the
 # workspace (keys and values) stays cache-sized; see docs/benchmarks.md for the measurements.
@@ -29,6 +29,10 @@ DECODE_GROUP_TOKENS = 8192
 # A row joins a group only if its context needs at least this fraction of the group's longest
 # row's blocks: padding stays below 1 / DECODE_GROUP_FILL - 1 (33%) of a group's gathered keys.
 DECODE_GROUP_FILL = 0.75
+# Prefill attention works on blocks of at most this many query rows, fewer where the fp32 scores
+# (heads x rows x keys) would exceed PREFILL_SCORES_NUMEL elements.
+PREFILL_QUERY_BLOCK = 128
+PREFILL_SCORES_NUMEL = 1 << 22
 
 
 @dataclass
@@ -155,20 +159,42 @@ class TorchPagedAttention:
         return torch.matmul(probs, vals).transpose(0, 1).reshape(n, hk * g, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, ch: PrefillChunk) -> torch.Tensor:
+        """Causal attention of a chunk over its cached context and itself, in query blocks: per
+        block, one matmul for the scores against every key it may see, a softmax, one matmul with
+        the values. Plain matmuls run near the machine's GEMM speed; on CPU this is about twice as
+        fast as SDPA's flash kernel for these shapes (docs/benchmarks.md)."""
         n = q.shape[0]
-        hk, d = self.num_kv_heads, self.head_dim
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, d]
-        if ch.context_len == 0:
-            kh = k.transpose(0, 1).unsqueeze(0)
-            vh = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.group > 1)
-        else:
-            total = ch.context_len + n
-            kh = k_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total].unsqueeze(0)
-            vh = v_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total].unsqueeze(0)
-            qpos = torch.arange(ch.context_len, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.group > 1)
-        return o.squeeze(0).transpose(0, 1)
+        hk, d, g = self.num_kv_heads, self.head_dim, self.group
+        ctx = ch.context_len
+        total = ctx + n
+        if ctx == 0:
+            keys, vals = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [Hkv, n, d]
+        else:  # the cache already holds this chunk's own keys too (written in forward)
+            keys = k_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total]
+            vals = v_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total]
+        # query rows per block: at most 128, fewer where the keys are many (bounds the fp32 scores)
+        qb = max(16, min(PREFILL_QUERY_BLOCK, PREFILL_SCORES_NUMEL // (self.num_heads * total)))
+        out = torch.empty_like(q)
+        for i0 in range(0, n, qb):
+            i1 = min(n, i0 + qb)
+            b, seen = i1 - i0, ctx + i1  # this block's queries see keys [0, ctx + i1)
+            qg = q[i0:i1].permute(1, 0, 2).reshape(hk, g * b, d)  # a kv head's query heads as rows
+            scores = torch.matmul(qg, keys[:, :seen].transpose(1, 2)).float()  # [Hkv, g*b, seen]
+            scores.mul_(self.scale)
+            diagonal = scores.view(hk, g, b, seen)[..., ctx + i0:]  # [.., b, b]: mask above it
+            diagonal.masked_fill_(_upper_triangle(b, q.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(vals.dtype)
+            out[i0:i1] = torch.matmul(probs, vals[:, :seen]).view(hk * g, b, d).transpose(0, 1)
+        return out
+
+
+_TRIANGLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _upper_triangle(b: int, device: torch.device) -> torch.Tensor:
+    """[b, b] bool, True strictly above the diagonal (the future keys of a query block)."""
+    key = (PREFILL_QUERY_BLOCK, device)
+    if key not in _TRIANGLES:
+        _TRIANGLES[key] = torch.ones(PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK, dtype=torch.bool,
+                                     device=device).triu_(1)
+    return _TRIANGLES[key][:b, :b]

@@ -1,0 +1,616 @@
+"""The ASGI app: OpenAI's /v1/completions and /v1/chat/completions (streaming or not), /v1/models,
+/health, /metrics, /openapi.json, a websocket chat at /v1/ws/chat and the web chat page at /.
+
+``build_app(engine, served_model_name=..., api_key=None)`` embeds it around any AsyncLLMEngine; the
+app binds the engine to the server's event loop when it starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from asyncengine.errors import AsyncEngineError, InvalidRequestError
+
+from . import openapi
+from .errors import APIError, from_engine
+from .generation import (TokenBytes, chat_logprobs, completion_logprobs, merge_streams, sampling_params,
+                         submit_n)
+from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
+
+log = logging.getLogger("asyncengine.integrations.openai_server")
+
+MAX_SAMPLES = 256  # prompts x n of one request
+_OFF_LOOP_CHARS = 4096  # tokenize / render longer inputs on a worker thread
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
+
+
+def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(e: APIError) -> Response:
+    return Response(e.encode(), status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def find_web_chat_dir() -> Path | None:
+    """The web chat page: installed as package data (asyncengine.integrations.web_chat, a data-only
+    package), or examples/web_chat/ of a source checkout."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("asyncengine.integrations.web_chat")
+    except ImportError:
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / "index.html").is_file():
+            return Path(loc)
+    p = Path(__file__).resolve().parents[2] / "examples" / "web_chat"
+    return p if (p / "index.html").is_file() else None
+
+
+def _token_ids(items: list) -> list[int] | None:
+    """A JSON list of token ids (integral floats such as 7.0 count: JSON has one number type)."""
+    out = []
+    for t in items:
+        if type(t) is int:
+            out.append(t)
+        elif type(t) is float and t.is_integer() and abs(t) < 2**53:
+            out.append(int(t))
+        else:
+            return None
+    return out
+
+
+class ServerState:
+    """What every handler needs: the engine, names, limits, metrics."""
+
+    def __init__(self, engine, served_model_name: str, api_key: str | None, web_chat_dir: Path | None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.api_key = api_key.encode("utf-8") if api_key else None
+        self.metrics = ServerMetrics(engine)
+        self.token_bytes = TokenBytes(engine.tokenizer)
+        self.web_chat_dir = web_chat_dir
+        self.created = int(time.time())
+        self.shutting_down = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once started
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.core.max_model_len
+
+    # ------------------------------------------------------------ checks
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+                           param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                f"{what} has {num_prompt} tokens, leaving no room for the completion. "
+                                f"Please shorten the {what}.", param=what, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in "
+                                f"the completion). Please reduce the length of the {what} or completion.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    # ------------------------------------------------------------ inputs
+
+    async def tokenize(self, item) -> tuple[str | None, list[int]]:
+        """A text or a list of token ids -> (text or None, checked ids)."""
+        proc = self.engine.processor
+        try:
+            if isinstance(item, str) and len(item) > _OFF_LOOP_CHARS:
+                return await asyncio.to_thread(proc.tokenize, item)
+            return proc.tokenize(item)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+    async def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        elif all(isinstance(p, str) for p in prompt):
+            items = list(prompt)
+        elif (ids := _token_ids(prompt)) is not None:
+            items = [ids]
+        elif all(isinstance(p, list) for p in prompt) and None not in (lists := [_token_ids(p) for p in prompt]):
+            items = lists
+        else:
+            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list "
+                                "of lists of token ids", param="prompt")
+        return [await self.tokenize(it) for it in items]
+
+    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        from asyncengine.engine.llm import render_chat
+
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
+                                "token ids", param="messages")
+        msgs = []
+        size = 0
+        for i, m in enumerate(messages):
+            role = "system" if m.role == "developer" else m.role
+            if role not in _ROLES:
+                raise APIError(400, f"messages[{i}].role must be one of system, developer, user, assistant, "
+                                    f"tool; got {m.role!r}", param=f"messages[{i}].role")
+            content = m.content
+            if content is None:
+                content = ""
+            elif isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(400, f"only text content parts are supported (messages[{i}].content[{j}] "
+                                            f"is {part.type!r})", param=f"messages[{i}].content[{j}]")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            size += len(content)
+            msgs.append({"role": role, "content": content})
+        try:
+            if size > _OFF_LOOP_CHARS:
+                return await asyncio.to_thread(render_chat, tok, msgs)
+            return render_chat(tok, msgs)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # the model's jinja template refused these messages
+            raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+
+    # ------------------------------------------------------------ engine
+
+    async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int, request_id: str) -> list:
+        """Every sample of every prompt (choice index = prompt index * n + sample), or none."""
+        streams: list = []
+        try:
+            for p, (text, ids) in enumerate(prompts):
+                prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
+                streams += await submit_n(self.engine, prompt, params, n, f"{request_id}-{p}")
+        except BaseException as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, (AsyncEngineError, APIError)):
+                raise from_engine(e, self.engine) from None
+            raise
+        return streams
+
+
+# ---------------------------------------------------------------- disconnects
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, coro):
+    """Run ``coro``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise _ClientGone
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class SSEResponse:
+    """text/event-stream from an async iterator of ready-made event bytes. The iterator runs as its
+    own task, raced against the client's disconnect: a client that leaves cancels it at once (even
+    while no token is coming), which aborts its engine requests."""
+
+    def __init__(self, events) -> None:
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+        async def pump() -> None:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(pump())
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                with contextlib.suppress(OSError):  # the client left during the last send
+                    task.result()
+        finally:
+            for t in (task, watcher):
+                t.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+            await self.events.aclose()
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+def _state(request) -> ServerState:
+    return request.app.state.server
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def completions(request: Request) -> Response:
+    st = _state(request)
+    req: CompletionRequest = decode(await request.body(), CompletionRequest)
+    st.check_model(req.model)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    prompts = await st.completion_prompts(req.prompt)
+    if len(prompts) * req.n > MAX_SAMPLES:
+        raise APIError(400, f"at most {MAX_SAMPLES} completions per request (prompts x n)", param="n")
+    for _, ids in prompts:
+        st.check_length(len(ids), req.max_tokens, "prompt")
+    k = req.logprobs
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = await st.submit(prompts, params, req.n, rid)
+    n = req.n
+    created = int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    echo_texts = []
+    if req.echo:
+        tok = st.engine.tokenizer
+        echo_texts = [text if text is not None else (tok.decode(ids) if tok is not None else "")
+                      for text, ids in prompts]
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def events():
+            counts = [0] * len(streams)
+            offsets = [0] * len(streams)
+            finished = set()
+            try:
+                for i, text in enumerate(echo_texts):
+                    for j in range(n):
+                        yield _sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                                         "finish_reason": None}]})
+                async for i, out in merge_streams(streams):
+                    c = out.outputs[0]
+                    counts[i] += len(c.token_ids)
+                    lp = None
+                    if k is not None:
+                        lp, offsets[i] = completion_logprobs(c.logprobs, k, offsets[i])
+                    if c.text or out.finished or (lp is not None and lp["tokens"]):
+                        choice = {"index": i, "text": c.text, "logprobs": lp,
+                                  "finish_reason": out.finish_reason if out.finished else None}
+                        if out.finished:
+                            choice["stop_reason"] = c.stop_reason
+                        yield _sse({**head, "choices": [choice]})
+                    if out.finished:
+                        finished.add(i)
+                        st.metrics.observe(out, counts[i])
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(counts))})
+            except (AsyncEngineError, APIError) as e:
+                yield _sse(from_engine(e, st.engine).body())
+            finally:
+                if len(finished) < len(streams):
+                    st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
+            yield _DONE
+
+        return SSEResponse(events())
+
+    finals: list = [None] * len(streams)
+
+    async def collect():
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    try:
+        await run_until_disconnect(request, collect())
+    except _ClientGone:
+        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
+        return Response(status_code=499)
+    except AsyncEngineError as e:
+        raise from_engine(e, st.engine) from None
+    choices = []
+    completion_tokens = 0
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        st.metrics.observe(out, len(c.token_ids))
+        text = (echo_texts[i // n] + c.text) if req.echo else c.text
+        choices.append({"index": i, "text": text,
+                        "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
+                        "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
+    return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+async def chat_completions(request: Request) -> Response:
+    st = _state(request)
+    req: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
+    st.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    ids = await st.chat_prompt(req.messages)
+    st.check_length(len(ids), max_tokens, "messages")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await st.submit([(None, ids)], params, req.n, rid)
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
+
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        head["object"] = "chat.completion.chunk"
+
+        async def events():
+            counts = [0] * len(streams)
+            finished = set()
+            try:
+                for i in range(len(streams)):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+                async for i, out in merge_streams(streams):
+                    c = out.outputs[0]
+                    counts[i] += len(c.token_ids)
+                    lp = {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None
+                    if c.text or out.finished or (lp is not None and lp["content"]):
+                        choice = {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                                  "finish_reason": out.finish_reason if out.finished else None}
+                        if out.finished:
+                            choice["stop_reason"] = c.stop_reason
+                        yield _sse({**head, "choices": [choice]})
+                    if out.finished:
+                        finished.add(i)
+                        st.metrics.observe(out, counts[i])
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(len(ids), sum(counts))})
+            except (AsyncEngineError, APIError) as e:
+                yield _sse(from_engine(e, st.engine).body())
+            finally:
+                if len(finished) < len(streams):
+                    st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
+            yield _DONE
+
+        return SSEResponse(events())
+
+    finals: list = [None] * len(streams)
+
+    async def collect():
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    try:
+        await run_until_disconnect(request, collect())
+    except _ClientGone:
+        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
+        return Response(status_code=499)
+    except AsyncEngineError as e:
+        raise from_engine(e, st.engine) from None
+    choices = []
+    completion_tokens = 0
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        st.metrics.observe(out, len(c.token_ids))
+        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
+                        "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
+    return _json({**head, "choices": choices, "usage": _usage(len(ids), completion_tokens)})
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "asyncengine",
+            "max_model_len": st.max_model_len}
+
+
+async def list_models(request: Request) -> Response:
+    return _json({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    st = _state(request)
+    name = request.path_params["model"]
+    st.check_model(name)
+    return _json(_model_card(st))
+
+
+async def health(request: Request) -> Response:
+    st = _state(request)
+    engine = st.engine
+    if getattr(engine, "errored", False):
+        return _json({"status": "error", "message": "the engine died"}, status=500)
+    if st.shutting_down or getattr(engine, "_closing", False):
+        return _json({"status": "shutting_down"}, status=503)
+    return _json({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def openapi_json(request: Request) -> Response:
+    st = _state(request)
+    return _json(openapi.document(st.model_name, getattr(st.engine.core, "vocab_size", None)))
+
+
+def _page(name: str, media_type: str):
+    async def page(request: Request) -> Response:
+        d = _state(request).web_chat_dir
+        if d is None or not (d / name).is_file():
+            raise APIError(404, "the web chat page is not installed")
+        return FileResponse(d / name, media_type=media_type)
+
+    return page
+
+
+# ---------------------------------------------------------------- errors, auth
+
+
+async def _on_api_error(request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+async def _on_http_error(request, exc: HTTPException) -> Response:
+    return error_response(APIError(exc.status_code, str(exc.detail)))
+
+
+async def _on_client_gone(request, exc: ClientDisconnect) -> Response:
+    return Response(status_code=499)  # nobody is there to read it
+
+
+async def _on_engine_error(request, exc: AsyncEngineError) -> Response:
+    return error_response(from_engine(exc, _state(request).engine))
+
+
+async def _on_error(request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class AuthMiddleware:
+    """With an API key, every /v1 route wants ``Authorization: Bearer <key>`` (websockets may pass
+    ``?api_key=<key>`` instead: browsers cannot set headers on them). Compared in constant time."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    def _authorized(self, scope) -> bool:
+        key = self.state.api_key
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
+                break
+        if not given and scope["type"] == "websocket":
+            q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            given = (q.get("api_key") or [""])[0].encode("utf-8")
+        return hmac.compare_digest(given, key)
+
+    async def __call__(self, scope, receive, send):
+        if self.state.api_key is not None and scope["type"] in ("http", "websocket") \
+                and scope.get("path", "").startswith("/v1") and not self._authorized(scope):
+            if scope["type"] == "http":
+                return await error_response(APIError(
+                    401, "Incorrect API key provided: send it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key"))(scope, receive, send)
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+            return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------- the app
+
+
+def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, *,
+              own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None) -> Starlette:
+    """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
+
+    served_model_name: the ``model`` clients must name (default: the engine's model).
+    api_key: require ``Authorization: Bearer <api_key>`` on /v1 routes.
+    own_engine: shut the engine down when the app stops (what ``serve`` does).
+    web_chat_dir: where the web chat page lives (default: the installed page).
+    """
+    from .websocket import ws_chat
+
+    name = served_model_name or getattr(getattr(engine, "config", None), "model", None)
+    if not name:
+        from asyncengine.models.default_model import DEFAULT_MODEL
+
+        name = DEFAULT_MODEL
+    st = ServerState(engine, str(name), api_key,
+                     Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await engine.start()  # bind the engine to the server's loop
+        st.loop = asyncio.get_running_loop()
+        try:
+            yield
+        finally:
+            st.shutting_down = True
+            if own_engine:
+                await engine.shutdown(drain=False)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/", _page("index.html", "text/html; charset=utf-8"), methods=["GET"]),
+        Route("/chat", _page("index.html", "text/html; charset=utf-8"), methods=["GET"]),
+        Route("/chat.js", _page("chat.js", "text/javascript; charset=utf-8"), methods=["GET"]),
+        WebSocketRoute("/v1/ws/chat", ws_chat),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS),
+                    Middleware(AuthMiddleware, state=st)],
+        exception_handlers={APIError: _on_api_error, AsyncEngineError: _on_engine_error, HTTPException: _on_http_error,
+                            ClientDisconnect: _on_client_gone, Exception: _on_error},
+        lifespan=lifespan)
+    app.state.server = st
+    app.state.engine = engine
+    return app

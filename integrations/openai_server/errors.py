@@ -1,0 +1,47 @@
+"""OpenAI's error JSON, {"error": {"message", "type", "param", "code"}}, and how engine exceptions
+map onto HTTP statuses."""
+from __future__ import annotations
+
+import msgspec
+
+from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error the API reports to its client with ``status`` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "api_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
+
+def from_engine(exc: BaseException, engine) -> APIError:
+    """The API error for an exception out of ``engine.generate`` (or its stream)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineOverloaded):
+        return APIError(429, str(exc), code="engine_overloaded", headers={"retry-after": "1"})
+    if isinstance(exc, EngineDeadError):
+        if getattr(engine, "errored", False):
+            return APIError(500, str(exc), code="engine_dead")
+        # shut down or shutting down: not a fault, the server is going away
+        return APIError(503, str(exc), code="shutting_down")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")

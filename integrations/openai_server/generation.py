@@ -1,0 +1,210 @@
+"""From API requests to engine requests and back: SamplingParams, the n > 1 fan-out, merging the
+streams of several samples, and OpenAI's logprobs shapes."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+
+from asyncengine.errors import InvalidRequestError
+from asyncengine.outputs import Logprob, RequestOutput
+from asyncengine.sampling_params import OutputKind, SamplingParams
+
+from .errors import APIError
+from .protocol import SamplingFields
+
+_SEED_MOD = 2**63
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    stream: bool) -> SamplingParams:
+    """One sample's SamplingParams (n = 1: the fan-out is submit_n's job)."""
+    kw: dict = {}
+    if req.temperature is not None:
+        kw["temperature"] = req.temperature
+    if req.top_p is not None:
+        kw["top_p"] = max(req.top_p, 1e-9)  # OpenAI allows 0: keep only the most likely token
+    for name in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
+        v = getattr(req, name)
+        if v is not None:
+            kw[name] = v
+    if req.seed is not None:
+        kw["seed"] = req.seed % _SEED_MOD  # OpenAI's seed is any int64; the engine's is [0, 2**63)
+    if req.logit_bias:
+        try:
+            kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                           param="logit_bias") from None
+    stop = req.stop
+    if isinstance(stop, list) and not stop:
+        stop = None
+    try:
+        return SamplingParams(
+            n=1, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids or None,
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
+            output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, **kw)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> list:
+    """The ``n`` samples of one prompt, as n engine streams.
+
+    The engine has no native n > 1 yet, so this submits n requests (``{request_id}-{i}``), sample i
+    seeded ``seed + i`` when a seed is given. All of them or none: if one is refused (overloaded,
+    invalid), those already submitted are aborted and the error propagates. Switching to engine-native
+    n means replacing this one function."""
+    streams = []
+    try:
+        for i in range(n):
+            p = params
+            if n > 1 and params.seed is not None:
+                p = msgspec.structs.replace(params, seed=(params.seed + i) % _SEED_MOD)
+            streams.append(engine.generate(prompt, p, request_id=f"{request_id}-{i}"))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return streams
+
+
+async def merge_streams(streams: Sequence) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several engine streams as they come. At most one read is outstanding
+    per stream, so each stream keeps merging its deltas while the consumer is slow. Leaving early
+    (break, aclose, cancellation, an error) aborts every unfinished stream."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                i = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for fut in pending:
+            if fut.done():
+                if not fut.cancelled():
+                    fut.exception()  # retrieved: no "never retrieved" warning
+            else:
+                fut.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+# ---------------------------------------------------------------- logprobs
+
+def _token_str(lp: Logprob, tid: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of a position (the engine's entry holds the sampled token first,
+    with its true rank, then the top-k by rank)."""
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= k]
+    ranked.sort(key=lambda t: t[1].rank)
+    return ranked
+
+
+def _sampled(entry: dict[int, Logprob]) -> tuple[int, Logprob]:
+    tid = next(iter(entry))
+    return tid, entry[tid]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are spelt in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {u: b for b, u in _bytes_to_unicode().items()}
+
+
+class TokenBytes:
+    """A token's raw UTF-8 bytes (chat logprobs' ``bytes``): with a byte-level BPE tokenizer, the
+    exact bytes of the piece, so clients can join tokens that split a character; otherwise the
+    UTF-8 of its decoded text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = False
+        try:
+            self.byte_level = "ByteLevel" in repr(tokenizer.backend_tokenizer.decoder)
+        except Exception:
+            pass
+        self._cache: dict[int, list[int]] = {}
+
+    def __call__(self, tid: int, text: str) -> list[int]:
+        if not self.byte_level:
+            return list(text.encode("utf-8"))
+        b = self._cache.get(tid)
+        if b is None:
+            try:
+                piece = self.tokenizer.convert_ids_to_tokens(tid)
+            except Exception:
+                piece = None
+            if isinstance(piece, str) and piece and all(c in _UNICODE_TO_BYTE for c in piece):
+                b = [_UNICODE_TO_BYTE[c] for c in piece]
+            else:
+                b = list(text.encode("utf-8"))
+            if len(self._cache) < 1 << 16:
+                self._cache[tid] = b
+        return b
+
+
+def chat_logprobs(entries, k: int, token_bytes: TokenBytes | None = None) -> list[dict]:
+    """Chat's ``logprobs.content`` items for some positions."""
+
+    def item(tid: int, lp: Logprob) -> dict:
+        tok = _token_str(lp, tid)
+        return {"token": tok, "logprob": lp.logprob,
+                "bytes": token_bytes(tid, tok) if token_bytes is not None else list(tok.encode("utf-8"))}
+
+    content = []
+    for entry in entries or ():
+        if not entry:
+            continue
+        tid, lp = _sampled(entry)
+        content.append({**item(tid, lp), "top_logprobs": [item(i, t) for i, t in _top(entry, k)]})
+    return content
+
+
+def completion_logprobs(entries, k: int, offset: int) -> tuple[dict, int]:
+    """The legacy completions ``logprobs`` object for some positions (text offsets from
+    ``offset``); returns it and the offset after them. As OpenAI documents, top_logprobs always
+    holds the sampled token too, so up to k + 1 entries."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for entry in entries or ():
+        if not entry:
+            continue
+        tid, lp = _sampled(entry)
+        tok = _token_str(lp, tid)
+        tokens.append(tok)
+        token_lps.append(lp.logprob)
+        top = {tok: lp.logprob}
+        for i, t in _top(entry, k):
+            top.setdefault(_token_str(t, i), t.logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset

@@ -1,0 +1,191 @@
+"""A small hand-written OpenAPI 3.1 document of the server's HTTP endpoints (served at
+/openapi.json; the fuzz tests generate requests from it). It describes what the server accepts:
+a request valid under it never gets a 5xx."""
+from __future__ import annotations
+
+import copy
+
+from .protocol import MAX_LOGPROBS, MAX_N
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_ERRORS = {str(code): {"description": desc, "content": {"application/json": {"schema": _ref("Error")}}}
+           for code, desc in ((400, "Invalid request"), (401, "Missing or wrong API key"),
+                              (404, "Unknown model"), (429, "The engine's waiting queue is full"),
+                              (500, "The engine died"), (503, "The server is shutting down"))}
+
+_SAMPLING = {
+    "model": {"type": "string", "description": "the served model name"},
+    "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+                       {"type": "null"}]},
+    "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "user": {"type": "string"},
+    "top_k": _nullable({"type": "integer", "minimum": -1}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
+    "ignore_eos": {"type": "boolean"},
+}
+
+_STREAM = {
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+}
+
+# stream_options only with stream: true (as OpenAI)
+_STREAM_ONLY = {"stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+# one server-sent event (OpenAPI < 3.2: the schema of an event stream describes each event): a JSON
+# chunk, or the final [DONE]
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "pattern": "^(\\[DONE\\]|\\{.*\\})$"},
+                             "event": {"type": "string"}}}
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0}
+                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+
+def _token_ids() -> dict:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+_DOC = {
+    "openapi": "3.1.0",
+    "info": {"title": "asyncengine OpenAI-compatible API", "version": "0.1.0",
+             "description": "OpenAI's completions and chat completions (JSON or server-sent events), models, "
+                            "health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
+    "paths": {
+        "/v1/completions": {"post": {
+            "operationId": "createCompletion",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CompletionRequest")}}},
+            "responses": {"200": {"description": "The completion (JSON), or its chunks as server-sent events",
+                                  "content": {"application/json": {"schema": _ref("Completion")},
+                                              "text/event-stream": {"schema": _SSE_EVENT}}},
+                          **_ERRORS}}},
+        "/v1/chat/completions": {"post": {
+            "operationId": "createChatCompletion",
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref("ChatCompletionRequest")}}},
+            "responses": {"200": {"description": "The chat completion (JSON), or its chunks as server-sent events",
+                                  "content": {"application/json": {"schema": _ref("ChatCompletion")},
+                                              "text/event-stream": {"schema": _SSE_EVENT}}},
+                          **_ERRORS}}},
+        "/v1/models": {"get": {
+            "operationId": "listModels",
+            "responses": {"200": {"description": "The served model",
+                                  "content": {"application/json": {"schema": _ref("ModelList")}}},
+                          "401": _ERRORS["401"]}}},
+        "/health": {"get": {
+            "operationId": "health",
+            "responses": {"200": {"description": "Ready", "content": {"application/json": {"schema": {"type": "object"}}}},
+                          "500": {"description": "The engine died",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}},
+                          "503": {"description": "Shutting down",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        "/metrics": {"get": {
+            "operationId": "metrics",
+            "responses": {"200": {"description": "Prometheus text format",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    },
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type", "param", "code"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+            "CompletionRequest": {
+                "type": "object", "required": ["model", "prompt"], "dependentSchemas": _STREAM_ONLY,
+                "properties": {
+                    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                         {"type": "array", "items": {"type": "string", "minLength": 1},
+                                          "minItems": 1},
+                                         _token_ids(),
+                                         {"type": "array", "items": _token_ids(), "minItems": 1}]},
+                    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+                    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+                    "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+                    "echo": {"type": "boolean"},
+                    **_SAMPLING, **_STREAM}},
+            "ChatMessage": {
+                "type": "object", "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["system", "developer", "user", "assistant"]},
+                    "content": {"anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["type", "text"],
+                            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+                    "name": {"type": "string"}}},
+            "ChatCompletionRequest": {
+                "type": "object", "required": ["model", "messages"],
+                "dependentSchemas": {**_STREAM_ONLY, "top_logprobs": {"required": ["logprobs"],
+                                                                       "properties": {"logprobs": {"const": True}}}},
+                "properties": {
+                    "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+                    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+                    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+                    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+                    "logprobs": _nullable({"type": "boolean"}),
+                    "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+                    **_SAMPLING, **_STREAM}},
+            "Completion": {
+                "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                "properties": {
+                    "id": {"type": "string"}, "object": {"const": "text_completion"},
+                    "created": {"type": "integer"}, "model": {"type": "string"},
+                    "choices": {"type": "array", "items": {
+                        "type": "object", "required": ["index", "text", "finish_reason"],
+                        "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                       "logprobs": {"type": ["object", "null"]},
+                                       "finish_reason": {"type": ["string", "null"]}}}},
+                    "usage": _USAGE}},
+            "ChatCompletion": {
+                "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                "properties": {
+                    "id": {"type": "string"}, "object": {"const": "chat.completion"},
+                    "created": {"type": "integer"}, "model": {"type": "string"},
+                    "choices": {"type": "array", "items": {
+                        "type": "object", "required": ["index", "message", "finish_reason"],
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "message": {"type": "object", "required": ["role", "content"],
+                                        "properties": {"role": {"const": "assistant"},
+                                                       "content": {"type": ["string", "null"]}}},
+                            "logprobs": {"type": ["object", "null"]},
+                            "finish_reason": {"type": ["string", "null"]}}}},
+                    "usage": _USAGE}},
+            "ModelList": {
+                "type": "object", "required": ["object", "data"],
+                "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+                    "type": "object", "required": ["id", "object", "owned_by"],
+                    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                   "owned_by": {"type": "string"}}}}}},
+        },
+    },
+}
+
+
+def document(model_name: str | None = None, vocab_size: int | None = None) -> dict:
+    """The OpenAPI document; with ``model_name``, ``model`` is documented as that one name, with
+    ``vocab_size`` the range of token ids."""
+    doc = copy.deepcopy(_DOC)
+    schemas = doc["components"]["schemas"]
+    if model_name is not None:
+        for req in ("CompletionRequest", "ChatCompletionRequest"):
+            schemas[req]["properties"]["model"] = {"enum": [model_name]}
+    if vocab_size is not None:
+        prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+        prompt[2]["items"]["maximum"] = vocab_size - 1
+        prompt[3]["items"]["items"]["maximum"] = vocab_size - 1
+    return doc

@@ -1,0 +1,31 @@
+"""``serve()``: load a model and run the app under uvicorn (uvloop when installed). What
+``asyncengine serve`` calls."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
+          api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
+          served_model_name: str | None = None, log_level: str = "info", **engine_kwargs) -> int:
+    """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
+
+    api_key: require ``Authorization: Bearer <key>`` on /v1 (default: $ASYNCENGINE_API_KEY).
+    Other keyword arguments go to EngineConfig. Returns the exit status (0)."""
+    import uvicorn
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+    from asyncengine.models.default_model import DEFAULT_MODEL
+
+    from .app import build_app
+
+    if api_key is None:
+        api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
+    engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                         **engine_kwargs))
+    app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
+                    own_engine=True)
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    uvicorn.run(app, host=host, port=port, loop=loop, log_level=log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,165 @@
+"""Chat over one websocket, several conversations at once (JSON text frames).
+
+Client -> server:
+    {"type": "chat", "id": ID, "messages": [{"role": ..., "content": ...}, ...],
+     + optional max_tokens / max_completion_tokens, temperature, top_p, top_k, stop, seed,
+       presence_penalty, frequency_penalty, ignore_eos, ...}     start a generation
+    {"type": "cancel", "id": ID}                                   stop it (an unknown id is ignored:
+                                                                   it may have just finished)
+    {"type": "ping"}                                               -> {"type": "pong"}
+Server -> client:
+    {"type": "delta", "id": ID, "text": "..."}                     any number, in order per id
+    {"type": "done", "id": ID, "finish_reason": "stop"|"length"|"abort",
+     "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+    {"type": "error", "id": ID or null, "error": {"message", "type", "param", "code"}}
+
+ID is any string or number the client picks (the server picks one when it is missing and echoes
+it). Frames of different ids interleave. A cancelled generation ends with a "done" frame whose
+finish_reason is "abort"; when the client disconnects, every generation of the connection is
+aborted at once (its KV blocks are freed).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+
+import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from asyncengine.errors import AsyncEngineError
+
+from .errors import APIError, from_engine
+from .generation import sampling_params, submit_n
+from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
+
+log = logging.getLogger("asyncengine.integrations.openai_server")
+
+MAX_CONVERSATIONS = 32  # at once, per connection
+
+
+class _Connection:
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.st = ws.app.state.server
+        self.lock = asyncio.Lock()  # one frame at a time on the wire
+        self.tasks: dict[object, asyncio.Task] = {}
+        self.request_ids: dict[object, str] = {}
+        self._ids = itertools.count()
+
+    async def send(self, obj) -> None:
+        data = msgspec.json.encode(obj).decode("utf-8")
+        async with self.lock:
+            await self.ws.send_text(data)
+
+    async def send_error(self, cid, e: APIError) -> None:
+        await self.send({"type": "error", "id": cid, **e.body()})
+
+    async def handle(self, raw: str | bytes) -> None:
+        try:
+            obj = msgspec.json.decode(raw)
+        except msgspec.DecodeError as e:
+            return await self.send_error(None, APIError(400, f"a frame must be a JSON object: {e}"))
+        if not isinstance(obj, dict):
+            return await self.send_error(None, APIError(400, "a frame must be a JSON object"))
+        cid = obj.get("id")
+        if cid is not None and (isinstance(cid, bool) or not isinstance(cid, (str, int))):
+            return await self.send_error(None, APIError(400, "id must be a string or a number", param="id"))
+        try:
+            frame = convert(obj, WSFrame)
+        except APIError as e:
+            return await self.send_error(cid, e)
+        if isinstance(frame, WSPing):
+            return await self.send({"type": "pong", "id": cid})
+        if isinstance(frame, WSCancel):
+            rid = self.request_ids.get(cid)
+            if rid is not None:
+                await self.st.engine.abort(rid)  # its stream ends with finish_reason "abort"
+            return
+        assert isinstance(frame, WSChat)
+        if cid is None:
+            cid = f"chat-{next(self._ids)}"
+        if cid in self.tasks:
+            return await self.send_error(cid, APIError(400, f"id {cid!r} is already generating", param="id"))
+        if len(self.tasks) >= MAX_CONVERSATIONS:
+            return await self.send_error(cid, APIError(
+                429, f"at most {MAX_CONVERSATIONS} generations at once per connection", code="too_many_generations"))
+        # prepared and submitted before the next frame is read, so a cancel right behind it finds it
+        try:
+            stream = await self._submit(cid, frame)
+        except APIError as e:
+            return await self.send_error(cid, e)
+        self.tasks[cid] = asyncio.create_task(self._run(cid, stream))
+
+    async def _submit(self, cid, frame: WSChat):
+        st = self.st
+        st.check_model(frame.model)
+        max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
+        ids = await st.chat_prompt(frame.messages)
+        st.check_length(len(ids), max_tokens, "messages")
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True)
+        rid = f"ws-{uuid.uuid4().hex}"
+        try:
+            [stream] = await submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
+        except AsyncEngineError as e:
+            raise from_engine(e, st.engine) from None
+        self.request_ids[cid] = stream.request_id
+        return stream
+
+    async def _run(self, cid, stream) -> None:
+        st = self.st
+        n = 0
+        finished = False
+        try:
+            async for out in stream:
+                n += len(out.token_ids_delta)
+                if out.text_delta:
+                    await self.send({"type": "delta", "id": cid, "text": out.text_delta})
+                if out.finished:
+                    finished = True
+                    st.metrics.observe(out, n)
+                    prompt = len(out.prompt_token_ids)
+                    await self.send({"type": "done", "id": cid, "finish_reason": out.finish_reason,
+                                     "usage": {"prompt_tokens": prompt, "completion_tokens": n,
+                                               "total_tokens": prompt + n}})
+        except AsyncEngineError as e:
+            with contextlib.suppress(Exception):
+                await self.send_error(cid, from_engine(e, st.engine))
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the client left while we sent
+            pass
+        except Exception:
+            log.exception("websocket generation %r failed", cid)
+        finally:
+            await stream.aclose()  # aborts it if it did not finish
+            if not finished:
+                st.metrics.finished.labels("abort").inc()
+            self.tasks.pop(cid, None)
+            self.request_ids.pop(cid, None)
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        for t in tasks:
+            t.cancel()  # cancelling the consumer aborts the request in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def ws_chat(ws: WebSocket) -> None:
+    await ws.accept()
+    conn = _Connection(ws)
+    try:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                break
+            data = msg.get("text")
+            if data is None:
+                data = msg.get("bytes")
+            if data is None:
+                continue
+            await conn.handle(data)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass
+    finally:
+        await conn.close()

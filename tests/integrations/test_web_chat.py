@@ -1,0 +1,96 @@
+"""The web chat page (examples/web_chat/, served at /) end to end in headless Chromium: type a
+message, watch the answer stream in over the websocket, stop a long one. Uses Debian's chromium
+(CI installs it with apt), never a downloaded browser."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from live_server import MODEL
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 60_000
+
+# counts the updates of the newest answer bubble (streamed = many, not one at the end)
+WATCH = """() => {
+  window.__updates = 0;
+  new MutationObserver(() => {
+    const all = document.querySelectorAll('.msg.assistant');
+    if (all.length && all[all.length - 1].textContent) window.__updates++;
+  }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+}"""
+
+
+# test-only: lets the test add sampling params (ignore_eos) to the chat frames the page sends
+EXTRA_PARAMS = """
+const send = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) {
+  const f = JSON.parse(data);
+  if (f.type === "chat" && window.__extra) data = JSON.stringify(Object.assign(f, window.__extra));
+  return send.call(this, data);
+};
+"""
+
+
+@contextlib.contextmanager
+def chromium():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: the browser test needs Debian's chromium "
+                    f"(apt-get install -y chromium; .ci/run does it)", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+def test_page_streams_an_answer(server, client):
+    with chromium() as browser:
+        _chat_in_page(server, client, browser.new_page())
+
+
+def _chat_in_page(server, client, page) -> None:
+    page.set_default_timeout(TIMEOUT_MS)
+    page.add_init_script(EXTRA_PARAMS)
+    page.goto(server.base_url + "/")
+    assert page.title() == "asyncengine chat"
+    page.wait_for_function("document.getElementById('status').textContent === 'connected'")
+    page.evaluate(WATCH)
+    page.evaluate("window.__extra = {ignore_eos: true}")  # 40 tokens for sure, however random the model
+    page.fill("#max-tokens", "40")
+    page.fill("#temperature", "0")
+    page.fill("#input", "Hello there, fox!")
+    page.press("#input", "Enter")
+    page.locator(".msg.user").first.wait_for()
+    assert page.locator(".msg.user").first.text_content() == "Hello there, fox!"
+    answer = page.locator(".msg.assistant").first
+    page.locator(".msg.assistant[data-done='true']").first.wait_for()
+    text = answer.text_content()
+    assert text, "the answer bubble stayed empty"
+    assert page.evaluate("window.__updates") >= 2, "the answer arrived in one piece, not streamed"
+    assert page.text_content("#status").startswith("done (")
+    # what the page shows is what the API answers for the same conversation
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there, fox!"}],
+                                       max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert text == r.choices[0].message.content
+
+    # a long answer, stopped with the Stop button
+    page.fill("#max-tokens", "900")
+    page.fill("#input", "Now a very long story, please.")
+    page.click("#send")
+    second = page.locator(".msg.assistant").nth(1)
+    page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].textContent.length > 0")
+    page.click("#stop")
+    page.locator(".msg.assistant[data-done='true']").nth(1).wait_for()
+    assert second.get_attribute("data-finish-reason") == "abort"
+    assert page.text_content("#status").startswith("done (abort)")
+    page.close()
+    server.wait_clean("the stopped answer's blocks to be freed")
