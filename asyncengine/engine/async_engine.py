@@ -96,7 +96,8 @@ class AsyncLLMEngine:
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._dead is not None:
-            raise self._dead
+            # a fresh exception each time (re-raising one object grows its traceback forever)
+            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         if self._loop is loop and self._task is not None and not self._task.done():
@@ -123,11 +124,12 @@ class AsyncLLMEngine:
         if not drain:
             for rid in list(self._slots):
                 self._abort_nowait(rid)
-        if self._task is not None and not self._task.done():
-            self._wake.set()
+        if self._task is not None:
+            if not self._task.done():
+                self._wake.set()
             try:
-                await self._task
-            except EngineDeadError:
+                await self._task  # also collects a dead loop's exception ("never retrieved")
+            except (EngineDeadError, asyncio.CancelledError):
                 pass
         self._closed = True
         self._executor.shutdown(wait=True)
@@ -139,6 +141,11 @@ class AsyncLLMEngine:
     @property
     def errored(self) -> bool:
         return self._dead is not None
+
+    @property
+    def is_closing(self) -> bool:
+        """True from the start of shutdown(): new requests are refused (EngineDeadError)."""
+        return self._closing
 
     # ------------------------------------------------------------------ requests
 
@@ -205,8 +212,9 @@ class AsyncLLMEngine:
 
     def _admit_check(self, req: Request) -> None:
         c = self.config
-        queued = self.core.scheduler.num_waiting + len(self._new)
-        if c.max_queued_requests is not None and queued >= c.max_queued_requests:
+        # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
+        queued = self.core.scheduler.num_waiting + sum(r.sampling_params.n for r in self._new)
+        if c.max_queued_requests is not None and queued + req.sampling_params.n > c.max_queued_requests:
             raise EngineOverloaded(f"{queued} requests are waiting (max_queued_requests={c.max_queued_requests}); "
                                    f"retry later")
         if c.max_queued_tokens is not None and \

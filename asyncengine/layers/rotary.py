@@ -66,19 +66,26 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._cast:
-            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+            # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * sin_signed
+            # exactly (a sign flip rounds the same either way)
+            sin = self.sin.to(dtype)
+            half = self.head_dim // 2
+            signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+            self._cast[dtype] = (self.cos.to(dtype), signed)
         return self._cast[dtype]
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) rows of these positions, [T, 1, D]: once per step, shared by every layer."""
+        cos_t, sin_t = self.tables(dtype)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        cos_t, sin_t = self.tables(q.dtype)
-        cos = cos_t[positions].unsqueeze(1)
-        sin = sin_t[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.lookup(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1): the same numbers as the
+    reference's two multiplies and add, in one op fewer (the sign lives in ``sin_signed``)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed

@@ -14,7 +14,7 @@ from torch import nn
 
 from asyncengine.layers.attention import AttentionMetadata, TorchPagedAttention
 from asyncengine.layers.norm import RMSNorm
-from asyncengine.layers.rotary import RotaryEmbedding, rope_parameters
+from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 @dataclass
@@ -64,15 +64,20 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = TorchPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
+        """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, hk, d)
+        if self.q_norm is None:
+            # q and k sit side by side in the fused projection: rotate them in one go
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, hq + hk, d), *rope)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
 
 
@@ -97,8 +102,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

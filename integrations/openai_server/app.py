@@ -28,8 +28,8 @@ from asyncengine.errors import AsyncEngineError, InvalidRequestError
 
 from . import openapi
 from .errors import APIError, from_engine
-from .generation import (TokenBytes, chat_logprobs, completion_logprobs, merge_streams, sampling_params,
-                         submit_n)
+from .generation import (Submission, TokenBytes, chat_logprobs, completion_logprobs, merge_streams,
+                         sampling_params, submit_n)
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
 
@@ -190,20 +190,20 @@ class ServerState:
 
     # ------------------------------------------------------------ engine
 
-    async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int, request_id: str) -> list:
+    async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,
+                     request_id: str) -> Submission:
         """Every sample of every prompt (choice index = prompt index * n + sample), or none."""
         streams: list = []
         try:
             for p, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
-                streams += await submit_n(self.engine, prompt, params, n, f"{request_id}-{p}")
+                streams.append(submit_n(self.engine, prompt, params, n, f"{request_id}-{p}"))
         except BaseException as e:
-            for s in streams:
-                await s.aclose()
+            await Submission(streams, n).aclose()
             if isinstance(e, (AsyncEngineError, APIError)):
                 raise from_engine(e, self.engine) from None
             raise
-        return streams
+        return Submission(streams, n)
 
 
 # ---------------------------------------------------------------- disconnects
@@ -475,7 +475,7 @@ async def health(request: Request) -> Response:
     engine = st.engine
     if getattr(engine, "errored", False):
         return _json({"status": "error", "message": "the engine died"}, status=500)
-    if st.shutting_down or getattr(engine, "_closing", False):
+    if st.shutting_down or getattr(engine, "is_closing", False):
         return _json({"status": "shutting_down"}, status=503)
     return _json({"status": "ok"})
 

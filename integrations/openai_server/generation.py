@@ -8,18 +8,19 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
-from asyncengine.outputs import Logprob, RequestOutput
+from asyncengine.engine.request_stream import RequestStream
+from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 from .errors import APIError
 from .protocol import SamplingFields
 
-_SEED_MOD = 2**63
+_SEED_MOD = 2**63  # OpenAI's seed is any int64; the engine's is [0, 2**63)
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     stream: bool) -> SamplingParams:
-    """One sample's SamplingParams (n = 1: the fan-out is submit_n's job)."""
+    """The SamplingParams of one prompt's samples (n is set by submit_n)."""
     kw: dict = {}
     if req.temperature is not None:
         kw["temperature"] = req.temperature
@@ -51,49 +52,56 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         raise APIError(400, str(e)) from None
 
 
-async def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> list:
-    """The ``n`` samples of one prompt, as n engine streams.
+def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> RequestStream:
+    """One prompt's ``n`` samples as one engine stream (engine-native n: the samples share the
+    prompt's KV blocks; sample i is seeded ``seed + i`` when a seed is given)."""
+    if n != params.n:
+        params = msgspec.structs.replace(params, n=n)
+    return engine.generate(prompt, params, request_id=request_id)
 
-    The engine has no native n > 1 yet, so this submits n requests (``{request_id}-{i}``), sample i
-    seeded ``seed + i`` when a seed is given. All of them or none: if one is refused (overloaded,
-    invalid), those already submitted are aborted and the error propagates. Switching to engine-native
-    n means replacing this one function."""
-    streams = []
-    try:
-        for i in range(n):
-            p = params
-            if n > 1 and params.seed is not None:
-                p = msgspec.structs.replace(params, seed=(params.seed + i) % _SEED_MOD)
-            streams.append(engine.generate(prompt, p, request_id=f"{request_id}-{i}"))
-    except BaseException:
-        for s in streams:
+
+class Submission:
+    """Every choice of one API request: one engine stream per prompt, each carrying ``n`` samples.
+    ``len()`` is the number of choices (choice index = prompt index * n + sample index)."""
+
+    def __init__(self, streams: Sequence[RequestStream], n: int) -> None:
+        self.streams = list(streams)
+        self.n = n
+
+    def __len__(self) -> int:
+        return len(self.streams) * self.n
+
+    async def aclose(self) -> None:
+        for s in self.streams:
             await s.aclose()
-        raise
-    return streams
 
 
-async def merge_streams(streams: Sequence) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from several engine streams as they come. At most one read is outstanding
-    per stream, so each stream keeps merging its deltas while the consumer is slow. Leaving early
-    (break, aclose, cancellation, an error) aborts every unfinished stream."""
+def _one_sample(out: RequestOutput, c: CompletionOutput) -> RequestOutput:
+    return RequestOutput(request_id=out.request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids,
+                         outputs=[c], finished=c.finish_reason is not None, metrics=out.metrics,
+                         num_cached_tokens=out.num_cached_tokens)
+
+
+async def merge_streams(sub: Submission) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, that sample's output) from all the streams as they come. At most one read is
+    outstanding per stream, so each stream keeps merging its deltas while the consumer is slow.
+    Leaving early (break, aclose, cancellation, an error) aborts every unfinished stream."""
+    streams, n = sub.streams, sub.n
     pending: dict[asyncio.Future, int] = {}
     try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        pending = {asyncio.ensure_future(s.__anext__()): p for p, s in enumerate(streams)}
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in sorted(done, key=pending.__getitem__):
-                i = pending.pop(fut)
+                p = pending.pop(fut)
                 try:
                     out = fut.result()
                 except StopAsyncIteration:
                     continue
                 if not out.finished:
-                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield i, out
+                    pending[asyncio.ensure_future(streams[p].__anext__())] = p
+                for c in out.outputs:
+                    yield p * n + c.index, _one_sample(out, c)
     finally:
         for fut in pending:
             if fut.done():
@@ -101,8 +109,7 @@ async def merge_streams(streams: Sequence) -> AsyncIterator[tuple[int, RequestOu
                     fut.exception()  # retrieved: no "never retrieved" warning
             else:
                 fut.cancel()
-        for s in streams:
-            await s.aclose()
+        await sub.aclose()
 
 
 # ---------------------------------------------------------------- logprobs

@@ -102,7 +102,7 @@ class _Connection:
         params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True)
         rid = f"ws-{uuid.uuid4().hex}"
         try:
-            [stream] = await submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
+            stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
         except AsyncEngineError as e:
             raise from_engine(e, st.engine) from None
         self.request_ids[cid] = stream.request_id

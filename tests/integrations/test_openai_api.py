@@ -265,7 +265,7 @@ def test_api_key(strict_server, strict_client):
 
 
 def test_overloaded_is_429_and_all_or_nothing(strict_server, strict_client):
-    # max_queued_requests=1: the second sample of an n=2 request is refused at once
+    # max_queued_requests=1: an n=2 request needs two waiting slots and is refused at once, whole
     with pytest.raises(openai.RateLimitError) as e:
         strict_client.completions.create(model=MODEL, prompt="hi", n=2, max_tokens=4)
     assert e.value.status_code == 429 and e.value.response.headers.get("retry-after") == "1"
