@@ -155,7 +155,8 @@ def bench_one(args, loaded, workload: str, caching: bool) -> dict:
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "computed_prompt_tokens": d["num_computed_prompt_tokens"],
-        "prefix_hit_rate": round(d["prefix_cache_hits"] / d["prefix_cache_queries"], 4) if d["prefix_cache_queries"] else 0.0,
+        "prefix_hit_rate": (round(d["prefix_cache_hits"] / d["prefix_cache_queries"], 4)
+                            if d["prefix_cache_queries"] else 0.0),
         "num_steps": d["num_steps"],
         "mean_scheduled_tokens_per_step": round(d["num_scheduled_tokens"] / max(1, d["num_steps"]), 1),
         "num_preemptions": d["num_preemptions"],

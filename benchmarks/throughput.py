@@ -7,8 +7,14 @@
 Every engine gets the same token-id prompts (benchmarks/workloads.py), greedy, EOS ignored, so each
 request yields exactly its max_tokens. Each engine loads its model and warms up first; only
 generation is timed. Output tok/s counts useful tokens (sum of max_tokens); total tok/s adds the
-prompt tokens. Engines run one after the other in this process, so the ratio is measured under the
-same machine conditions (the machine is shared: compare ratios, not absolute numbers across days).
+prompt tokens. Engines run one after the other in one invocation, so the ratio is measured under
+the same machine conditions (the machine is shared: compare ratios, not absolute numbers across
+days).
+
+Each engine runs in a fresh subprocess of this script (``--in-process`` to run them here): no
+allocator setting, thread pool or heap state of one engine can help or hurt the other. With
+``--repeat N`` the engines alternate N times and the medians are reported. The load average before
+and after each run is recorded: on a shared machine it says how much the numbers can be trusted.
 
 Engines (one ``run_<engine>`` function each, registered in ENGINES):
   asyncengine   our LLM.generate, all requests submitted at once (continuous batching)
@@ -187,6 +193,30 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
+def run_engine(name: str, args, reqs) -> dict:
+    """One timed run of engine ``name``: here with --in-process, else in a fresh subprocess."""
+    load_before = os.getloadavg()[0]
+    if args.in_process:
+        r = ENGINES[name](args, reqs)
+    else:
+        import subprocess
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--engine-only", name,
+                   "--result-file", path]
+            subprocess.run(cmd, check=True)
+            with open(path) as f:
+                r = json.load(f)
+    r["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return r
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median elapsed time (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["elapsed_s"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF checkpoint folder (e.g. models/llama-bench)")
@@ -194,13 +224,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--engine", default="asyncengine", choices=sorted(ENGINES))
     ap.add_argument("--baseline", default="hf-static", choices=sorted(ENGINES) + ["none"],
-                    help="engine run after ours in the same process for the ratio ('none' to skip)")
+                    help="engine run after ours, for the ratio ('none' to skip)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests (debugging)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the engines this many times")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--in-process", action="store_true", help="run the engines in this process")
     ap.add_argument("--out", default="", help="write the JSON result here")
+    ap.add_argument("--engine-only", default="", help=argparse.SUPPRESS)  # internal: the subprocess
+    ap.add_argument("--result-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.threads:
@@ -209,24 +243,39 @@ def main() -> None:
     if args.limit:
         reqs = reqs[:args.limit]
 
+    if args.engine_only:  # a subprocess of the run below: one engine, result to a file
+        r = ENGINES[args.engine_only](args, reqs)
+        with open(args.result_file, "w") as f:
+            json.dump(r, f)
+        return
+
     engines = [args.engine] + ([args.baseline] if args.baseline not in ("none", args.engine) else [])
-    results = {}
-    for name in engines:
-        r = ENGINES[name](args, reqs)
-        results[name] = r
-        printable = {k: v for k, v in r.items() if k != "outputs"}
-        print(f"{name}: {json.dumps(printable)}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for i in range(args.repeat):
+        for name in engines:
+            r = run_engine(name, args, reqs)
+            runs[name].append(r)
+            printable = {k: v for k, v in r.items() if k != "outputs"}
+            print(f"[{i + 1}/{args.repeat}] {name}: {json.dumps(printable)}", flush=True)
+    results = {name: median_run(rs) for name, rs in runs.items()}
 
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": os.path.basename(os.path.normpath(args.model)),
         "workload": args.workload, "dtype": args.dtype, **summary(reqs),
+        "threads": args.threads or torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         "machine": machine_info(),
         "results": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()},
+        "all_runs": {k: [{kk: vv for kk, vv in r.items() if kk not in ("outputs", "config")} for r in rs]
+                     for k, rs in runs.items()},
     }
     if len(engines) == 2:
         ours, base = (results[e] for e in engines)
         report["ratio_output_tok_per_s"] = round(ours["output_tok_per_s"] / base["output_tok_per_s"], 2)
+        if args.repeat > 1:  # ratio of each alternating pair, to show the spread
+            report["pair_ratios"] = [round(a["output_tok_per_s"] / b["output_tok_per_s"], 2)
+                                     for a, b in zip(runs[engines[0]], runs[engines[1]])]
         report["agreement"] = agreement(base["outputs"], ours["outputs"])
         print(f"\n{engines[0]} {ours['output_tok_per_s']:.0f} out tok/s ({ours['elapsed_s']:.1f} s) vs "
               f"{engines[1]} {base['output_tok_per_s']:.0f} out tok/s ({base['elapsed_s']:.1f} s): "

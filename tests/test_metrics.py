@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
@@ -22,6 +23,16 @@ from asyncengine.core.request import Request
 from asyncengine.models.loader import load_model
 
 VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
+    wait on each other make each step 100x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

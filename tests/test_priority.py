@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,16 @@ from sched_oracle import Driver, new_sched
 from sched_oracle import make_req as oracle_req
 
 VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
+    wait on each other make each step 100x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

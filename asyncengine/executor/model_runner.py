@@ -100,12 +100,13 @@ class ModelRunner:
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = list(loaded.eos_token_ids)
         a = self.model.args
+        self.num_blocks = num_blocks
         shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = [(kv_cache_zeros(shape, self.dtype, self.device),
                            kv_cache_zeros(shape, self.dtype, self.device))
                           for _ in range(a.num_layers)]
-        # scratch for the decode attention's gathered keys/values, reused by every layer and step
+        # scratch for the decode attention's gathered keys, reused by every layer and step
         self.attn_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -138,9 +139,9 @@ class ModelRunner:
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
 
     def _workspace(self, groups) -> torch.Tensor:
-        """The decode scratch, grown (never shrunk) to hold the largest group's keys and values."""
+        """The decode scratch, grown (never shrunk) to hold the largest group's gathered keys."""
         a = self.model.args
-        need = max(2 * a.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
+        need = max(a.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
                    for g in groups)
         if self.attn_workspace.numel() < need:
             self.attn_workspace = torch.empty(need, dtype=self.dtype, device=self.device)
@@ -180,8 +181,10 @@ class ModelRunner:
             slots.append(st.block_ids[pos // bs] * bs + pos % bs)
         meta = AttentionMetadata(slot_mapping=None, num_decodes=nd)
         if nd:
-            meta.decode_groups = build_decode_groups([st.block_ids for st in decodes],
-                                                     [p + 1 for p in positions], bs, self.device)
+            a = self.model.args
+            meta.decode_groups = build_decode_groups(
+                [st.block_ids for st in decodes], [p + 1 for p in positions], bs, a.num_kv_heads,
+                a.num_heads // a.num_kv_heads, self.num_blocks, self.device)
             meta.workspace = self._workspace(meta.decode_groups)
             for i, st in enumerate(decodes):
                 if st.num_computed_tokens + 1 == len(st.token_ids):
