@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 # A decode group's gathered keys span at most this many token slots (rows x padded length), so the
-# workspace (keys and values) stays cache-sized; see docs/benchmarks.md for the measurements.
+# workspace stays cache-sized; see docs/benchmarks.md for the measurements.
 DECODE_GROUP_TOKENS = 8192
 # A row joins a group only if its context needs at least this fraction of the group's longest
 # row's blocks: padding stays below 1 / DECODE_GROUP_FILL - 1 (33%) of a group's gathered keys.

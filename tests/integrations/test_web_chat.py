@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 
@@ -82,15 +83,27 @@ def _chat_in_page(server, client, page) -> None:
                                        max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
     assert text == r.choices[0].message.content
 
-    # a long answer, stopped with the Stop button
-    page.fill("#max-tokens", "900")
-    page.fill("#input", "Now a very long story, please.")
-    page.click("#send")
-    second = page.locator(".msg.assistant").nth(1)
-    page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].textContent.length > 0")
-    page.click("#stop")
-    page.locator(".msg.assistant[data-done='true']").nth(1).wait_for()
-    assert second.get_attribute("data-finish-reason") == "abort"
-    assert page.text_content("#status").startswith("done (abort)")
+    # a long answer, stopped with the Stop button: each step is slowed down (20 ms) so that the
+    # 900 tokens cannot all arrive before the click, however fast the machine
+    runner = server.engine.core.runner
+    fast_execute = runner.execute
+
+    def slow_execute(so):
+        time.sleep(0.02)
+        return fast_execute(so)
+
+    runner.execute = slow_execute
+    try:
+        page.fill("#max-tokens", "900")
+        page.fill("#input", "Now a very long story, please.")
+        page.click("#send")
+        second = page.locator(".msg.assistant").nth(1)
+        page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].textContent.length > 0")
+        page.click("#stop")
+        page.locator(".msg.assistant[data-done='true']").nth(1).wait_for()
+        assert second.get_attribute("data-finish-reason") == "abort"
+        assert page.text_content("#status").startswith("done (abort)")
+    finally:
+        runner.execute = fast_execute
     page.close()
     server.wait_clean("the stopped answer's blocks to be freed")
