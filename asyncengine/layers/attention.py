@@ -10,7 +10,9 @@ gathering a set of blocks then yields ``[heads, tokens, head_dim]`` slabs that m
 with no transposing copy. New K/V go into their slots with one ``index_copy_``.
 
 Decodes are attended in groups of rows with similar context lengths (:func:`plan_decode_groups`):
-per group, one ``index_select`` gathers the group's key blocks into a reused workspace, one
+per group, one ``index_select`` gathers the group's key blocks into a reused workspace (as rows of
+the cache seen as a ``[heads * blocks, block_size * head_dim]`` table: that form runs on every
+thread, a gather along the blocks dimension on one only), one
 batched matmul makes the scores (keys past a row's length masked), and after the softmax the values
 are summed in place by ``embedding_bag`` with the probabilities as weights. Grouping bounds the
 padding, and a group's gathered keys (a few MiB at most) are still in cache when the matmul reads
@@ -51,7 +53,9 @@ class DecodeGroup:
     start: int  # row range [start, end) in the flat batch (and among the decodes)
     end: int
     num_blocks: int  # blocks gathered per row (the group's longest row's)
-    block_ids: torch.Tensor  # [(end - start) * num_blocks] int64, row-major, padded with block 0
+    # the key blocks to gather, as rows of the cache seen as a [Hkv * blocks, block_size * D] table
+    # (kv head major, then row, then block; short rows padded with block 0)
+    key_rows: torch.Tensor  # [Hkv * rows * num_blocks] int64
     key_bias: torch.Tensor | None  # [rows, 1, num_blocks * block_size] float32, 0 / -inf; None: no padding
     # the values as embedding-bag rows of the cache seen as a [Hkv * blocks * block_size, D] table:
     # one bag per (kv head, row, query head of that kv head), num_blocks * block_size slots each
@@ -95,7 +99,8 @@ def build_decode_groups(block_tables: list[list[int]], seq_lens: list[int], bloc
     (including the token being decoded). Built once per step; every layer uses them."""
     nblocks = [-(-s // block_size) for s in seq_lens]
     hk, g = num_kv_heads, num_queries_per_kv
-    head_rows = torch.arange(hk, device=device).view(hk, 1, 1, 1) * (num_cache_blocks * block_size)
+    head_blocks = torch.arange(hk, device=device).view(hk, 1) * num_cache_blocks
+    head_slots = head_blocks.view(hk, 1, 1, 1) * block_size
     in_block = torch.arange(block_size, device=device)
     groups = []
     for start, end, mb in plan_decode_groups(nblocks, block_size):
@@ -112,10 +117,11 @@ def build_decode_groups(block_tables: list[list[int]], seq_lens: list[int], bloc
             lens = torch.tensor(seq_lens[start:end], device=device)
             pad = torch.arange(length, device=device)[None, :] >= lens[:, None]
             key_bias = torch.zeros(n, 1, length, device=device).masked_fill_(pad.unsqueeze(1), float("-inf"))
+        key_rows = (head_blocks + block_ids).view(-1)
         slots = (block_ids.view(n, mb, 1) * block_size + in_block).view(1, n, 1, length)
-        value_rows = (head_rows + slots).expand(hk, n, g, length).reshape(-1)
+        value_rows = (head_slots + slots).expand(hk, n, g, length).reshape(-1)
         value_offsets = torch.arange(0, value_rows.numel(), length, device=device)
-        groups.append(DecodeGroup(start, end, mb, block_ids, key_bias, value_rows, value_offsets))
+        groups.append(DecodeGroup(start, end, mb, key_rows, key_bias, value_rows, value_offsets))
     return groups
 
 
@@ -158,12 +164,12 @@ class TorchPagedAttention:
         bs = k_cache.shape[2]
         length = grp.num_blocks * bs
         size = hk * n * length * d
+        table = k_cache.view(-1, bs * d)  # one row per (kv head, block): gathers in parallel
         if workspace is not None and workspace.numel() >= size:
-            kbuf = workspace[:size].view(hk, n * grp.num_blocks, bs, d)
-            torch.index_select(k_cache, 1, grp.block_ids, out=kbuf)
+            keys = torch.index_select(table, 0, grp.key_rows, out=workspace[:size].view(-1, bs * d))
         else:
-            kbuf = k_cache.index_select(1, grp.block_ids)
-        keys = kbuf.view(hk, n, length, d)
+            keys = table.index_select(0, grp.key_rows)
+        keys = keys.view(hk, n, length, d)
         qg = q.view(n, hk, g, d).transpose(0, 1)  # [Hkv, n, g, d]: a kv head's query heads as rows
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, n, g, L]
         scores.mul_(self.scale)
@@ -186,10 +192,12 @@ class TorchPagedAttention:
         if ctx == 0:
             keys, vals = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [Hkv, n, d]
         else:  # the cache already holds this chunk's own keys too (written in forward)
-            keys = k_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total]
-            vals = v_cache.index_select(1, ch.block_ids).view(hk, -1, d)[:, :total]
-        # query rows per block: at most 128, fewer where the keys are many (bounds the fp32 scores)
-        qb = max(16, min(PREFILL_QUERY_BLOCK, PREFILL_SCORES_NUMEL // (self.num_heads * total)))
+            nb, bs = k_cache.shape[1], k_cache.shape[2]
+            rows = (torch.arange(hk, device=q.device).view(hk, 1) * nb + ch.block_ids).view(-1)
+            keys = k_cache.view(-1, bs * d).index_select(0, rows).view(hk, -1, d)[:, :total]
+            vals = v_cache.view(-1, bs * d).index_select(0, rows).view(hk, -1, d)[:, :total]
+        # query rows per block: PREFILL_QUERY_BLOCK, fewer where the keys are many (bounds the fp32 scores)
+        qb = min(PREFILL_QUERY_BLOCK, max(16, PREFILL_SCORES_NUMEL // (self.num_heads * total)))
         out = torch.empty_like(q)
         for i0 in range(0, n, qb):
             i1 = min(n, i0 + qb)
@@ -204,13 +212,12 @@ class TorchPagedAttention:
         return out
 
 
-_TRIANGLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_TRIANGLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _upper_triangle(b: int, device: torch.device) -> torch.Tensor:
     """[b, b] bool, True strictly above the diagonal (the future keys of a query block)."""
-    key = (PREFILL_QUERY_BLOCK, device)
-    if key not in _TRIANGLES:
-        _TRIANGLES[key] = torch.ones(PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK, dtype=torch.bool,
-                                     device=device).triu_(1)
-    return _TRIANGLES[key][:b, :b]
+    tri = _TRIANGLES.get(device)
+    if tri is None or tri.shape[0] < b:
+        tri = _TRIANGLES[device] = torch.ones(b, b, dtype=torch.bool, device=device).triu_(1)
+    return tri[:b, :b]
