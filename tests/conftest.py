@@ -96,3 +96,24 @@ def tiny_qwen2_dir(tiny_model_dir) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_model_dir) -> str:
     return tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
+    wait on each other make each step 100x slower. Use with ``pytest.mark.usefixtures``."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_llama_dir):
+    """(model dir, loaded fp32 weights) of the tiny llama: engines built with ``make_core`` share them."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.models.loader import load_model
+
+    return tiny_llama_dir, load_model(EngineConfig(model=tiny_llama_dir, dtype="float32"))

@@ -5,7 +5,6 @@ loader. 2-D weights are rescaled to N(0, 1/fan_in) so logits are far from unifor
 0.02 init makes nearly every step a near-tie)."""
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
@@ -108,3 +107,12 @@ def compare(outputs: list[list[int]], refs: list[Reference]) -> dict:
             f"reference top-2 margin {ref.margins[j]:.3g} (not a near-tie)")
         excused += 1
     return {"exact": exact, "near_tie": excused, "total": len(outputs)}
+
+
+def make_core(tiny, **options):
+    """An EngineCore (fp32) over the weights of the ``tiny`` fixture, with its own KV cache."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.core.engine_core import EngineCore
+
+    model_dir, loaded = tiny
+    return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)

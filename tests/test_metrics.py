@@ -14,35 +14,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
-from asyncengine.models.loader import load_model
+
+from model_utils import make_core  # noqa: E402
 
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
-    wait on each other make each step 100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return tiny_llama_dir, load_model(EngineConfig(model=tiny_llama_dir, dtype="float32"))
-
-
-def make_core(tiny, **options) -> EngineCore:
-    model_dir, loaded = tiny
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)
 
 
 def req(rid: str, prompt, max_tokens: int, arrival_time: float | None = None) -> Request:

@@ -20,45 +20,28 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
 import asyncengine.core.kv_cache_manager as kvm
-from asyncengine.config import EngineConfig
 from asyncengine.core.block_pool import BlockPool, hash_block
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
-from asyncengine.models.loader import load_model
 from asyncengine.sampling_params import SamplingParams
 from sched_oracle import Driver, make_req, new_sched
+
+from model_utils import make_core  # noqa: E402
 
 VOCAB = 512
 
 # ---------------------------------------------------------------------------- engine helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
-    wait on each other make each step 100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    """(model dir, loaded weights): every engine of this module shares the weights."""
-    return tiny_llama_dir, load_model(EngineConfig(model=tiny_llama_dir, dtype="float32"))
-
-
-def make_core(tiny, **options) -> EngineCore:
-    model_dir, loaded = tiny
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)
 
 
 def greedy_req(rid: str, prompt: list[int], max_tokens: int, salt: str | None = None, priority: int = 0) -> Request:

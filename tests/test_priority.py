@@ -20,41 +20,26 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.core.request_queue import PriorityQueue
-from asyncengine.models.loader import load_model
+import model_utils
 from sched_oracle import Driver, new_sched
 from sched_oracle import make_req as oracle_req
 
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box two threads that
-    wait on each other make each step 100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return tiny_llama_dir, load_model(EngineConfig(model=tiny_llama_dir, dtype="float32"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_core(tiny, **options) -> EngineCore:
-    model_dir, loaded = tiny
     options.setdefault("policy", "priority")
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)
+    return model_utils.make_core(tiny, **options)
 
 
 def req(rid: str, prompt, max_tokens: int, priority: int = 0, arrival_time: float | None = None) -> Request:

@@ -303,7 +303,7 @@ class SamplingMetadata:
 
     def _build_random(self, params: list[SamplingParams], greedy: list[bool],
                       output_token_ids: list[list[int]]) -> None:
-        B, V, device = self.num_rows, self.vocab_size, self.device
+        V, device = self.vocab_size, self.device
         self.temperature = torch.tensor(
             [[1.0 if g else p.temperature] for p, g in zip(params, greedy)],
             dtype=torch.float32, device=device)

@@ -350,19 +350,10 @@ async def completions(request: Request) -> Response:
 
         return SSEResponse(events())
 
-    finals: list = [None] * len(streams)
-
-    async def collect():
-        async for i, out in merge_streams(streams):
-            finals[i] = out
-
     try:
-        await run_until_disconnect(request, collect())
+        finals = await _collect_finals(request, st, streams)
     except _ClientGone:
-        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
         return Response(status_code=499)
-    except AsyncEngineError as e:
-        raise from_engine(e, st.engine) from None
     choices = []
     completion_tokens = 0
     for i, out in enumerate(finals):
@@ -374,6 +365,25 @@ async def completions(request: Request) -> Response:
                         "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
                         "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
     return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+async def _collect_finals(request: Request, st, streams: Submission) -> list:
+    """Every choice's final output (non-streaming). If the client leaves first, the requests are
+    aborted, counted, and _ClientGone propagates."""
+    finals: list = [None] * len(streams)
+
+    async def collect():
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    try:
+        await run_until_disconnect(request, collect())
+    except _ClientGone:
+        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
+        raise
+    except AsyncEngineError as e:
+        raise from_engine(e, st.engine) from None
+    return finals
 
 
 async def chat_completions(request: Request) -> Response:
@@ -429,19 +439,10 @@ async def chat_completions(request: Request) -> Response:
 
         return SSEResponse(events())
 
-    finals: list = [None] * len(streams)
-
-    async def collect():
-        async for i, out in merge_streams(streams):
-            finals[i] = out
-
     try:
-        await run_until_disconnect(request, collect())
+        finals = await _collect_finals(request, st, streams)
     except _ClientGone:
-        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
         return Response(status_code=499)
-    except AsyncEngineError as e:
-        raise from_engine(e, st.engine) from None
     choices = []
     completion_tokens = 0
     for i, out in enumerate(finals):
