@@ -314,41 +314,19 @@ async def completions(request: Request) -> Response:
 
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        offsets = [0] * len(streams)
 
-        async def events():
-            counts = [0] * len(streams)
-            offsets = [0] * len(streams)
-            finished = set()
-            try:
-                for i, text in enumerate(echo_texts):
-                    for j in range(n):
-                        yield _sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                                         "finish_reason": None}]})
-                async for i, out in merge_streams(streams):
-                    c = out.outputs[0]
-                    counts[i] += len(c.token_ids)
-                    lp = None
-                    if k is not None:
-                        lp, offsets[i] = completion_logprobs(c.logprobs, k, offsets[i])
-                    if c.text or out.finished or (lp is not None and lp["tokens"]):
-                        choice = {"index": i, "text": c.text, "logprobs": lp,
-                                  "finish_reason": out.finish_reason if out.finished else None}
-                        if out.finished:
-                            choice["stop_reason"] = c.stop_reason
-                        yield _sse({**head, "choices": [choice]})
-                    if out.finished:
-                        finished.add(i)
-                        st.metrics.observe(out, counts[i])
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(counts))})
-            except (AsyncEngineError, APIError) as e:
-                yield _sse(from_engine(e, st.engine).body())
-            finally:
-                if len(finished) < len(streams):
-                    st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
-            yield _DONE
+        def choice(i: int, out, c) -> dict | None:
+            lp = None
+            if k is not None:
+                lp, offsets[i] = completion_logprobs(c.logprobs, k, offsets[i])
+            if not (c.text or out.finished or (lp is not None and lp["tokens"])):
+                return None
+            return {"index": i, "text": c.text, "logprobs": lp}
 
-        return SSEResponse(events())
+        first = [{"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
+                 for i, text in enumerate(echo_texts) for j in range(n)]
+        return SSEResponse(_sse_events(st, head, streams, prompt_tokens, include_usage, first, choice))
 
     try:
         finals = await _collect_finals(request, st, streams)
@@ -365,6 +343,38 @@ async def completions(request: Request) -> Response:
                         "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
                         "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
     return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, include_usage: bool,
+                      first_choices: list[dict], choice):
+    """The SSE stream of a completion or chat request: ``first_choices`` (each in its own event),
+    then one event per output that ``choice(i, out, c)`` turns into a choice dict (None = nothing to
+    send), the usage if asked for, and ``[DONE]``. Engine errors become an error event."""
+    counts = [0] * len(streams)
+    finished = set()
+    try:
+        for c0 in first_choices:
+            yield _sse({**head, "choices": [c0]})
+        async for i, out in merge_streams(streams):
+            c = out.outputs[0]
+            counts[i] += len(c.token_ids)
+            ch = choice(i, out, c)
+            if ch is not None:
+                ch["finish_reason"] = out.finish_reason if out.finished else None
+                if out.finished:
+                    ch["stop_reason"] = c.stop_reason
+                yield _sse({**head, "choices": [ch]})
+            if out.finished:
+                finished.add(i)
+                st.metrics.observe(out, counts[i])
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(counts))})
+    except (AsyncEngineError, APIError) as e:
+        yield _sse(from_engine(e, st.engine).body())
+    finally:
+        if len(finished) < len(streams):
+            st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
+    yield _DONE
 
 
 async def _collect_finals(request: Request, st, streams: Submission) -> list:
@@ -408,36 +418,15 @@ async def chat_completions(request: Request) -> Response:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         head["object"] = "chat.completion.chunk"
 
-        async def events():
-            counts = [0] * len(streams)
-            finished = set()
-            try:
-                for i in range(len(streams)):
-                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-                async for i, out in merge_streams(streams):
-                    c = out.outputs[0]
-                    counts[i] += len(c.token_ids)
-                    lp = {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None
-                    if c.text or out.finished or (lp is not None and lp["content"]):
-                        choice = {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                                  "finish_reason": out.finish_reason if out.finished else None}
-                        if out.finished:
-                            choice["stop_reason"] = c.stop_reason
-                        yield _sse({**head, "choices": [choice]})
-                    if out.finished:
-                        finished.add(i)
-                        st.metrics.observe(out, counts[i])
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(len(ids), sum(counts))})
-            except (AsyncEngineError, APIError) as e:
-                yield _sse(from_engine(e, st.engine).body())
-            finally:
-                if len(finished) < len(streams):
-                    st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
-            yield _DONE
+        def choice(i: int, out, c) -> dict | None:
+            lp = {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None
+            if not (c.text or out.finished or (lp is not None and lp["content"])):
+                return None
+            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp}
 
-        return SSEResponse(events())
+        first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(len(streams))]
+        return SSEResponse(_sse_events(st, head, streams, len(ids), include_usage, first, choice))
 
     try:
         finals = await _collect_finals(request, st, streams)
