@@ -91,6 +91,11 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     # priority policy: a waiting request's effective priority improves by 1 every this many seconds
     priority_aging_s: float = 10.0
+    # AsyncLLMEngine: gc.freeze() once the model is loaded, so that full garbage collections no
+    # longer walk the millions of objects of torch/transformers/the tokenizer (a full collection
+    # stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive at that point
+    # are then never cycle-collected: turn it off if your app creates the engine late and cares.
+    freeze_gc_after_load: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -13,6 +13,8 @@ routed to the streams.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import logging
 import threading
 import time
@@ -47,6 +49,16 @@ def _check_params(params) -> SamplingParams:
     return params
 
 
+def _freeze_gc() -> None:
+    """gc.freeze() (see EngineConfig.freeze_gc_after_load), undone at interpreter exit so that
+    extension modules' objects are still released normally then."""
+    gc.collect()
+    gc.freeze()
+    if not getattr(_freeze_gc, "registered", False):
+        atexit.register(gc.unfreeze)
+        _freeze_gc.registered = True
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
@@ -56,6 +68,8 @@ class AsyncLLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
                                         loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if config.freeze_gc_after_load:
+            _freeze_gc()
         self._slots: dict[str, RequestSlot] = {}
         self._new: list[Request] = []
         self._aborts: set[str] = set()
