@@ -146,22 +146,24 @@ class KVOracleRunner:
 
 
 def check_accounting(s: Scheduler) -> None:
-    """Live requests are in exactly one of running / waiting, only running ones hold blocks; each
-    block's ref count is the number of block tables holding it; free + referenced == total."""
+    """Every live request is in exactly one of running / waiting, and only running ones hold blocks;
+    each block's ref count is the number of block tables holding it; free + held == all."""
     running = {r.request_id for r in s.running}
     waiting = {r.request_id for r in s.waiting}
     assert not running & waiting and running | waiting == set(s.requests)
+    assert len(running) == len(s.running) and len(waiting) == len(s.waiting)
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
+    for r in s.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
     holders: dict[int, int] = {}
     for table in s.kv.req_to_blocks.values():
         for b in table:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
-    pool = s.kv.pool
-    assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in pool.blocks), "ref_cnt != tables holding it"
-    assert pool.num_free_blocks + len(holders) == pool.num_blocks
-    pool.check_invariants()
+    assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in s.kv.pool.blocks)
+    assert s.kv.num_free_blocks + len(holders) == s.kv.pool.num_blocks
+    s.kv.pool.check_invariants()
 
 
 class Driver:

@@ -22,6 +22,7 @@ from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
+from sched_oracle import check_accounting  # the stricter bookkeeping check, shared
 
 TOK0 = 100
 
@@ -151,27 +152,6 @@ class Driver:
                 self.in_flight = None
         raise AssertionError(f"not finished after {max_steps} steps: running {self.sched.num_running}, "
                              f"waiting {self.sched.num_waiting}")
-
-
-def check_accounting(s: Scheduler) -> None:
-    """Every live request is in exactly one of running / waiting, and only running ones hold blocks;
-    each block's ref count is the number of block tables holding it; free + held == all."""
-    running = {r.request_id for r in s.running}
-    waiting = {r.request_id for r in s.waiting}
-    assert not running & waiting and running | waiting == set(s.requests)
-    assert len(running) == len(s.running) and len(waiting) == len(s.waiting)
-    for r in s.running:
-        assert r.status == RequestStatus.RUNNING
-    for r in s.waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-    assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
-    holders: dict[int, int] = {}
-    for table in s.kv.req_to_blocks.values():
-        for b in table:
-            holders[b.block_id] = holders.get(b.block_id, 0) + 1
-    assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in s.kv.pool.blocks)
-    assert s.kv.num_free_blocks + len(holders) == s.kv.pool.num_blocks
-    s.kv.pool.check_invariants()
 
 
 def expected_tokens(n: int) -> list[int]:

@@ -27,14 +27,26 @@ from asyncengine.sampling_params import SamplingParams
 @dataclass
 class RunnerRequestState:
     req_id: str
-    token_ids: list[int]  # prompt + outputs, including the runner's own latest samples
     num_prompt_tokens: int
-    prompt_ids: list[int]  # the two parts again, shared (not copied) with the sampler each step
-    output_ids: list[int]
+    prompt_ids: list[int]  # shared (not copied) with the sampler each step
+    output_ids: list[int]  # outputs, including the runner's own latest samples
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
     bad_words_token_ids: list[list[int]] | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) across the prompt and the outputs."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -123,8 +135,7 @@ class ModelRunner:
             self._prompt_logprob_ids.discard(rid)
         for nr in so.new_requests:
             self.requests[nr.req_id] = RunnerRequestState(
-                req_id=nr.req_id, token_ids=list(nr.prompt_token_ids) + list(nr.output_token_ids),
-                num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
+                req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids)
@@ -176,7 +187,8 @@ class ModelRunner:
         nd = len(decodes)
         for st in decodes:
             pos = st.num_computed_tokens
-            input_ids.append(st.token_ids[pos])
+            n_prompt = st.num_prompt_tokens
+            input_ids.append(st.prompt_ids[pos] if pos < n_prompt else st.output_ids[pos - n_prompt])
             positions.append(pos)
             slots.append(st.block_ids[pos // bs] * bs + pos % bs)
         meta = AttentionMetadata(slot_mapping=None, num_decodes=nd)
@@ -187,7 +199,7 @@ class ModelRunner:
                 a.num_heads // a.num_kv_heads, self.num_blocks, self.device)
             meta.workspace = self._workspace(meta.decode_groups)
             for i, st in enumerate(decodes):
-                if st.num_computed_tokens + 1 == len(st.token_ids):
+                if st.num_computed_tokens + 1 == st.num_tokens:
                     sample_rows.append(i)
                     sample_states.append(st)
 
@@ -196,7 +208,7 @@ class ModelRunner:
         for st, n in prefills:
             start = st.num_computed_tokens
             end = start + n
-            input_ids.extend(st.token_ids[start:end])
+            input_ids.extend(st.tokens(start, end))
             positions.extend(range(start, end))
             blocks = st.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -205,7 +217,7 @@ class ModelRunner:
                 q_start=row, q_end=row + n, context_len=start,
                 block_ids=torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)))
             row += n
-            if end == len(st.token_ids):
+            if end == st.num_tokens:
                 sample_rows.append(row - 1)
                 sample_states.append(st)
 
@@ -238,7 +250,6 @@ class ModelRunner:
             out = self.sampler(logits, smeta)
             sampled = out.sampled_token_ids
             for st, tok in zip(sample_states, sampled):
-                st.token_ids.append(tok)
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
             if out.logprobs is not None:
