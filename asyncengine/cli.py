@@ -115,11 +115,48 @@ async def _generate(args) -> int:
 
 
 def _serve(args) -> int:
+    from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
 
+    limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
+                                ("max_prompt_chars", args.max_prompt_chars),
+                                ("max_stop_strings", args.max_stop_strings),
+                                ("max_stop_string_chars", args.max_stop_string_chars),
+                                ("max_n", args.max_n)) if v is not None}
+    admission = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                   ("max_queued_requests", args.max_queued_requests),
+                                   ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
     return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                  api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
-                 max_model_len=args.max_model_len, seed=args.seed)
+                 max_model_len=args.max_model_len, seed=args.seed,
+                 allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                 metrics_public=args.metrics_public, limits=RequestLimits(**limits), **admission)
+
+
+def _serve_args(s: argparse.ArgumentParser) -> None:
+    """Admission limits, request limits and browser protections of ``serve`` (security.py)."""
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--allowed-hosts", type=_csv, default=None,
+                   help="Host names to answer besides the defaults (loopback names when bound to loopback, "
+                        "the bound address otherwise); '*' for any (comma-separated)")
+    s.add_argument("--allowed-origins", type=_csv, default=(),
+                   help="browser origins (https://app.example) allowed to call the API besides this "
+                        "server's own; also turns CORS on for them (comma-separated)")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="requests in the running batch (default 256)")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="waiting requests before 429 (default 4096)")
+    s.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="waiting prompt tokens before 429 (default: unlimited)")
+    s.add_argument("--max-request-bytes", type=int, default=None, help="HTTP body / websocket frame (default 4 MiB)")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of a prompt (default 32 x max_model_len)")
+    s.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request (default 16)")
+    s.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string (default 1024)")
+    s.add_argument("--max-n", type=int, default=None, help="samples per request (default 128)")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require this bearer key (or ASYNCENGINE_API_KEY)")
+    _serve_args(s)
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from asyncengine.errors import AsyncEngineError

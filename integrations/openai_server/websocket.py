@@ -29,11 +29,13 @@ import uuid
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError
 
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
 from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
+from .security import WS_PROTOCOL, ws_protocols
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
@@ -58,6 +60,14 @@ class _Connection:
         await self.send({"type": "error", "id": cid, **e.body()})
 
     async def handle(self, raw: str | bytes) -> None:
+        limits = self.st.limits
+        size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+        try:
+            validation.check_body_size(size, limits)
+            validation.check_json_depth(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"),
+                                        limits)
+        except validation.RequestLimitError as e:
+            return await self.send_error(None, APIError(400, str(e), param="frame", code="limit_exceeded"))
         try:
             obj = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
@@ -146,7 +156,10 @@ class _Connection:
 
 
 async def ws_chat(ws: WebSocket) -> None:
-    await ws.accept()
+    # the web page offers asyncengine.v1 (plus its key as a second subprotocol, see security.py):
+    # a browser drops a connection whose server picks none of the offered ones
+    offered = ws_protocols(dict(ws.scope.get("headers", ())))
+    await ws.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     conn = _Connection(ws)
     try:
         while True:
