@@ -74,8 +74,9 @@ class LLM:
             try:
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt #{i}: {e}") from None
+            except InvalidRequestError as e:  # the same error (e.g. a RequestLimitError), naming the prompt
+                e.args = (f"prompt #{i}: {e}",)
+                raise e from None
             made.append((req, text))
         return self._run(made, use_tqdm)
 
