@@ -29,7 +29,7 @@
     const fromHash = new URLSearchParams(location.hash.slice(1)).get("api_key");
     if (fromHash) {
       sessionStorage.setItem(KEY, fromHash);
-      history.replaceState(null, "", location.pathname + location.search);   // out of the address bar
+      window.history.replaceState(null, "", location.pathname + location.search);   // out of the address bar
     }
     return sessionStorage.getItem(KEY) || "";
   }

@@ -136,10 +136,10 @@ class ServerState:
         if length is not None:
             try:
                 validation.check_body_size(int(length), limits)
-            except ValueError:
-                raise APIError(400, "invalid Content-Length") from None
             except validation.RequestLimitError as e:
                 raise APIError(413, str(e), param="body", code="request_too_large") from None
+            except ValueError:
+                raise APIError(400, "invalid Content-Length") from None
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
