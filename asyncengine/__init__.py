@@ -1,13 +1,14 @@
 """asyncengine: an asyncio-native, embeddable LLM inference engine."""
 from asyncengine.config import EngineConfig
+from asyncengine.engine.validation import RequestLimitError, RequestLimits
 from asyncengine.errors import (AsyncEngineError, ConfigError, EngineDeadError, EngineOverloaded,
-                                InvalidRequestError, ModelLoadError)
+                                InvalidRequestError, ModelLoadError, RequestFailedError)
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
-           "InvalidRequestError", "ModelLoadError"]
+           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError"]
 __version__ = "0.1.0"
 
 

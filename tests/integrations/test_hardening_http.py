@@ -345,3 +345,46 @@ async def test_ws_key_as_subprotocol_is_not_echoed(strict_server):
     async with websockets.connect(strict_server.ws_url, subprotocols=["asyncengine.v1", "asyncengine.key." + b64]) as ws:
         assert ws.subprotocol == "asyncengine.v1"
         assert API_KEY not in str(ws.response.headers)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_default_allowed_hosts():
+    from asyncengine.integrations.openai_server.security import SecurityPolicy, default_allowed_hosts
+
+    assert "localhost" in default_allowed_hosts("127.0.0.1") and "evil.example" not in default_allowed_hosts("::1")
+    assert default_allowed_hosts("10.1.2.3") == {"10.1.2.3"}
+    wildcard = SecurityPolicy(None, bind_host="0.0.0.0")
+    assert wildcard.check_host({b"host": b"192.168.1.7:8000"}) is None  # an IP literal: no rebinding possible
+    assert wildcard.check_host({b"host": b"evil.example"}) is not None
+    extra = SecurityPolicy(None, bind_host="10.1.2.3", allowed_hosts=["llm.internal"])
+    assert extra.check_host({b"host": b"llm.internal:8000"}) is None
+    assert extra.check_host({b"host": b"localhost:8000"}) is not None
+    assert SecurityPolicy(None, allowed_hosts=["*"]).check_host({b"host": b"anything"}) is None
+    # two Host headers are never "allowed"
+    from asyncengine.integrations.openai_server.security import _headers
+
+    assert SecurityPolicy(None).check_host(_headers({"headers": [(b"host", b"localhost"), (b"host", b"evil")]}))
+
+
+def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
+    import asyncengine.integrations.openai_server as server_pkg
+    from asyncengine import cli
+
+    seen = {}
+    monkeypatch.setattr(server_pkg, "serve", lambda **kw: seen.update(kw) or 0)
+    assert cli.main(["serve", "some-model", "--max-num-seqs", "8", "--max-queued-requests", "3",
+                     "--max-queued-tokens", "500", "--max-request-bytes", "1000", "--max-prompt-chars", "900",
+                     "--max-stop-strings", "2", "--max-stop-string-chars", "10", "--max-n", "2",
+                     "--allowed-hosts", "llm.internal, other", "--allowed-origins", "https://app.example",
+                     "--metrics-public"]) == 0
+    assert (seen["max_num_seqs"], seen["max_queued_requests"], seen["max_queued_tokens"]) == (8, 3, 500)
+    assert seen["limits"] == RequestLimits(max_request_bytes=1000, max_prompt_chars=900, max_stop_strings=2,
+                                           max_stop_string_chars=10, max_n=2)
+    assert seen["allowed_hosts"] == ["llm.internal", "other"] and seen["allowed_origins"] == ["https://app.example"]
+    assert seen["metrics_public"] is True
+    seen.clear()
+    assert cli.main(["serve", "m"]) == 0
+    assert "max_queued_requests" not in seen and seen["limits"] == RequestLimits()
+    assert cli.main(["serve", "m", "--max-n", "0"]) == 2  # a bad limit is a clear error, not a traceback
