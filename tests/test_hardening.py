@@ -374,3 +374,24 @@ def test_limits_must_be_positive():
 
     with pytest.raises(ConfigError, match="RequestLimits.max_n must be a positive integer"):
         RequestLimits(max_n=0)
+
+
+async def test_input_fault_in_the_core_fails_only_its_request(tiny_llama_dir, monkeypatch):
+    eng = make_engine(tiny_llama_dir)
+    real = eng.core.add_request
+
+    def picky(req):
+        if req.request_id == "bad-input":
+            raise ValueError("simulated admission fault")
+        return real(req)
+
+    monkeypatch.setattr(eng.core, "add_request", picky)
+    async with eng:
+        good = eng.generate([5, 6, 7], greedy(10), request_id="good")
+        bad = eng.generate([8, 9], greedy(10), request_id="bad-input")
+        with pytest.raises(RequestFailedError, match="'bad-input' failed while it was admitted: ValueError"):
+            async for _ in bad:
+                pass
+        outs = [o async for o in good]
+        assert outs[-1].finish_reason == "length" and not eng.errored
+        await assert_clean(eng)

@@ -242,6 +242,12 @@ class AsyncLLMEngine:
                 f"n is {params.n}, but at most max_queued_requests={c.max_queued_requests} samples can ever "
                 f"wait at once", param="n", limit="max_queued_requests")
 
+    def check_sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against this engine's limits and vocabulary (what generate() will do
+        anyway), for front ends that want to refuse a request before tokenizing its prompt."""
+        return validation.check_sampling_params(_check_params(params), self.limits, self.processor.vocab_size,
+                                                self.processor.eos_token_ids)
+
     async def encode(self, prompt) -> tuple[str | None, list[int]]:
         """Check and tokenize a prompt the way generate() will (text, token ids or chat messages):
         ``(text or None, token ids)``. Long ones are tokenized on a worker thread (at most
@@ -350,7 +356,10 @@ class AsyncLLMEngine:
             for req in new:
                 if req.request_id in self._aborts:
                     continue  # abandoned before it reached the core
-                core.add_request(req)
+                try:
+                    core.add_request(req)
+                except Exception as e:  # this request's input: it alone fails
+                    self._fail_request(req.request_id, e, "was admitted")
         if self._aborts:
             ids, self._aborts = list(self._aborts), set()
             core.abort_requests(ids)
@@ -360,6 +369,19 @@ class AsyncLLMEngine:
                 slot = self._slots.pop(rid, None)
                 if slot is not None and not slot.finished:
                     slot.put(self._aborted_output(rid, st))
+
+    def _fail_request(self, rid: str, exc: Exception, stage: str) -> None:
+        from asyncengine.errors import RequestFailedError
+
+        log.warning("request %s failed while it %s: %s: %s", rid, stage, type(exc).__name__, exc, exc_info=exc)
+        self.core.abort_requests([rid])
+        self.output_processor.abort(rid)
+        self._unqueue(rid)
+        err = RequestFailedError(f"request {rid!r} failed while it {stage}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            slot.put_error(err)
 
     def _unqueue(self, rid: str) -> None:
         self._num_queued_tokens -= self._queued_tokens.pop(rid, 0)

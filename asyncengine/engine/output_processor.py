@@ -196,7 +196,10 @@ class OutputProcessor:
                 continue
             elif not any(s.has_news for s in st.samples):
                 continue  # e.g. a prefill chunk that only brought prompt logprobs
-            results.append(self.make_output(st))
+            try:
+                results.append(self.make_output(st))
+            except Exception as e:
+                failed.append((st.request_id, self._fail(st, e, to_abort)))
         return ProcessedOutputs(results, to_abort, failed)
 
     def _fail(self, st: RequestState, exc: Exception, to_abort: list[str]) -> RequestFailedError:

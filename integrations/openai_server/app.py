@@ -164,7 +164,19 @@ class ServerState:
             err.param = err.param or param
             raise err from None
 
+    def check_params(self, params, n: int) -> None:
+        """The sampling parameters by the engine's rules, before any prompt is tokenized."""
+        try:
+            self.engine.check_sampling_params(msgspec.structs.replace(params, n=n) if n != params.n else params)
+        except AsyncEngineError as e:
+            raise from_engine(e, self.engine) from None
+
     async def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, list) and len(prompt) > max(self.max_model_len, self.limits.max_prompts):
+            # more items than any prompt list can have: refused before looking at each of them
+            raise APIError(400, f"the prompt list has {len(prompt)} items: at most max_prompts="
+                                f"{self.limits.max_prompts} prompts, or fewer than max_model_len="
+                                f"{self.max_model_len} token ids", param="prompt", code="limit_exceeded")
         if isinstance(prompt, str):
             items = [prompt]
         elif not prompt:
@@ -307,11 +319,13 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     _check_samples(st, len(req.prompt) if isinstance(req.prompt, list) and req.prompt
                    and not isinstance(req.prompt[0], (int, float)) else 1, req.n)
+    k = req.logprobs
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
+                             limits=st.limits)
+    st.check_params(params, req.n)  # before any prompt is tokenized
     prompts = await st.completion_prompts(req.prompt)
     for _, ids in prompts:
         st.check_length(len(ids), req.max_tokens, "prompt")
-    k = req.logprobs
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream))
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -417,10 +431,11 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits)
+    st.check_params(params, req.n)  # before the messages are rendered
     ids = await st.chat_prompt(req.messages)
     st.check_length(len(ids), max_tokens, "messages")
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())

@@ -7,21 +7,26 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
+from asyncengine.engine.validation import RequestLimits
 from asyncengine.errors import InvalidRequestError
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
-from .errors import APIError
+from .errors import APIError, from_engine
 from .protocol import SamplingFields
 
 _SEED_MOD = 2**63  # OpenAI's seed is any int64; the engine's is [0, 2**63)
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    stream: bool) -> SamplingParams:
-    """The SamplingParams of one prompt's samples (n is set by submit_n)."""
+                    stream: bool, limits: RequestLimits | None = None) -> SamplingParams:
+    """The SamplingParams of one prompt's samples (n is set by submit_n). The engine validates
+    them (validation.py); ``limits`` only guards the conversions done here."""
     kw: dict = {}
+    if limits is not None and req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
+        raise APIError(400, f"the number of logit_bias entries is {len(req.logit_bias)}, over the limit "
+                            f"max_logit_bias={limits.max_logit_bias}", param="logit_bias", code="limit_exceeded")
     if req.temperature is not None:
         kw["temperature"] = req.temperature
     if req.top_p is not None:
@@ -49,7 +54,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, **kw)
     except InvalidRequestError as e:
-        raise APIError(400, str(e)) from None
+        raise from_engine(e, None) from None
 
 
 def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> RequestStream:

@@ -107,9 +107,10 @@ class _Connection:
         st = self.st
         st.check_model(frame.model)
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits)
+        st.check_params(params, 1)
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")
-        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True)
         rid = f"ws-{uuid.uuid4().hex}"
         try:
             stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
