@@ -44,6 +44,18 @@ ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", 
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
 
 
+_OFF_LOOP_BYTES = 256 * 1024
+
+
+def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
+    """JSON bytes -> a validated ``typ``, its nesting checked before it is decoded."""
+    try:
+        validation.check_json_depth(body, limits)
+    except validation.RequestLimitError as e:
+        raise APIError(400, str(e), param="body", code="limit_exceeded") from None
+    return decode(body, typ)
+
+
 def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, headers=headers, media_type="application/json")
 
@@ -148,11 +160,9 @@ class ServerState:
                                     f"{limits.max_request_bytes}", param="body", code="request_too_large")
             chunks.append(chunk)
         body = b"".join(chunks)
-        try:
-            validation.check_json_depth(body, limits)
-        except validation.RequestLimitError as e:
-            raise APIError(400, str(e), param="body", code="limit_exceeded") from None
-        return decode(body, typ)
+        if len(body) > _OFF_LOOP_BYTES:  # scanning and decoding megabytes: not on the event loop
+            return await asyncio.to_thread(decode_checked, body, typ, limits)
+        return decode_checked(body, typ, limits)
 
     async def encode(self, item, param: str) -> tuple[str | None, list[int]]:
         """A text, a list of token ids or chat messages -> (text or None, checked ids), by the

@@ -61,15 +61,17 @@ class _Connection:
 
     async def handle(self, raw: str | bytes) -> None:
         limits = self.st.limits
-        size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         try:
-            validation.check_body_size(size, limits)
-            validation.check_json_depth(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"),
-                                        limits)
+            validation.check_body_size(len(data), limits)
+            if len(data) > 256 * 1024:  # megabytes: scanned off the event loop
+                await asyncio.to_thread(validation.check_json_depth, data, limits)
+            else:
+                validation.check_json_depth(data, limits)
         except validation.RequestLimitError as e:
             return await self.send_error(None, APIError(400, str(e), param="frame", code="limit_exceeded"))
         try:
-            obj = msgspec.json.decode(raw)
+            obj = msgspec.json.decode(data)
         except msgspec.DecodeError as e:
             return await self.send_error(None, APIError(400, f"a frame must be a JSON object: {e}"))
         if not isinstance(obj, dict):
