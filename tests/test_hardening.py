@@ -395,3 +395,10 @@ async def test_input_fault_in_the_core_fails_only_its_request(tiny_llama_dir, mo
         outs = [o async for o in good]
         assert outs[-1].finish_reason == "length" and not eng.errored
         await assert_clean(eng)
+
+
+async def test_absurd_n_is_refused_at_once(tiny_llama_dir):
+    eng = make_engine(tiny_llama_dir, num_kv_blocks=16)
+    async with eng:
+        with pytest.raises(RequestLimitError, match="max_n=128"):  # no per-sample work before the check
+            eng.generate([5, 6], SamplingParams(n=10**12), request_id="huge")

@@ -193,10 +193,10 @@ class AsyncLLMEngine:
             request_id = f"req-{uuid.uuid4().hex[:16]}"
         else:
             validation.check_request_id(request_id, self.limits)
-        self._check_id_free(request_id, params.n)
         # the cheap checks before anything is tokenized (they are repeated, harmlessly, later)
         params = validation.check_sampling_params(params, self.limits, self.processor.vocab_size,
                                                   self.processor.eos_token_ids)
+        self._check_id_free(request_id, params.n)  # after n is known to be within max_n
         self._check_admissible(params)
         chat = _is_chat(prompt)
         if chat:
