@@ -319,7 +319,10 @@ class Soak:
         import httpx
 
         sem = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+        # idle connections are dropped by the client before the server's keep-alive timeout (5 s)
+        # could close one just as a request is sent on it (a client-side race, not a server fault)
+        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency,
+                              keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=self.base, timeout=self.guard_s, limits=limits) as client:
             async def task(i):
                 async with sem:

@@ -45,6 +45,7 @@ ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", 
 
 
 _OFF_LOOP_BYTES = 256 * 1024
+_CLOSE = {"connection": "close"}  # the rest of an oversized body is never read: end the connection
 
 
 def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
@@ -149,7 +150,7 @@ class ServerState:
             try:
                 validation.check_body_size(int(length), limits)
             except validation.RequestLimitError as e:
-                raise APIError(413, str(e), param="body", code="request_too_large") from None
+                raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
             except ValueError:
                 raise APIError(400, "invalid Content-Length") from None
         chunks, size = [], 0
@@ -157,7 +158,8 @@ class ServerState:
             size += len(chunk)
             if size > limits.max_request_bytes:
                 raise APIError(413, f"the request body is over the limit max_request_bytes="
-                                    f"{limits.max_request_bytes}", param="body", code="request_too_large")
+                                    f"{limits.max_request_bytes}", param="body", code="request_too_large",
+                               headers=_CLOSE)
             chunks.append(chunk)
         body = b"".join(chunks)
         if len(body) > _OFF_LOOP_BYTES:  # scanning and decoding megabytes: not on the event loop

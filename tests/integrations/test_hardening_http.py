@@ -388,3 +388,8 @@ def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
     assert cli.main(["serve", "m"]) == 0
     assert "max_queued_requests" not in seen and seen["limits"] == RequestLimits()
     assert cli.main(["serve", "m", "--max-n", "0"]) == 2  # a bad limit is a clear error, not a traceback
+
+
+def test_413_closes_the_connection(limited):
+    r = post(limited, "/v1/completions", {"model": MODEL, "prompt": "x" * 100_000})
+    assert r.status_code == 413 and r.headers["connection"] == "close"
