@@ -402,3 +402,30 @@ async def test_absurd_n_is_refused_at_once(tiny_llama_dir):
     async with eng:
         with pytest.raises(RequestLimitError, match="max_n=128"):  # no per-sample work before the check
             eng.generate([5, 6], SamplingParams(n=10**12), request_id="huge")
+
+
+async def test_long_stop_strings_are_built_off_the_loop_and_still_match(tiny_llama_dir, monkeypatch):
+    """Stop strings over 1,024 characters in all: the automaton is built on a worker thread; the
+    request behaves the same (here: a stop that is the greedy text itself ends it)."""
+    import threading
+
+    import asyncengine.engine.async_engine as ae
+
+    eng = make_engine(tiny_llama_dir)
+    built_on = []
+    real = ae.StopAutomaton
+
+    def spy(stops):
+        built_on.append(threading.current_thread() is threading.main_thread())
+        return real(stops)
+
+    monkeypatch.setattr(ae, "StopAutomaton", spy)
+    async with eng:
+        free = await asyncio.wait_for(eng.complete([5, 6, 7], greedy(12)), HANG_GUARD_S)
+        text = free.outputs[0].text
+        assert len(text) >= 4
+        stops = [text[2:4]] + ["\x00" + "z" * 1000, "\x01" + "q" * 1000]
+        out = await asyncio.wait_for(eng.complete([5, 6, 7], greedy(12, stop=stops)), HANG_GUARD_S)
+        assert out.outputs[0].stop_reason == text[2:4] and out.outputs[0].text == text[:text.find(text[2:4])]
+        assert built_on == [False]
+        await assert_clean(eng)

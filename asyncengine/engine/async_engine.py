@@ -33,11 +33,15 @@ from asyncengine.engine import validation
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
+from asyncengine.engine.stop_strings import StopAutomaton
 from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# stop strings longer than this in all are built into their automaton on a worker thread
+_STOP_CHARS_OFF_LOOP = 1024
 
 
 def _is_chat(prompt) -> bool:
@@ -210,11 +214,15 @@ class AsyncLLMEngine:
             size = len(text) if isinstance(text, str) else 0
         slot = RequestSlot(request_id, params.output_kind)
         self._slots[request_id] = slot
-        if size > self.limits.off_loop_chars and self.tokenizer is not None:
-            # long: tokenized (or rendered) on a worker thread; errors surface at the first iteration
+        long_text = size > self.limits.off_loop_chars and self.tokenizer is not None
+        long_stops = sum(len(x) for x in params.stop or ()) > _STOP_CHARS_OFF_LOOP and self.tokenizer is not None
+        if long_text or long_stops:
+            # long: tokenized (or rendered) and its stop automaton built on a worker thread; errors
+            # surface at the first iteration
             stream = RequestStream(slot, self._abort_slot)
-            self._loop.create_task(self._submit_later(slot, messages if chat else text, chat, params,
-                                                      priority, cache_salt))
+            kind = ("chat" if chat else "text") if long_text else "ready"
+            self._loop.create_task(self._submit_later(slot, (messages if chat else text) if long_text else prompt,
+                                                      kind, params, priority, cache_salt))
             return stream
         try:
             if chat:
@@ -268,29 +276,32 @@ class AsyncLLMEngine:
                     return await asyncio.to_thread(proc.tokenize, prompt)
         return proc.tokenize(prompt)
 
-    async def _submit_later(self, slot: RequestSlot, prompt, chat: bool, params, priority, cache_salt) -> None:
+    async def _submit_later(self, slot: RequestSlot, prompt, kind: str, params, priority, cache_salt) -> None:
+        """kind: "chat" (messages to render), "text" (to tokenize) or "ready" (only the stop
+        automaton is long to build)."""
         try:
             async with self._tokenizing:
                 if slot.finished or self._slots.get(slot.request_id) is not slot:
                     return  # abandoned while it waited for a thread
-                if chat:
+                if kind == "chat":
                     prompt = {"prompt_token_ids": await asyncio.to_thread(self.processor.render_chat, prompt)}
-                else:
+                elif kind == "text":
                     _, ids = await asyncio.to_thread(self.processor.tokenize, prompt)
                     prompt = {"prompt": prompt, "prompt_token_ids": ids}
+                automaton = await asyncio.to_thread(StopAutomaton, params.stop) if params.stop else None
             if self._slots.get(slot.request_id) is slot and not slot.finished:
-                self._submit(slot.request_id, prompt, params, priority, cache_salt)
+                self._submit(slot.request_id, prompt, params, priority, cache_salt, automaton)
         except Exception as e:
             if self._slots.get(slot.request_id) is slot:
                 del self._slots[slot.request_id]
             slot.put_error(e)
 
-    def _submit(self, request_id: str, prompt, params, priority, cache_salt) -> None:
+    def _submit(self, request_id: str, prompt, params, priority, cache_salt, automaton=None) -> None:
         req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt)
         self._admit_check(req)
         self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
-                                          req.arrival_time)
+                                          req.arrival_time, stop_automaton=automaton)
         self._queued_tokens[request_id] = req.num_prompt_tokens
         self._num_queued_tokens += req.num_prompt_tokens
         self._new.append(req)

@@ -107,13 +107,15 @@ class OutputProcessor:
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> RequestState:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    stop_automaton: StopAutomaton | None = None) -> RequestState:
         n = params.n
         want_lp = params.logprobs is not None
         samples = []
         # one automaton for every sample (linear in the stops' total length; validation bounds it)
-        automaton = StopAutomaton(params.stop) if params.stop and self.tokenizer is not None \
-            and params.detokenize else None
+        automaton = None
+        if params.stop and self.tokenizer is not None and params.detokenize:
+            automaton = stop_automaton if stop_automaton is not None else StopAutomaton(params.stop)
         for i in range(n):
             detok = stops = None
             if self.tokenizer is not None and params.detokenize:
