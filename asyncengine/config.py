@@ -96,6 +96,16 @@ class EngineConfig:
     # stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive at that point
     # are then never cycle-collected: turn it off if your app creates the engine late and cares.
     freeze_gc_after_load: bool = True
+    # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
+    # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
+    # asyncengine[ray]); None = "uni" at tensor_parallel_size 1, else "mp".
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    tensor_parallel_size: int = 1
+    # data_parallel_size > 1: that many engine cores, each in its own process with its own
+    # scheduler, KV cache and executor, behind one front end that routes each request
+    data_parallel_size: int = 1
+    # a collective that waits this long for a peer rank fails (the engine then dies, never hangs)
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -123,5 +133,19 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ConfigError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', "
+                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError("distributed_executor_backend='uni' runs one worker thread: "
+                              "tensor_parallel_size > 1 needs 'mp' or 'ray'")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError("distributed_timeout_s must be > 0")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

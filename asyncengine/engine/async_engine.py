@@ -1,8 +1,9 @@
 """AsyncLLMEngine: the engine inside someone else's asyncio app.
 
 Threads: the app's event loop owns admission, scheduling, output routing and detokenization (all
-short Python work); one dedicated executor thread owns the model and runs ``ModelRunner.execute``
-(torch releases the GIL in its kernels), so the loop stays responsive while the model computes.
+short Python work); the engine core's executor runs the model elsewhere (a dedicated thread with
+the default ``uni`` executor, worker processes with ``mp``; torch releases the GIL in its kernels),
+so the loop stays responsive while the model computes. The loop awaits the executor's futures.
 
 Overlap: the busy loop keeps up to two steps in flight. While step N executes on the worker,
 step N+1 is already scheduled (each running request's in-flight token counted as a placeholder)
@@ -21,7 +22,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -39,6 +39,7 @@ from asyncengine.sampling_params import OutputKind, SamplingParams
 log = logging.getLogger(__name__)
 
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts on a worker thread, not on the loop
+_HEALTH_CHECK_S = 1.0  # an idle busy loop checks the executor's workers this often
 
 
 def _check_params(params) -> SamplingParams:
@@ -62,11 +63,11 @@ def _freeze_gc() -> None:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
+        self._owns_core = core is None
         self.core = core or EngineCore(config)
-        loaded = self.core.loaded
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = self.core.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
-                                        loaded.eos_token_ids)
+                                        self.core.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.freeze_gc_after_load:
             _freeze_gc()
@@ -81,7 +82,6 @@ class AsyncLLMEngine:
         self._loop_thread: int | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-model")
         self._dead: EngineDeadError | None = None
         self._closing = False
         self._closed = False
@@ -146,7 +146,8 @@ class AsyncLLMEngine:
             except (EngineDeadError, asyncio.CancelledError):
                 pass
         self._closed = True
-        self._executor.shutdown(wait=True)
+        if self._owns_core:
+            await asyncio.to_thread(self.core.shutdown)
 
     @property
     def is_running(self) -> bool:
@@ -227,7 +228,7 @@ class AsyncLLMEngine:
     def _admit_check(self, req: Request) -> None:
         c = self.config
         # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
-        queued = self.core.scheduler.num_waiting + sum(r.sampling_params.n for r in self._new)
+        queued = self.core.num_waiting + sum(r.sampling_params.n for r in self._new)
         if c.max_queued_requests is not None and queued + req.sampling_params.n > c.max_queued_requests:
             raise EngineOverloaded(f"{queued} requests are waiting (max_queued_requests={c.max_queued_requests}); "
                                    f"retry later")
@@ -318,13 +319,16 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     if self._new or self._aborts:
                         continue
-                    await self._wake.wait()
+                    try:  # idle: look at the workers' health now and then (a dead one kills us now)
+                        await asyncio.wait_for(self._wake.wait(), timeout=_HEALTH_CHECK_S)
+                    except asyncio.TimeoutError:
+                        core.check_health()
                     continue
                 while len(inflight) < depth and core.has_unfinished():
                     so = self._schedule()
                     if so.is_empty and not so.finished_req_ids:
                         break
-                    inflight.append((so, loop.run_in_executor(self._executor, core.execute, so)))
+                    inflight.append((so, asyncio.wrap_future(core.execute_model(so), loop=loop)))
                     if so.is_empty:
                         break
                 if not inflight:
@@ -344,7 +348,7 @@ class AsyncLLMEngine:
                     self._drain_inputs()
                     nxt = self._schedule()
                     if not nxt.is_empty or nxt.finished_req_ids:
-                        inflight.append((nxt, loop.run_in_executor(self._executor, core.execute, nxt)))
+                        inflight.append((nxt, asyncio.wrap_future(core.execute_model(nxt), loop=loop)))
                 await self._route(core_outputs)
         except asyncio.CancelledError:
             # the loop is going away (asyncio.run cancels every task it leaves behind): end this
@@ -378,7 +382,7 @@ class AsyncLLMEngine:
                     slot.put(self._aborted_output(slot.request_id))
                 except RuntimeError:  # its loop is closed: nobody can read it anyway
                     pass
-        self.core.abort_requests(list(self.core.scheduler.requests))
+        self.core.abort_all()  # the workers forget them once the steps already queued are done
         for rid in list(self.output_processor.states):
             self.output_processor.abort(rid)
         self._slots.clear()
@@ -386,11 +390,6 @@ class AsyncLLMEngine:
         self._aborts.clear()
         self._queued_tokens.clear()
         self._num_queued_tokens = 0
-        # the runner forgets them once the steps already queued on its thread are done
-        try:
-            self._executor.submit(self.core.runner.requests.clear)
-        except RuntimeError:  # the executor is shut down: nothing can run there any more
-            self.core.runner.requests.clear()
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         self._dead = dead
@@ -432,7 +431,6 @@ class AsyncLLMEngine:
             "num_streams": len(self._slots),
             "tokens_per_s": tps,
             "total_output_tokens": self._tokens_out,
-            "executor_busy_s": self.core.runner.execute_time_s,
             "uptime_s": now - self._started_at,
             "errored": self.errored,
         })
