@@ -59,7 +59,11 @@ class EngineCore:
                              eos_token_ids=list(loaded.eos_token_ids), max_model_len=loaded.max_model_len,
                              vocab_size=loaded.hf_config.vocab_size, path=loaded.path)
         self.model_info = info or load_model_info(config)
-        self.executor: Executor = Executor.get_class(config)(config, self.model_info.eos_token_ids, loaded)
+        if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
+            from asyncengine.models.registry import resolve_architecture
+            resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
+                self.model_info.hf_config, config.tensor_parallel_size)
+        self.executor: Executor = Executor.get_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
             num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)

@@ -20,13 +20,18 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.models.loader import ModelInfo
 from asyncengine.worker.worker import KVCacheSpec
 
 
 class Executor(ABC):
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int], loaded=None) -> None:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, loaded=None) -> None:
+        """Start the workers; each loads its part of the model. ``loaded``: an already loaded
+        model (``uni`` only)."""
         self.config = config
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = list(model_info.eos_token_ids)
+        to_dict = getattr(model_info.hf_config, "to_dict", None)
+        self.hf_config_dict = to_dict() if to_dict is not None else None
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:

@@ -139,6 +139,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, rows, bias=False)
 
+    @classmethod
+    def check_tensor_parallel(cls, hf_config, size: int) -> None:
+        """Raise ConfigError, before any worker starts, if the model cannot be split ``size`` ways."""
+        a = LlamaArgs.from_hf(hf_config, 1, cls.qkv_bias, cls.qk_norm)
+        tp = TPGroup(rank=0, size=size)
+        attention_shard(a.num_heads, a.num_kv_heads, tp)
+        even_split(a.intermediate_size, tp, "intermediate size")
+
     @property
     def num_heads(self) -> int:
         """Query heads on this rank."""

@@ -175,10 +175,12 @@ def _hf_config(path: str):
         raise ModelLoadError(f"{path}: cannot read config.json ({e})") from None
 
 
-def load_model(config: EngineConfig, tp=None, tokenizer: bool = True) -> LoadedModel:
+def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None
+               ) -> LoadedModel:
     """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
     rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
-    never needs one."""
+    never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
+    worker process then never imports transformers for a safetensors checkpoint: seconds saved)."""
     from asyncengine.layers.parallel import SINGLE
 
     tp = tp or SINGLE
@@ -198,7 +200,12 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True) -> LoadedM
         tok = ckpt.tokenizer
         eos = list(ckpt.eos_token_ids)
     else:
-        hf_config = _hf_config(path)
+        if hf_config is not None:
+            import types
+
+            hf_config = types.SimpleNamespace(**hf_config)
+        else:
+            hf_config = _hf_config(path)
         weights = None
         tok = None
         eos = _eos_ids(Path(path), hf_config)

@@ -47,13 +47,14 @@ def _available_memory(device: torch.device) -> int | None:
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, eos_token_ids: list[int] | None = None,
-                 loaded=None) -> None:
+                 loaded=None, hf_config: dict | None = None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.init_method = distributed_init_method
         self.eos_token_ids = list(eos_token_ids or [])
         self._preloaded = loaded  # uni only: tests share one loaded model between engines
+        self._hf_config = hf_config
         self.tp: TPGroup = SINGLE
         self.model = None
         self.runner: ModelRunner | None = None
@@ -83,7 +84,7 @@ class Worker:
             self.model = self._preloaded.model
             self._preloaded = None
         else:
-            self.model = load_model(self.config, tp=self.tp, tokenizer=False).model
+            self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(bytes_per_block=kv_bytes_per_block(self.model, self.config.block_size,
