@@ -189,3 +189,12 @@ async def test_mqa_parity(tiny_model_dir, hf_reference):
     print(f"[tp] qwen2 MQA TP=2 vs transformers {c}")
     assert c["exact"] + c["near_tie"] == len(requests)
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+
+
+def test_shutdown_leaves_no_worker(llama_tp2):
+    """Last in this module (the fixture's shutdown is idempotent)."""
+    from test_executor_faults import wait_gone
+
+    pids = [r["pid"] for r in llama_tp2.collective_rpc("runner_stats")]
+    llama_tp2.shutdown()
+    wait_gone(pids, timeout=30.0)

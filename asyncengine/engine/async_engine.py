@@ -64,7 +64,15 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
         self._owns_core = core is None
+        # data_parallel_size > 1: engine cores in their own processes (engine/core_client.py)
+        self._remote = core is None and config.data_parallel_size > 1
+        if self._remote:
+            from asyncengine.engine.core_client import DPEngineCores
+            from asyncengine.models.loader import load_model_info
+
+            core = DPEngineCores(config, load_model_info(config))
         self.core = core or EngineCore(config)
+        self._remote_inbox: deque = deque()  # (core index, message) from the cores' reader threads
         self.tokenizer = self.core.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
                                         self.core.eos_token_ids)
@@ -127,7 +135,18 @@ class AsyncLLMEngine:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
-        self._task = loop.create_task(self._busy_loop(), name="asyncengine-busy-loop")
+        if self._remote:
+            wake = self._wake
+
+            def sink(index, msg) -> None:  # on a reader thread: hand over, wake the loop
+                self._remote_inbox.append((index, msg))
+                try:
+                    loop.call_soon_threadsafe(wake.set)
+                except RuntimeError:  # the loop is closed
+                    pass
+            self.core.set_sink(sink)
+        busy = self._busy_loop_remote() if self._remote else self._busy_loop()
+        self._task = loop.create_task(busy, name="asyncengine-busy-loop")
 
     async def shutdown(self, drain: bool = True) -> None:
         """Stop the engine. drain=True lets running and queued requests finish; drain=False aborts
@@ -373,6 +392,44 @@ class AsyncLLMEngine:
             for _, fut in inflight:
                 fut.cancel()
 
+    async def _busy_loop_remote(self) -> None:
+        """The busy loop with data-parallel engine cores: they step on their own; this loop sends
+        them inputs and routes what they send back."""
+        core = self.core
+        try:
+            while True:
+                self._drain_inputs()
+                while self._remote_inbox:
+                    index, msg = self._remote_inbox.popleft()
+                    if not hasattr(msg, "outputs"):  # CoreDead
+                        raise EngineDeadError(msg.message + (f"\n{msg.traceback}" if msg.traceback else ""))
+                    for o in msg.outputs:
+                        rid = self.output_processor.request_id_of(o.req_id)
+                        if rid in self._queued_tokens:
+                            self._unqueue(rid)
+                    await self._route(msg.outputs)
+                if self._closing and not self._slots and not self._new:
+                    return
+                self._wake.clear()
+                if self._new or self._aborts or self._remote_inbox:
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=_HEALTH_CHECK_S)
+                except asyncio.TimeoutError:
+                    core.check_health()
+        except asyncio.CancelledError:
+            if self._task is asyncio.current_task():
+                self._abandon_all()
+            raise
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+            dead.__cause__ = e
+            log.exception("asyncengine busy loop died")
+            self._fail_all(dead)
+            raise dead from e
+
     def _abandon_all(self) -> None:
         """End every request of the loop the engine leaves (its streams get an "abort" output) and
         empty the core, so that the next loop starts clean."""
@@ -414,6 +471,8 @@ class AsyncLLMEngine:
                 slot.put(out)
                 if out.finished:
                     del self._slots[out.request_id]
+                    if self._remote:
+                        self.core.finished(out.request_id)
             if i % 256 == 255:
                 await asyncio.sleep(0)  # let the app breathe between chunks of a big batch
 
