@@ -106,6 +106,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     # a collective that waits this long for a peer rank fails (the engine then dies, never hangs)
     distributed_timeout_s: float = 60.0
+    # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,
+    # STRICT_SPREAD = one rank per node)
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
