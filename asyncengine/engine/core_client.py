@@ -114,18 +114,25 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def engine_core_main(config: EngineConfig, conn, parent_pid: int) -> None:
+def engine_core_main(config: EngineConfig, conn, parent_pid: int, info: dict | None = None) -> None:
     """One engine core's busy loop: take inputs from the pipe, keep up to two steps in flight in
-    the executor, send each finished step's outputs back."""
+    the executor, send each finished step's outputs back. ``info``: the model info the front end
+    already read (the core then never imports transformers nor loads a tokenizer)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    import types
+
     from asyncengine.core.engine_core import EngineCore
+    from asyncengine.models.loader import ModelInfo
+
+    if info is not None:
+        info = ModelInfo(**{**info, "hf_config": types.SimpleNamespace(**info["hf_config"]), "tokenizer": None})
 
     def send(msg) -> None:
         conn.send_bytes(_enc.encode(msg))
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, info=info)
     except BaseException as e:
         send(CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
         os._exit(1)
@@ -192,13 +199,13 @@ class EngineCoreClient:
     """One engine-core process, seen from the front end. ``sink(index, message)`` receives, on a
     reader thread, each CoreOutputs and, once, a CoreDead when the core fails or vanishes."""
 
-    def __init__(self, config: EngineConfig, index: int, sink: Callable) -> None:
+    def __init__(self, config: EngineConfig, index: int, sink: Callable, info: dict | None = None) -> None:
         self.index = index
         self._sink = sink
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         # not daemonic: a core may start worker processes of its own (tensor parallel)
-        self.proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid()),
+        self.proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid(), info),
                                 name=f"asyncengine-core-{index}", daemon=False)
         self.proc.start()
         child.close()
@@ -294,10 +301,14 @@ class DPEngineCores:
         self.model_info = model_info
         self._sink: Callable = lambda i, m: None
         core_cfg = dataclasses.replace(config, data_parallel_size=1)
+        to_dict = getattr(model_info.hf_config, "to_dict", None)
+        info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
+                    eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,
+                    vocab_size=model_info.vocab_size, path=model_info.path)
         self.clients: list[EngineCoreClient] = []
         try:
             for i in range(config.data_parallel_size):  # start them all, then wait: they load in parallel
-                self.clients.append(EngineCoreClient(core_cfg, i, self._deliver))
+                self.clients.append(EngineCoreClient(core_cfg, i, self._deliver, info))
             readies = [c.wait_ready() for c in self.clients]
         except BaseException:
             self.shutdown()

@@ -31,7 +31,7 @@ class Executor(ABC):
         self.config = config
         self.eos_token_ids = list(model_info.eos_token_ids)
         to_dict = getattr(model_info.hf_config, "to_dict", None)
-        self.hf_config_dict = to_dict() if to_dict is not None else None
+        self.hf_config_dict = to_dict() if to_dict is not None else dict(vars(model_info.hf_config))
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
