@@ -2,6 +2,7 @@
 """Offline throughput of one model under the executors, side by side in one run:
 
     TP=1  uni  2 threads         one engine core, one worker thread using both cores
+    TP=1  uni  1 thread          the same on one core (a reference on a shared, busy machine)
     TP=2  mp   1 thread per rank one engine core, two tensor-parallel worker processes
     DP=2  uni  1 thread each     two engine-core processes, each with its own KV cache
 
@@ -31,6 +32,7 @@ from workloads import make_workload  # noqa: E402
 
 CONFIGS = {
     "tp1-2threads": dict(tensor_parallel_size=1, num_threads=2),
+    "tp1-1thread": dict(tensor_parallel_size=1, num_threads=1),
     "tp2-mp-1thread": dict(tensor_parallel_size=2, distributed_executor_backend="mp", num_threads=1),
     "dp2-1thread": dict(data_parallel_size=2, num_threads=1),
 }
