@@ -20,6 +20,16 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--seed", type=int, default=0)
 
 
+def _distributed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes (Megatron tensor parallel)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run this many engine cores (processes), each with its own KV cache")
+    p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
+                   help="uni: one thread (TP=1 default); mp: worker processes (TP>1 default); ray: Ray actors")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+
+
 def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -130,7 +140,9 @@ def _serve(args) -> int:
                  api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
                  max_model_len=args.max_model_len, seed=args.seed,
                  allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                 metrics_public=args.metrics_public, limits=RequestLimits(**limits), **admission)
+                 metrics_public=args.metrics_public, limits=RequestLimits(**limits), **admission,
+                 tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                 distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads)
 
 
 def _serve_args(s: argparse.ArgumentParser) -> None:
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require this bearer key (or ASYNCENGINE_API_KEY)")
     _serve_args(s)
+    _distributed(s)
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from asyncengine.errors import AsyncEngineError

@@ -102,6 +102,19 @@ class EngineConfig:
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
     # asyncengine/engine/validation.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
+    # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
+    # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
+    # asyncengine[ray]); None = "uni" at tensor_parallel_size 1, else "mp".
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    tensor_parallel_size: int = 1
+    # data_parallel_size > 1: that many engine cores, each in its own process with its own
+    # scheduler, KV cache and executor, behind one front end that routes each request
+    data_parallel_size: int = 1
+    # a collective that waits this long for a peer rank fails (the engine then dies, never hangs)
+    distributed_timeout_s: float = 60.0
+    # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,
+    # STRICT_SPREAD = one rank per node)
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -133,5 +146,19 @@ class EngineConfig:
             from asyncengine.engine.validation import RequestLimits
 
             self.limits = RequestLimits()
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ConfigError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', "
+                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError("distributed_executor_backend='uni' runs one worker thread: "
+                              "tensor_parallel_size > 1 needs 'mp' or 'ray'")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError("distributed_timeout_s must be > 0")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

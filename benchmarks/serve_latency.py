@@ -110,14 +110,14 @@ async def run_once(eng: AsyncLLMEngine, prompts: list[list[int]], output_len: in
     stop = asyncio.Event()
     hb = asyncio.create_task(heartbeat(stop, lags))
     await asyncio.sleep(0)
-    busy0 = eng.core.runner.execute_time_s
+    busy0 = eng.core.stats()["executor_busy_s"]
     steps0 = eng.core.stats()["num_steps"]
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one_request(eng, p, params, off, t0) for p, off in zip(prompts, offsets)))
     t1 = time.perf_counter()
     stop.set()
     await hb
-    busy = eng.core.runner.execute_time_s - busy0
+    busy = eng.core.stats()["executor_busy_s"] - busy0
     steps = eng.core.stats()["num_steps"] - steps0
     bad = [r["tokens"] for r in results if r["tokens"] != output_len]
     if bad:
@@ -181,7 +181,7 @@ async def amain(a: argparse.Namespace) -> dict:
     base["num_kv_blocks"] = max(64, a.num_requests * blocks_per_req + 16)  # never preempts
     probe = EngineConfig(**base)
     loaded = load_model(probe)
-    vocab = loaded.model.args.vocab_size
+    vocab = loaded.hf_config.vocab_size
     engines = {}
     for m in modes:
         cfg = EngineConfig(**base, async_scheduling=MODES[m])

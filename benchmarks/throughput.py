@@ -97,7 +97,7 @@ def run_asyncengine(args, reqs) -> dict:
     generate([([3 + (7 * i + j) % (vocab - 3) for j in range(48 + 16 * i)], 8) for i in range(8)])
 
     stats0 = engine.stats()
-    exec0 = engine.runner.execute_time_s
+    exec0 = engine.stats()["executor_busy_s"]
     t0 = time.perf_counter()
     outputs = generate(reqs)
     elapsed = time.perf_counter() - t0
@@ -107,7 +107,7 @@ def run_asyncengine(args, reqs) -> dict:
         "asyncengine", reqs, outputs, elapsed,
         num_steps=steps,
         num_preemptions=stats1["num_preemptions"] - stats0["num_preemptions"],
-        model_execute_s=round(engine.runner.execute_time_s - exec0, 3),
+        model_execute_s=round(engine.stats()["executor_busy_s"] - exec0, 3),
         config={"max_num_seqs": llm.config.max_num_seqs,
                 "max_num_batched_tokens": llm.config.max_num_batched_tokens,
                 "block_size": llm.config.block_size, "num_kv_blocks": engine.num_blocks,

@@ -125,7 +125,7 @@ class KVOracleRunner:
                 s["tokens"].append(t)
                 req_ids.append(rid)
                 toks.append(t)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in toks])
 
     def check_cached_contents(self, reqs) -> None:
         """Every block the prefix cache offers under one of these requests' block hashes holds

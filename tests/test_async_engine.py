@@ -61,7 +61,8 @@ async def assert_clean(eng: AsyncLLMEngine) -> None:
     probe = await guard(eng.complete([5, 6, 7], greedy(1), request_id="probe-after-settle"))
     assert probe.finished
     await settle(eng)
-    assert set(eng.core.runner.requests) <= {"probe-after-settle"}, sorted(eng.core.runner.requests)[:10]
+    held = eng.core.collective_rpc("runner_stats")[0]["request_ids"]
+    assert set(held) <= {"probe-after-settle"}, held[:10]
     assert eng.core.kv.num_free_blocks == eng.core.num_blocks
     assert eng.output_processor.states == {} and eng._slots == {}
 
@@ -277,19 +278,10 @@ async def scenario_overload(model_dir: str) -> None:
 async def scenario_model_fault(model_dir: str, fail_after: int = 3) -> None:
     """The model raising mid-run: every pending stream gets EngineDeadError carrying the cause,
     later calls fail at once, nobody hangs."""
+    from worker_hooks import fail_after as inject
+
     eng = make_engine(model_dir)
-    runner = eng.core.runner
-    real = runner.execute
-    calls = 0
-
-    def faulty(so):
-        nonlocal calls
-        calls += 1
-        if calls > fail_after:
-            raise RuntimeError("simulated kernel fault")
-        return real(so)
-
-    runner.execute = faulty
+    eng.core.collective_rpc(inject, (fail_after,))
     async with eng:
         streams = [eng.generate([3 + i, 4, 5, 6], greedy(50)) for i in range(12)]
 
@@ -491,12 +483,10 @@ async def test_model_fault_kills_every_stream(model_dir):
 
 async def test_model_fault_in_forward_on_first_step(model_dir, monkeypatch):
     """A fault in the model's forward itself, on the very first step."""
+    from worker_hooks import break_forward
+
     eng = make_engine(model_dir)
-
-    def boom(*a, **k):
-        raise ValueError("forward exploded")
-
-    monkeypatch.setattr(eng.core.runner.model, "forward", boom)
+    eng.core.collective_rpc(break_forward)
     async with eng:
         with pytest.raises(EngineDeadError) as ei:
             await guard(eng.complete([3, 4, 5], greedy(4)))

@@ -49,7 +49,8 @@ def still_serving(llm: LLM, baseline) -> None:
     assert [o.outputs[0].token_ids for o in outs] == baseline
     check_clean(llm)
     # the runner forgets finished requests at the next step: only this call's may still be there
-    assert set(llm.engine.runner.requests) <= {o.request_id for o in outs}
+    held = llm.engine.collective_rpc("runner_stats")[0]["request_ids"]
+    assert set(held) <= {o.request_id for o in outs}
 
 
 # ---------------------------------------------------------------------------- requests
@@ -132,20 +133,15 @@ def test_bad_sampling_params(kw, fragment):
 def test_failure_mid_generate_leaves_engine_clean(llm, baseline, monkeypatch):
     """An exception inside the step loop (after requests were admitted) aborts them all, frees their
     blocks, and the next generate() works."""
+    from worker_hooks import fail_after, restore_execute
+
     eng = llm.engine
-    real = eng.runner.execute
-    calls = {"n": 0}
-
-    def flaky(so):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault")
-        return real(so)
-
-    monkeypatch.setattr(eng.runner, "execute", flaky)
-    with pytest.raises(RuntimeError, match="injected fault"):
-        llm.generate([list(range(3, 40)), [7, 8, 9]] * 3, greedy(20), use_tqdm=False)
-    assert calls["n"] >= 3
+    eng.collective_rpc(fail_after, (2, "injected fault"), {"once": True})
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            llm.generate([list(range(3, 40)), [7, 8, 9]] * 3, greedy(20), use_tqdm=False)
+    finally:
+        eng.collective_rpc(restore_execute)
     still_serving(llm, baseline)
 
 

@@ -174,7 +174,8 @@ def test_tied_embeddings(tiny_model_dir, tiny_reference, hf_reference):
     assert "lm_head.weight" not in names  # truly tied on disk: the head must come from the embedding
     requests, refs = variant_workload(tiny_reference, hf_reference, d)
     llm = LLM(d, dtype="float32", **REGIMES["chunked"])
-    assert llm.engine.loaded.model.lm_head is None
+    from worker_hooks import model_facts
+    assert llm.engine.collective_rpc(model_facts)[0]["lm_head_is_none"]
     record("llama/tied", compare(run(llm, requests), refs))
 
 
@@ -190,12 +191,16 @@ def test_llama3_rope_scaling(tiny_model_dir, tiny_reference, hf_reference):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from asyncengine.layers.rotary import compute_inv_freq
-    rotary = llm.engine.loaded.model.rotary
-    assert rotary.params["rope_type"] == "llama3"
-    ours = compute_inv_freq(rotary.head_dim, rotary.params)
+    from worker_hooks import model_facts
+    assert llm.engine.collective_rpc(model_facts)[0]["rope_type"] == "llama3"
+    cfg = transformers.AutoConfig.from_pretrained(d)
+    from asyncengine.layers.rotary import rope_parameters
+    params = rope_parameters(cfg)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    ours = compute_inv_freq(head_dim, params)
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.AutoConfig.from_pretrained(d), "cpu")
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
-    plain = compute_inv_freq(rotary.head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    plain = compute_inv_freq(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
     assert ours[0] == plain[0] and (ours[-1] - plain[-1] / 8).abs() < 1e-12 and not torch.equal(ours, plain)
 
     requests, refs = variant_workload(tiny_reference, hf_reference, d)
@@ -211,7 +216,8 @@ def test_bf16_checkpoint(tiny_llama_dir, tiny_reference, tmp_path):
     requests, refs = tiny_reference("llama")  # fp32 weights: bf16 is only expected to agree mostly
     llm = LLM(str(tmp_path), dtype="bfloat16", **REGIMES["chunked"])
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
-    assert all(p.dtype == torch.bfloat16 for p in llm.engine.loaded.model.parameters())
+    from worker_hooks import model_facts
+    assert llm.engine.collective_rpc(model_facts)[0]["param_dtypes"] == ["torch.bfloat16"]
     outs = run(llm, requests)
     first_ok = sum(o[0] == r.tokens[0] for o, r in zip(outs, refs))
     agree = sum(next((k for k, (a, b) in enumerate(zip(o, r.tokens)) if a != b), len(o)) for o, r in zip(outs, refs))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.executor.sampler import (
+from asyncengine.worker.sampler import (
     Sampler,
     SamplingMetadata,
     gather_logprobs,

@@ -83,7 +83,7 @@ class FakeRunner:
                 s["tokens"].append(TOK0 + k)
                 req_ids.append(rid)
                 toks.append(TOK0 + k)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in toks])
 
 
 def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True, policy="fcfs",

@@ -1,12 +1,15 @@
 """EngineCore: the synchronous heart. ``step()`` = schedule -> execute -> update -> outputs.
 
-It owns the scheduler (with its KV-cache manager) and the model runner, and knows nothing of text,
+It owns the scheduler (with its KV-cache manager) and an executor, and knows nothing of text,
 streams or event loops: front ends (``LLM``, ``AsyncLLMEngine``) feed it validated ``Request``s and
-route its ``EngineCoreOutput``s. The async engine drives the three phases itself to overlap them.
+route its ``EngineCoreOutput``s. The async engine drives the three phases itself to overlap them
+(``execute_model`` returns a future). The model, its weights and the KV tensors live behind the
+executor (a thread, worker processes or Ray actors): the core sees only messages.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -16,51 +19,82 @@ from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.errors import ConfigError
-from asyncengine.executor.model_runner import ModelRunner, kv_bytes_per_block
-from asyncengine.models.loader import LoadedModel, load_model
+from asyncengine.executor.abstract import Executor
+from asyncengine.models.loader import ModelInfo, load_model_info
+from asyncengine.worker.worker import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
-def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel) -> int:
-    per_block = kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype)
+def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> int:
+    """The KV-sizing policy: how many blocks every rank allocates, from what a block costs on a
+    rank (its share of the KV heads) and what memory the ranks reported."""
+    per_block = spec.bytes_per_block
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
     n = budget // per_block
     if config.kv_cache_bytes is None:
         # never more than every sequence slot at full length could use
-        n = min(n, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)
+        n = min(n, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
+        if spec.available_bytes is not None:  # nor more than 90% of the memory a rank has free
+            n = min(n, max(2, int(spec.available_bytes * 0.9) // per_block))
     if n < 2:
         raise ConfigError(f"kv_cache_bytes={budget} holds fewer than 2 blocks of {per_block} bytes")
     return int(n)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded=None, info: ModelInfo | None = None) -> None:
+        """``loaded``: an already loaded model (``uni`` only; tests share one between engines).
+        ``info``: the model's config/tokenizer if the caller already read them."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
-        self.loaded = loaded or load_model(config)
-        num_blocks = num_kv_blocks_for(config, self.loaded)
+        if info is None and loaded is not None:
+            info = ModelInfo(hf_config=loaded.hf_config, tokenizer=loaded.tokenizer,
+                             eos_token_ids=list(loaded.eos_token_ids), max_model_len=loaded.max_model_len,
+                             vocab_size=loaded.hf_config.vocab_size, path=loaded.path)
+        self.model_info = info or load_model_info(config)
+        if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
+            from asyncengine.models.registry import resolve_architecture
+            resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
+                self.model_info.hf_config, config.tensor_parallel_size)
+        self.executor: Executor = Executor.get_class(config)(config, self.model_info, loaded)
+        try:
+            spec = self.executor.determine_kv_cache_spec()
+            num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)
+            self.executor.initialize_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         # a request can never hold more tokens than the whole cache
-        self.max_model_len = min(self.loaded.max_model_len, num_blocks * config.block_size)
+        self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s)
-        self.runner = ModelRunner(config, self.loaded, num_blocks)
-        log.info("engine core: %d KV blocks of %d tokens, max_model_len %d, dtype %s",
-                 num_blocks, config.block_size, self.max_model_len, config.torch_dtype)
+        self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
+        log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
+                 config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
+                 config.block_size, self.max_model_len, config.torch_dtype)
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return self.model_info.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.model_info.tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_info.eos_token_ids
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -68,17 +102,37 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[str]:
         return self.scheduler.abort_requests(request_ids)
 
+    def abort_all(self) -> None:
+        """Abort every request and make the workers forget theirs (after the steps queued)."""
+        self.scheduler.abort_requests(list(self.scheduler.requests))
+        try:
+            self.executor.collective_rpc("reset_requests", non_block=True)
+        except Exception:  # the executor is gone: nothing holds request state any more
+            pass
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
 
     # the three phases, separately, for the async engine's overlapped loop
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
+    def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        return self.executor.execute_model(so)
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(so)
+        return self.executor.execute_model(so).result()
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        self.execute_time_s += out.execute_time_s
         return self.scheduler.update(so, out)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -88,6 +142,16 @@ class EngineCore:
                 self.execute(so)
             return []
         return self.update(so, self.execute(so))
+
+    # control
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> dict:
         s = self.scheduler.stats
@@ -107,4 +171,5 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_hits,
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "mean_queue_time_s": s.queue_time_s_total / s.num_started if s.num_started else 0.0,
+            "executor_busy_s": self.execute_time_s,
         }

@@ -42,11 +42,13 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
-    """Only rows that sampled appear. ``logprobs[i]`` is (token ids, logprobs, rank of the sampled
-    token) for rows whose request asked for logprobs, else None."""
+    """Only rows that sampled appear. ``sampled_token_ids[i]`` is the list of tokens request
+    ``req_ids[i]`` accepted this step (one today; several once speculative decoding accepts drafts).
+    ``logprobs[i]`` is (token ids, logprobs, rank of the sampled token) for rows whose request
+    asked for logprobs, else None."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
     # req_id -> (first position p, entries) for requests with prompt_logprobs whose chunk this step
     # covers prompt positions p, p+1, ...: entry i is (ids, logprobs, rank) for prompt token

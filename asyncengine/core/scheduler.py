@@ -332,16 +332,22 @@ class Scheduler:
                 if plp:
                     outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], new_prompt_logprobs=plp,
                                                     num_cached_tokens=max(req.num_cached_tokens, 0)))
-        for j, (rid, tok) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+        for j, (rid, toks) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None:
                 continue  # finished or aborted while this step was in flight
-            req.num_output_placeholders -= 1
-            req.output_token_ids.append(tok)
-            status = req.check_stop(tok)
+            req.num_output_placeholders -= 1  # one sampling step per row, however many it accepted
+            new_ids: list[int] = []
+            status = None
+            for tok in toks:  # only accepted tokens reach stop checks; none past a stop
+                req.output_token_ids.append(tok)
+                new_ids.append(tok)
+                status = req.check_stop(tok)
+                if status is not None:
+                    break
             lp = logprobs[j] if logprobs is not None else None
             outputs.append(EngineCoreOutput(
-                req_id=rid, new_token_ids=[tok],
+                req_id=rid, new_token_ids=new_ids,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=req.stop_reason if status else None,
                 new_logprobs=[lp] if lp is not None else None,

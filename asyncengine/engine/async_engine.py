@@ -1,8 +1,9 @@
 """AsyncLLMEngine: the engine inside someone else's asyncio app.
 
 Threads: the app's event loop owns admission, scheduling, output routing and detokenization (all
-short Python work); one dedicated executor thread owns the model and runs ``ModelRunner.execute``
-(torch releases the GIL in its kernels), so the loop stays responsive while the model computes.
+short Python work); the engine core's executor runs the model elsewhere (a dedicated thread with
+the default ``uni`` executor, worker processes with ``mp``; torch releases the GIL in its kernels),
+so the loop stays responsive while the model computes. The loop awaits the executor's futures.
 
 Overlap: the busy loop keeps up to two steps in flight. While step N executes on the worker,
 step N+1 is already scheduled (each running request's in-flight token counted as a placeholder)
@@ -21,7 +22,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -47,6 +47,7 @@ _STOP_CHARS_OFF_LOOP = 1024
 def _is_chat(prompt) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
         and isinstance(prompt[0], Mapping)
+_HEALTH_CHECK_S = 1.0  # an idle busy loop checks the executor's workers this often
 
 
 def _check_params(params) -> SamplingParams:
@@ -70,12 +71,20 @@ def _freeze_gc() -> None:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
+        self._owns_core = core is None
+        # data_parallel_size > 1: engine cores in their own processes (engine/core_client.py)
+        self._remote = core is None and config.data_parallel_size > 1
+        if self._remote:
+            from asyncengine.engine.core_client import DPEngineCores
+            from asyncengine.models.loader import load_model_info
+
+            core = DPEngineCores(config, load_model_info(config))
         self.core = core or EngineCore(config)
-        loaded = self.core.loaded
-        self.tokenizer = loaded.tokenizer
+        self._remote_inbox: deque = deque()  # (core index, message) from the cores' reader threads
+        self.tokenizer = self.core.tokenizer
         self.limits = config.limits
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
-                                        loaded.eos_token_ids, self.limits)
+                                        self.core.eos_token_ids, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         if config.freeze_gc_after_load:
             _freeze_gc()
@@ -91,7 +100,6 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._tokenizing: asyncio.Semaphore | None = None  # bounds the worker threads tokenizing
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-model")
         self._dead: EngineDeadError | None = None
         self._closing = False
         self._closed = False
@@ -138,7 +146,18 @@ class AsyncLLMEngine:
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
         self._tokenizing = asyncio.Semaphore(self.limits.max_concurrent_tokenizations)
-        self._task = loop.create_task(self._busy_loop(), name="asyncengine-busy-loop")
+        if self._remote:
+            wake = self._wake
+
+            def sink(index, msg) -> None:  # on a reader thread: hand over, wake the loop
+                self._remote_inbox.append((index, msg))
+                try:
+                    loop.call_soon_threadsafe(wake.set)
+                except RuntimeError:  # the loop is closed
+                    pass
+            self.core.set_sink(sink)
+        busy = self._busy_loop_remote() if self._remote else self._busy_loop()
+        self._task = loop.create_task(busy, name="asyncengine-busy-loop")
 
     async def shutdown(self, drain: bool = True) -> None:
         """Stop the engine. drain=True lets running and queued requests finish; drain=False aborts
@@ -157,7 +176,8 @@ class AsyncLLMEngine:
             except (EngineDeadError, asyncio.CancelledError):
                 pass
         self._closed = True
-        self._executor.shutdown(wait=True)
+        if self._owns_core:
+            await asyncio.to_thread(self.core.shutdown)
 
     @property
     def is_running(self) -> bool:
@@ -310,7 +330,7 @@ class AsyncLLMEngine:
     def _admit_check(self, req: Request) -> None:
         c = self.config
         # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
-        queued = self.core.scheduler.num_waiting + sum(r.sampling_params.n for r in self._new)
+        queued = self.core.num_waiting + sum(r.sampling_params.n for r in self._new)
         if c.max_queued_requests is not None and queued + req.sampling_params.n > c.max_queued_requests:
             raise EngineOverloaded(f"{queued} requests are waiting (max_queued_requests={c.max_queued_requests}); "
                                    f"retry later")
@@ -428,13 +448,16 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     if self._new or self._aborts:
                         continue
-                    await self._wake.wait()
+                    try:  # idle: look at the workers' health now and then (a dead one kills us now)
+                        await asyncio.wait_for(self._wake.wait(), timeout=_HEALTH_CHECK_S)
+                    except asyncio.TimeoutError:
+                        core.check_health()
                     continue
                 while len(inflight) < depth and core.has_unfinished():
                     so = self._schedule()
                     if so.is_empty and not so.finished_req_ids:
                         break
-                    inflight.append((so, loop.run_in_executor(self._executor, core.execute, so)))
+                    inflight.append((so, asyncio.wrap_future(core.execute_model(so), loop=loop)))
                     if so.is_empty:
                         break
                 if not inflight:
@@ -454,7 +477,7 @@ class AsyncLLMEngine:
                     self._drain_inputs()
                     nxt = self._schedule()
                     if not nxt.is_empty or nxt.finished_req_ids:
-                        inflight.append((nxt, loop.run_in_executor(self._executor, core.execute, nxt)))
+                        inflight.append((nxt, asyncio.wrap_future(core.execute_model(nxt), loop=loop)))
                 await self._route(core_outputs)
         except asyncio.CancelledError:
             # the loop is going away (asyncio.run cancels every task it leaves behind): end this
@@ -479,6 +502,44 @@ class AsyncLLMEngine:
             for _, fut in inflight:
                 fut.cancel()
 
+    async def _busy_loop_remote(self) -> None:
+        """The busy loop with data-parallel engine cores: they step on their own; this loop sends
+        them inputs and routes what they send back."""
+        core = self.core
+        try:
+            while True:
+                self._drain_inputs()
+                while self._remote_inbox:
+                    index, msg = self._remote_inbox.popleft()
+                    if not hasattr(msg, "outputs"):  # CoreDead
+                        raise EngineDeadError(msg.message + (f"\n{msg.traceback}" if msg.traceback else ""))
+                    for o in msg.outputs:
+                        rid = self.output_processor.request_id_of(o.req_id)
+                        if rid in self._queued_tokens:
+                            self._unqueue(rid)
+                    await self._route(msg.outputs)
+                if self._closing and not self._slots and not self._new:
+                    return
+                self._wake.clear()
+                if self._new or self._aborts or self._remote_inbox:
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=_HEALTH_CHECK_S)
+                except asyncio.TimeoutError:
+                    core.check_health()
+        except asyncio.CancelledError:
+            if self._task is asyncio.current_task():
+                self._abandon_all()
+            raise
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+            dead.__cause__ = e
+            log.exception("asyncengine busy loop died")
+            self._fail_all(dead)
+            raise dead from e
+
     def _abandon_all(self) -> None:
         """End every request of the loop the engine leaves (its streams get an "abort" output) and
         empty the core, so that the next loop starts clean."""
@@ -488,7 +549,7 @@ class AsyncLLMEngine:
                     slot.put(self._aborted_output(slot.request_id))
                 except RuntimeError:  # its loop is closed: nobody can read it anyway
                     pass
-        self.core.abort_requests(list(self.core.scheduler.requests))
+        self.core.abort_all()  # the workers forget them once the steps already queued are done
         for rid in list(self.output_processor.states):
             self.output_processor.abort(rid)
         self._slots.clear()
@@ -496,11 +557,6 @@ class AsyncLLMEngine:
         self._aborts.clear()
         self._queued_tokens.clear()
         self._num_queued_tokens = 0
-        # the runner forgets them once the steps already queued on its thread are done
-        try:
-            self._executor.submit(self.core.runner.requests.clear)
-        except RuntimeError:  # the executor is shut down: nothing can run there any more
-            self.core.runner.requests.clear()
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         self._dead = dead
@@ -531,6 +587,8 @@ class AsyncLLMEngine:
                 slot.put(out)
                 if out.finished:
                     del self._slots[out.request_id]
+                    if self._remote:
+                        self.core.finished(out.request_id)
             if i % 256 == 255:
                 await asyncio.sleep(0)  # let the app breathe between chunks of a big batch
 
@@ -548,7 +606,6 @@ class AsyncLLMEngine:
             "num_streams": len(self._slots),
             "tokens_per_s": tps,
             "total_output_tokens": self._tokens_out,
-            "executor_busy_s": self.core.runner.execute_time_s,
             "uptime_s": now - self._started_at,
             "errored": self.errored,
         })

@@ -31,15 +31,29 @@ def _is_single_prompt(prompts) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, **engine_options)
+        if self.config.data_parallel_size > 1:
+            from asyncengine.errors import ConfigError
+            raise ConfigError("data_parallel_size > 1 runs engine cores in their own processes behind "
+                              "AsyncLLMEngine (or asyncengine serve); LLM drives one core")
         self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.loaded.tokenizer
+        self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
-                                        self.engine.loaded.eos_token_ids, self.config.limits)
+                                        self.engine.eos_token_ids, self.config.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes with ``mp``); also done at garbage collection."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

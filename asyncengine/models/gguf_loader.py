@@ -120,11 +120,25 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "
 _EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
+def gguf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
+    """Only the model config of a GGUF file (its header; no tensor data is read)."""
+    path = _resolve_file(path)
+    f = _GGUFFile(path)
+    arch = f.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}.")
+    return _build_config(f, arch, path)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *, tensors: bool = True,
+              tokenizer: bool = True, shard_of=None) -> GGUFCheckpoint:
     """Read a GGUF file (or a folder holding exactly one) into HF-named, dequantized tensors.
 
     ``dtype`` is what each tensor is cast to right after it is dequantized (float32 by default, which
-    is exact for every GGUF type).
+    is exact for every GGUF type). ``tensors=False`` reads only the config and tokenizer (``tensors``
+    is then empty). ``shard_of(hf_name) -> (dim, start, stop) | None``: a tensor-parallel rank's
+    slice of each tensor; only those rows (or columns) of the memory map are dequantized.
     Raises :class:`ModelLoadError` for a missing, truncated or corrupt file, an unsupported tensor type
     or an unsupported architecture.
     """
@@ -140,17 +154,22 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> GG
         )
     _check_tensor_types(gguf_file, path)
     config = _build_config(gguf_file, gguf_arch, path)
-    tensors, extra = _load_tensors(gguf_file, config, gguf_arch, path, dtype)
+    if tensors:
+        weights, extra = _load_tensors(gguf_file, config, gguf_arch, path, dtype, shard_of)
+    else:  # rope_freqs still matter for the config
+        weights, extra = {}, _load_tensors(gguf_file, config, gguf_arch, path, dtype, None,
+                                           only=_EXTRA_TENSORS)[1]
     del gguf_file  # every tensor is a copy: the memory map can go
 
     _fix_rope_from_freqs(config, extra, path)
-    _check_tensors(config, tensors, path)
-    tokenizer = _build_tokenizer(path, metadata)
-    eos_ids = _eos_token_ids(metadata, tokenizer)
+    if tensors and shard_of is None:
+        _check_tensors(config, weights, path)  # (a shard's shapes are checked by the model)
+    tok = _build_tokenizer(path, metadata) if tokenizer else None
+    eos_ids = _eos_token_ids(metadata, tok)
     return GGUFCheckpoint(
         config=config,
-        tensors=tensors,
-        tokenizer=tokenizer,
+        tensors=weights,
+        tokenizer=tok,
         eos_token_ids=eos_ids,
         extra_tensors=extra,
         metadata=metadata,
@@ -488,7 +507,35 @@ def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dtype):
+def _slice_raw(f: _GGUFFile, t: _TensorInfo, spec, qtype):
+    """Dequantize only rows [start, stop) (dim 0) or columns [start, stop) (dim 1) of a tensor
+    straight from the memory map. Quantized rows are independent, so a row slice is a slice of the
+    bytes; a column slice is one too when it falls on quantization-block edges, and otherwise is
+    dequantized a few rows at a time (never the whole tensor at once)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    dim, start, stop = spec
+    raw = f.raw(t)
+    if dim == 0:
+        part = raw[start:stop]
+        return dequantize(np.ascontiguousarray(part), qtype).reshape((stop - start,) + tuple(t.shape[1:]))
+    if dim != 1 or len(t.shape) != 2:
+        raise ModelLoadError(f"{f.path}: cannot shard tensor {t.name!r} of shape {list(t.shape)} along dim {dim}")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = t.shape
+    if start % block == 0 and stop % block == 0:
+        part = np.ascontiguousarray(raw[:, start // block * type_size:stop // block * type_size])
+        return dequantize(part, qtype).reshape(rows, stop - start)
+    out = np.empty((rows, stop - start), dtype=np.float32)
+    for r0 in range(0, rows, 256):
+        r1 = min(rows, r0 + 256)
+        out[r0:r1] = dequantize(np.ascontiguousarray(raw[r0:r1]), qtype).reshape(r1 - r0, cols)[:, start:stop]
+    return out
+
+
+def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dtype, shard_of=None,
+                  only=None):
     import gguf
     from gguf.quants import dequantize
 
@@ -503,16 +550,25 @@ def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.
     tensors: dict[str, torch.Tensor] = {}
     extra: dict[str, torch.Tensor] = {}
     for t in f.tensors:
+        if only is not None and t.name not in only:
+            continue
+        hf = _hf_name(t.name)
+        spec = shard_of(hf) if shard_of is not None and hf is not None else None
+        qtype = gguf.GGMLQuantizationType(t.type_id)
         try:
-            array = dequantize(f.raw(t), gguf.GGMLQuantizationType(t.type_id))
+            if spec is None:
+                array = dequantize(f.raw(t), qtype).reshape(t.shape)
+            else:
+                array = _slice_raw(f, t, spec, qtype)
         except NotImplementedError as exc:
             raise ModelLoadError(f"{path}: tensor {t.name!r} has type {t.type_name}, which cannot be "
                                  f"dequantized here ({exc}).") from None
-        array = array.reshape(t.shape)
-        hf = _hf_name(t.name)
         if permute and hf is not None and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+            heads = n_head if ".q_proj." in hf else n_kv
+            if spec is not None:  # whole heads of rows: unpermute within this rank's heads
+                heads = heads * array.shape[0] // t.shape[0]
             try:
-                rows = unpermute_rows(t.shape[0], n_head if ".q_proj." in hf else n_kv)
+                rows = unpermute_rows(array.shape[0], heads)
             except ValueError as exc:
                 raise ModelLoadError(f"{path}: tensor {t.name!r} of shape {list(t.shape)}: {exc}.") from None
             array = array[rows]  # a gather: a fresh array

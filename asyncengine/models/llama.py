@@ -3,6 +3,12 @@
 One decoder serves all four; the differences are three config switches. Weights are loaded from
 HF names and fused on the way in (q/k/v into one projection, gate/up into one) so each layer is
 four matmuls on a flat [tokens, hidden] batch.
+
+Tensor parallel (Megatron): a model built with a ``TPGroup`` of size N holds 1/N of the attention
+heads (q/k/v rows; KV heads replicated when there are fewer than N), of the MLP columns (gate/up
+rows, down columns) and of the vocabulary (embedding rows and LM head rows); o_proj and down_proj
+produce partial sums that one all-reduce each completes. :meth:`weight_shard` tells the loader which
+slice of each checkpoint tensor this rank reads, so no rank ever materializes the whole model.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from torch import nn
 
 from asyncengine.layers.attention import AttentionMetadata, TorchPagedAttention
 from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.parallel import SINGLE, TPGroup, attention_shard, even_split, vocab_split
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -52,17 +59,19 @@ _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x
 
 
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.q_size = a.num_heads * a.head_dim
-        self.kv_size = a.num_kv_heads * a.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        sh = attention_shard(a.num_heads, a.num_kv_heads, tp)
+        self.tp = tp
+        self.q_size = sh.num_heads * a.head_dim
+        self.kv_size = sh.num_kv_heads * a.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = sh.num_heads, sh.num_kv_heads, a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)  # row-parallel
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchPagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
+        self.attn = TorchPagedAttention(sh.num_heads, sh.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`."""
@@ -78,27 +87,28 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+        return self.tp.all_reduce(self.o_proj(self.attn.forward(q, k, v, kv_cache, meta)))
 
 
 class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.inter = a.intermediate_size
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.tp = tp
+        _, self.inter = even_split(a.intermediate_size, tp, "intermediate size")
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(self.inter, a.hidden_size, bias=False)  # row-parallel
         self.act = _ACTS[a.hidden_act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(a, rotary)
-        self.mlp = MLP(a)
+        self.self_attn = Attention(a, rotary, tp)
+        self.mlp = MLP(a, tp)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -113,20 +123,39 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, hf_config, max_positions: int) -> None:
+    def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         a = LlamaArgs.from_hf(hf_config, max_positions, self.qkv_bias, self.qk_norm)
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.tp = tp
+        self.shard = attention_shard(a.num_heads, a.num_kv_heads, tp)
+        self.inter_start, _ = even_split(a.intermediate_size, tp, "intermediate size")
+        # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad)
+        self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
+        self.embed_tokens = nn.Embedding(rows, a.hidden_size)
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(a, rotary) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, rows, bias=False)
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config, size: int) -> None:
+        """Raise ConfigError, before any worker starts, if the model cannot be split ``size`` ways."""
+        a = LlamaArgs.from_hf(hf_config, 1, cls.qkv_bias, cls.qk_norm)
+        tp = TPGroup(rank=0, size=size)
+        attention_shard(a.num_heads, a.num_kv_heads, tp)
+        even_split(a.intermediate_size, tp, "intermediate size")
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads on this rank."""
+        return self.shard.num_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return self.args.num_kv_heads
+        """KV heads on this rank: what its KV cache holds."""
+        return self.shard.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -134,15 +163,51 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if self.tp.size == 1:
+            x = self.embed_tokens(input_ids)
+        else:  # rows outside this rank's vocabulary slice contribute zeros to the all-reduce
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+            x = self.embed_tokens(local.masked_fill(outside, 0))
+            x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0; None on the other ranks (a collective under
+        tensor parallelism: every rank must call it with the same rows)."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        logits = F.linear(hidden, w)
+        if self.tp.size == 1:
+            return logits
+        full = self.tp.gather_to_first(logits, dim=-1)
+        return None if full is None else full[:, :self.args.vocab_size]
+
+    def weight_shard(self, name: str) -> tuple[int, int, int] | None:
+        """The slice ``(dim, start, stop)`` of checkpoint tensor ``name`` (HF naming) this rank
+        holds, or None for a replicated tensor (norms). The loader reads only that slice."""
+        if self.tp.size == 1:
+            return None
+        a, sh = self.args, self.shard
+        d = a.head_dim
+        leaf = name.rsplit(".", 2)
+        kind = leaf[-2] if len(leaf) >= 2 else name
+        if kind == "q_proj":
+            return 0, sh.q_head_start * d, (sh.q_head_start + sh.num_heads) * d
+        if kind in ("k_proj", "v_proj"):
+            return 0, sh.kv_head_start * d, (sh.kv_head_start + sh.num_kv_heads) * d
+        if kind == "o_proj":
+            return 1, sh.q_head_start * d, (sh.q_head_start + sh.num_heads) * d
+        inter = a.intermediate_size // self.tp.size
+        if kind in ("gate_proj", "up_proj"):
+            return 0, self.inter_start, self.inter_start + inter
+        if kind == "down_proj":
+            return 1, self.inter_start, self.inter_start + inter
+        if kind in ("embed_tokens", "lm_head"):
+            return 0, self.vocab_start, self.vocab_stop
+        return None
 
     # ------------------------------------------------------------------ weights
 
@@ -153,8 +218,10 @@ class LlamaForCausalLM(nn.Module):
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         a = self.args
-        qkv_sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        gate_up_sizes = [a.intermediate_size, a.intermediate_size]
+        sh = self.shard
+        qkv_sizes = [sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim, sh.num_kv_heads * a.head_dim]
+        inter = a.intermediate_size // self.tp.size
+        gate_up_sizes = [inter, inter]
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -174,7 +241,11 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             p = params[target]
             with torch.no_grad():
-                if shard is None:
+                if shard is None and self.tp.size > 1 and target in ("embed_tokens.weight", "lm_head.weight") \
+                        and tensor.shape[0] < p.shape[0] and tensor.shape[1:] == p.shape[1:]:
+                    p.zero_()  # the last rank's padding rows of the vocabulary
+                    p.narrow(0, 0, tensor.shape[0]).copy_(tensor)
+                elif shard is None:
                     if p.shape != tensor.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
                     p.copy_(tensor)

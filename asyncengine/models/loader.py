@@ -40,7 +40,20 @@ def resolve_path(name_or_path: str | None) -> str:
     raise ModelLoadError(f"model path {name_or_path!r} does not exist")
 
 
-def _safetensors_weights(path: Path):
+def _read_slice(get_slice, name: str, shard_of):
+    """The tensor, or only this rank's slice of it (``shard_of(name) -> (dim, start, stop)``)."""
+    spec = shard_of(name) if shard_of is not None else None
+    sl = get_slice(name)
+    if spec is None:
+        return sl[:]
+    dim, start, stop = spec
+    index = tuple([slice(None)] * dim + [slice(start, stop)])
+    return sl[index]
+
+
+def _safetensors_weights(path: Path, shard_of=None):
+    """(name, tensor) pairs; with ``shard_of``, each tensor is only this rank's slice, read with
+    safetensors' ``get_slice`` (the rest of the file is never copied into memory)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -64,7 +77,10 @@ def _safetensors_weights(path: Path):
         try:
             with safe_open(str(fp), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    if shard_of is None:
+                        yield name, st.get_tensor(name)
+                    else:
+                        yield name, _read_slice(st.get_slice, name, shard_of)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types
@@ -116,42 +132,96 @@ def _max_model_len(hf_config, config: EngineConfig) -> int:
     return config.max_model_len
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+@dataclass
+class ModelInfo:
+    """What the front end and the core need to know of a model without its weights (the weights
+    live in the executor's workers)."""
+
+    hf_config: object
+    tokenizer: object | None
+    eos_token_ids: list[int]
+    max_model_len: int
+    vocab_size: int
+    path: str
+
+
+def load_model_info(config: EngineConfig) -> ModelInfo:
+    """Config, tokenizer and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
         from asyncengine.models.gguf_loader import load_gguf
 
-        ckpt = load_gguf(path)
+        ckpt = load_gguf(path, tensors=False, tokenizer=not config.skip_tokenizer_init)
+        hf_config, tokenizer, eos = ckpt.config, ckpt.tokenizer, list(ckpt.eos_token_ids)
+    else:
+        hf_config = _hf_config(path)
+        tokenizer = _load_tokenizer(path, config)
+        eos = _eos_ids(Path(path), hf_config)
+    resolve_architecture(hf_config)  # fail here, before any worker starts, on an unknown model
+    return ModelInfo(hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
+                     max_model_len=_max_model_len(hf_config, config), vocab_size=hf_config.vocab_size, path=path)
+
+
+def _hf_config(path: str):
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model path {path!r} is neither a checkpoint folder nor a .gguf file")
+    if not (p / "config.json").exists():
+        raise ModelLoadError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read config.json ({e})") from None
+
+
+def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None
+               ) -> LoadedModel:
+    """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
+    rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
+    never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
+    worker process then never imports transformers for a safetensors checkpoint: seconds saved)."""
+    from asyncengine.layers.parallel import SINGLE
+
+    tp = tp or SINGLE
+    path = resolve_path(config.model)
+    cls = None
+    if path.endswith(".gguf"):
+        from asyncengine.models.gguf_loader import gguf_config, load_gguf
+
+        hf_config = gguf_config(path)
+        cls = resolve_architecture(hf_config)
+        max_len = _max_model_len(hf_config, config)
+        with torch.device("meta"):
+            shape_model = cls(hf_config, max_positions=max_len, tp=tp)
+        ckpt = load_gguf(path, tokenizer=tokenizer and not config.skip_tokenizer_init,
+                         shard_of=shape_model.weight_shard if tp.size > 1 else None)
         hf_config, weights = ckpt.config, ckpt.tensors.items()
-        tokenizer = None if config.skip_tokenizer_init else ckpt.tokenizer
+        tok = ckpt.tokenizer
         eos = list(ckpt.eos_token_ids)
     else:
-        p = Path(path)
-        if not p.is_dir():
-            raise ModelLoadError(f"model path {path!r} is neither a checkpoint folder nor a .gguf file")
-        if not (p / "config.json").exists():
-            raise ModelLoadError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
-        from transformers import AutoConfig
-        try:
-            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot read config.json ({e})") from None
+        if hf_config is not None:
+            import types
+
+            hf_config = types.SimpleNamespace(**hf_config)
+        else:
+            hf_config = _hf_config(path)
         weights = None
-        tokenizer = None
-        eos = _eos_ids(p, hf_config)
-    cls = resolve_architecture(hf_config)
+        tok = None
+        eos = _eos_ids(Path(path), hf_config)
+    cls = cls or resolve_architecture(hf_config)
     max_len = _max_model_len(hf_config, config)
     with torch.device("meta"):
-        model = cls(hf_config, max_positions=max_len)
+        model = cls(hf_config, max_positions=max_len, tp=tp)
     model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
     model.rotary.build(config.torch_device)
     if weights is None:
-        weights = _safetensors_weights(Path(path))
-        tokenizer = _load_tokenizer(path, config)
+        weights = _safetensors_weights(Path(path), model.weight_shard if tp.size > 1 else None)
+        tok = _load_tokenizer(path, config) if tokenizer else None
     try:
         model.load_weights(weights)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
     model.eval()
-    return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
+    return LoadedModel(model=model, hf_config=hf_config, tokenizer=tok, eos_token_ids=eos,
                        max_model_len=max_len, path=path)

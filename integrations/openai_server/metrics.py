@@ -55,6 +55,19 @@ class EngineCollector:
         yield from counter("asyncengine_num_preemptions", "Requests preempted since start.", "num_preemptions")
         yield from gauge("asyncengine_tokens_per_second", "Recent generation throughput.", "tokens_per_s")
         yield g("asyncengine_engine_errored", "1 once the engine has died.", value=float(bool(s.get("errored"))))
+        cores = s.get("cores")  # data parallel: the same gauges per engine core, labelled
+        if cores:
+            for name, doc, key in (("asyncengine_core_num_requests_running", "Running requests, per engine core.",
+                                    "num_running"),
+                                   ("asyncengine_core_num_requests_waiting", "Waiting requests, per engine core.",
+                                    "num_waiting"),
+                                   ("asyncengine_core_kv_cache_usage_ratio", "KV cache usage, per engine core.",
+                                    "kv_usage")):
+                fam = g(name, doc, labels=["core"])
+                for i, c in enumerate(cores):
+                    if key in c:
+                        fam.add_metric([str(i)], float(c[key]))
+                yield fam
 
 
 class ServerMetrics:

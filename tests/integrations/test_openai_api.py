@@ -301,12 +301,10 @@ def test_shutting_down_is_503(make_server):
 
 
 def test_dead_engine_is_500(make_server):
+    from worker_hooks import fail_after
+
     srv = make_server()
-
-    def boom(*a, **k):
-        raise RuntimeError("simulated model fault")
-
-    srv.on_loop(setattr, srv.engine.core, "execute", boom)
+    srv.engine.core.collective_rpc(fail_after, (0, "simulated model fault"))  # through the executor
     with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)

@@ -85,14 +85,9 @@ def _chat_in_page(server, client, page) -> None:
 
     # a long answer, stopped with the Stop button: each step is slowed down (20 ms) so that the
     # 900 tokens cannot all arrive before the click, however fast the machine
-    runner = server.engine.core.runner
-    fast_execute = runner.execute
+    from worker_hooks import restore_execute, slow_steps
 
-    def slow_execute(so):
-        time.sleep(0.02)
-        return fast_execute(so)
-
-    runner.execute = slow_execute
+    server.engine.core.collective_rpc(slow_steps, (0.02,))
     try:
         page.fill("#max-tokens", "900")
         page.fill("#input", "Now a very long story, please.")
@@ -104,7 +99,7 @@ def _chat_in_page(server, client, page) -> None:
         assert second.get_attribute("data-finish-reason") == "abort"
         assert page.text_content("#status").startswith("done (abort)")
     finally:
-        runner.execute = fast_execute
+        server.engine.core.collective_rpc(restore_execute)
     page.close()
     server.wait_clean("the stopped answer's blocks to be freed")
 

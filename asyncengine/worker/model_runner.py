@@ -5,6 +5,10 @@ It keeps a small state per request (its token ids as far as the runner knows the
 table), so the scheduler sends only what changed. The runner appends each token it samples to that
 state, which is what lets the scheduler plan step N+1 before step N's tokens reach it: the input
 of a decode is always the runner's own last sample.
+
+Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
+rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
+the sampled ids so that every rank's request state advances alike. Only rank 0 returns an output.
 """
 from __future__ import annotations
 
@@ -17,10 +21,10 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.executor.sampler import Sampler, SamplingMetadata, gather_logprobs
+from asyncengine.layers.parallel import SINGLE, TPGroup
+from asyncengine.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
                                           build_decode_groups)
-from asyncengine.models.loader import LoadedModel
 from asyncengine.sampling_params import SamplingParams
 
 
@@ -50,8 +54,9 @@ class RunnerRequestState:
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes on this rank (its share of the KV heads)."""
     a = model.args
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * a.num_layers * block_size * model.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
 
 
 def kv_cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -101,19 +106,23 @@ def keep_freed_memory() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
+                 eos_token_ids: list[int], tp: TPGroup = SINGLE) -> None:
         self.config = config
         if config.torch_device.type == "cpu":
             keep_freed_memory()
-        self.model = loaded.model
+        self.model = model
+        self.tp = tp
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.vocab_size = self.model.args.vocab_size
-        self.eos_token_ids = list(loaded.eos_token_ids)
+        self.eos_token_ids = list(eos_token_ids)
         a = self.model.args
+        # this rank's heads: the KV cache holds only its KV heads
+        self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.num_blocks = num_blocks
-        shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = [(kv_cache_zeros(shape, self.dtype, self.device),
                            kv_cache_zeros(shape, self.dtype, self.device))
@@ -152,7 +161,7 @@ class ModelRunner:
     def _workspace(self, groups) -> torch.Tensor:
         """The decode scratch, grown (never shrunk) to hold the largest group's gathered keys."""
         a = self.model.args
-        need = max(a.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
+        need = max(self.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
                    for g in groups)
         if self.attn_workspace.numel() < need:
             self.attn_workspace = torch.empty(need, dtype=self.dtype, device=self.device)
@@ -161,11 +170,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """This step's output on rank 0; None on the other ranks."""
         t0 = time.perf_counter()
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
         bs = self.block_size
         decodes: list[RunnerRequestState] = []
         prefills: list[tuple[RunnerRequestState, int]] = []
@@ -193,10 +203,9 @@ class ModelRunner:
             slots.append(st.block_ids[pos // bs] * bs + pos % bs)
         meta = AttentionMetadata(slot_mapping=None, num_decodes=nd)
         if nd:
-            a = self.model.args
             meta.decode_groups = build_decode_groups(
-                [st.block_ids for st in decodes], [p + 1 for p in positions], bs, a.num_kv_heads,
-                a.num_heads // a.num_kv_heads, self.num_blocks, self.device)
+                [st.block_ids for st in decodes], [p + 1 for p in positions], bs, self.num_kv_heads,
+                self.num_heads // self.num_kv_heads, self.num_blocks, self.device)
             meta.workspace = self._workspace(meta.decode_groups)
             for i, st in enumerate(decodes):
                 if st.num_computed_tokens + 1 == st.num_tokens:
@@ -237,6 +246,16 @@ class ModelRunner:
         req_ids: list[str] = []
         sampled: list[int] = []
         logprobs = None
+        if sample_rows and self.tp.rank > 0:  # take part in the head's gather, then learn the ids
+            idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            self.model.compute_logits(hidden[idx])
+            ids = self.tp.broadcast_from_first(torch.empty(len(sample_rows), dtype=torch.long, device=dev))
+            for st, tok in zip(sample_states, ids.tolist()):
+                st.output_ids.append(tok)
+            if plp_spans:
+                self._prompt_logprobs(hidden, plp_spans)
+            self.execute_time_s += time.perf_counter() - t0
+            return None
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[idx]).float()
@@ -249,6 +268,8 @@ class ModelRunner:
                 vocab_size=self.vocab_size, device=dev, generator=self.generator)
             out = self.sampler(logits, smeta)
             sampled = out.sampled_token_ids
+            if self.tp.size > 1:
+                self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=dev))
             for st, tok in zip(sample_states, sampled):
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
@@ -257,9 +278,12 @@ class ModelRunner:
                 logprobs = [None if ids is None else (ids, vals, rank)
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
+        if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
+            self.execute_time_s += time.perf_counter() - t0
+            return None
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
     # ------------------------------------------------------------------ prompt logprobs
@@ -297,8 +321,12 @@ class ModelRunner:
             entries: list = []
             for c in range(0, m, rows_per_pass):
                 e = min(m, c + rows_per_pass)
-                lp = self.model.compute_logits(hidden[row + c:row + e]).float()[:, :V].log_softmax(dim=-1)
+                logits = self.model.compute_logits(hidden[row + c:row + e])
+                if logits is None:  # a tensor-parallel rank other than 0: it only took part
+                    continue
+                lp = logits.float()[:, :V].log_softmax(dim=-1)
                 ids_t, lps_t, ranks_t = gather_logprobs(lp, targets[c:e], k)
                 entries.extend(zip(ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()))
-            out[st.req_id] = (start, entries)
+            if self.tp.rank == 0:
+                out[st.req_id] = (start, entries)
         return out

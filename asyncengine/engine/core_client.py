@@ -1,0 +1,400 @@
+"""Engine cores in their own processes, and the in-process client that talks to them.
+
+``EngineCoreClient`` starts one engine-core process (an :class:`EngineCore` with its own busy
+loop, scheduler, KV cache and executor, itself possibly tensor parallel) and exchanges msgspec
+messages with it over a pipe: requests and aborts in, each step's ``EngineCoreOutput``s (with the
+core's load) out. ``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it
+routes each new request to the least loaded core (waiting + running, as last reported, plus what
+was sent since), sends each abort to the core that owns the request, and aggregates stats
+(labelled per core). The async engine's event loop stays in the front-end process.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Callable, Union
+
+import msgspec
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.request import Request
+from asyncengine.core.sched_output import EngineCoreOutput
+from asyncengine.errors import EngineDeadError
+from asyncengine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 0.1  # a core pushes its full stats at most this often (its load: every step)
+READY_TIMEOUT_S = 600.0
+
+
+# ---------------------------------------------------------------------------------- messages
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    """A validated request, as the front end's input processor made it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    priority: int
+    arrival_time: float  # time.monotonic(): one clock for every process on the machine
+    cache_salt: str | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+
+    @classmethod
+    def of(cls, r: Request) -> "EngineCoreRequest":
+        return cls(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling_params=r.sampling_params,
+                   eos_token_ids=sorted(r.eos_token_ids), max_tokens=r.max_tokens, priority=r.priority,
+                   arrival_time=r.arrival_time, cache_salt=r.cache_salt, bad_words_token_ids=r.bad_words_token_ids)
+
+    def to_request(self) -> Request:
+        return Request(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                       sampling_params=self.sampling_params, eos_token_ids=frozenset(self.eos_token_ids),
+                       max_tokens=self.max_tokens, priority=self.priority, arrival_time=self.arrival_time,
+                       cache_salt=self.cache_salt, bad_words_token_ids=self.bad_words_token_ids)
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class AbortAll(msgspec.Struct, tag="abort_all"):
+    pass
+
+
+class ShutdownCore(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    pid: int
+    num_blocks: int
+    max_model_len: int
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    num_running: int
+    num_waiting: int
+    stats: dict | None = None
+
+
+class CoreDead(msgspec.Struct, tag="dead"):
+    message: str
+    traceback: str
+
+
+ToCore = Union[AddRequest, Abort, AbortAll, ShutdownCore]
+FromCore = Union[CoreReady, CoreOutputs, CoreDead]
+_enc = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(ToCore)
+_from_core = msgspec.msgpack.Decoder(FromCore)
+
+
+# ---------------------------------------------------------------------------------- the core process
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def engine_core_main(config: EngineConfig, conn, parent_pid: int, info: dict | None = None) -> None:
+    """One engine core's busy loop: take inputs from the pipe, keep up to two steps in flight in
+    the executor, send each finished step's outputs back. ``info``: the model info the front end
+    already read (the core then never imports transformers nor loads a tokenizer)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    import types
+
+    from asyncengine.core.engine_core import EngineCore
+    from asyncengine.models.loader import ModelInfo
+
+    if info is not None:
+        info = ModelInfo(**{**info, "hf_config": types.SimpleNamespace(**info["hf_config"]), "tokenizer": None})
+
+    def send(msg) -> None:
+        conn.send_bytes(_enc.encode(msg))
+
+    try:
+        core = EngineCore(config, info=info)
+    except BaseException as e:
+        send(CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+        os._exit(1)
+    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len))
+    depth = 2 if config.async_scheduling else 1
+    inflight: deque = deque()
+    last_stats = 0.0
+    try:
+        while True:
+            # inputs: block only when there is nothing to compute
+            idle = not inflight and not core.has_unfinished()
+            while conn.poll(1.0 if idle else 0):
+                msg = _to_core.decode(conn.recv_bytes())
+                if isinstance(msg, AddRequest):
+                    core.add_request(msg.request.to_request())
+                elif isinstance(msg, Abort):
+                    core.abort_requests(msg.request_ids)
+                elif isinstance(msg, AbortAll):
+                    core.abort_all()
+                else:
+                    core.shutdown()
+                    conn.close()
+                    os._exit(0)
+                idle = False
+            if idle:
+                core.check_health()
+                continue
+            while len(inflight) < depth and core.has_unfinished():
+                so = core.schedule()
+                if so.is_empty and not so.finished_req_ids:
+                    break
+                inflight.append((so, core.execute_model(so)))
+                if so.is_empty:
+                    break
+            if not inflight:
+                continue
+            so, fut = inflight.popleft()
+            outs = core.update(so, fut.result())
+            if len(inflight) < depth and core.has_unfinished():  # queue the next step first
+                nxt = core.schedule()
+                if not nxt.is_empty or nxt.finished_req_ids:
+                    inflight.append((nxt, core.execute_model(nxt)))
+            now = time.monotonic()
+            stats = None
+            if now - last_stats >= STATS_EVERY_S or not (inflight or core.has_unfinished()):
+                stats, last_stats = core.stats(), now
+            send(CoreOutputs(outputs=outs, num_running=core.num_running, num_waiting=core.num_waiting, stats=stats))
+    except (EOFError, OSError):  # the front end is gone
+        core.shutdown()
+        os._exit(0)
+    except BaseException as e:
+        try:
+            send(CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+        except Exception:
+            pass
+        core.shutdown()
+        os._exit(1)
+
+
+# ---------------------------------------------------------------------------------- the client
+
+
+class EngineCoreClient:
+    """One engine-core process, seen from the front end. ``sink(index, message)`` receives, on a
+    reader thread, each CoreOutputs and, once, a CoreDead when the core fails or vanishes."""
+
+    def __init__(self, config: EngineConfig, index: int, sink: Callable, info: dict | None = None) -> None:
+        self.index = index
+        self._sink = sink
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        # not daemonic: a core may start worker processes of its own (tensor parallel)
+        self.proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid(), info),
+                                name=f"asyncengine-core-{index}", daemon=False)
+        self.proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._closing = False
+        self.num_running = 0
+        self.num_waiting = 0
+        self.sent_since_report = 0
+        self.stats: dict = {}
+        self.ready: CoreReady | None = None
+        self._reader: threading.Thread | None = None
+
+    def wait_ready(self) -> CoreReady:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive():
+                raise EngineDeadError(f"engine core {self.index} exited during start-up (code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine core {self.index} did not start in {READY_TIMEOUT_S:.0f} s")
+        msg = _from_core.decode(self.conn.recv_bytes())
+        if isinstance(msg, CoreDead):
+            raise EngineDeadError(f"engine core {self.index} failed to start: {msg.message}")
+        self.ready = msg
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"asyncengine-core-{self.index}-reader")
+        self._reader.start()
+        return msg
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = _from_core.decode(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                if not self._closing:
+                    self._sink(self.index, CoreDead(
+                        message=f"engine core {self.index} (pid {self.proc.pid}) is gone "
+                                f"(exit code {self.proc.exitcode})", traceback=""))
+                return
+            if isinstance(msg, CoreOutputs):
+                self.num_running, self.num_waiting = msg.num_running, msg.num_waiting
+                self.sent_since_report = 0
+                if msg.stats is not None:
+                    self.stats = msg.stats
+            self._sink(self.index, msg)
+            if isinstance(msg, CoreDead):
+                return
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.sent_since_report
+
+    def _send(self, msg) -> None:
+        with self._lock:
+            try:
+                self.conn.send_bytes(_enc.encode(msg))
+            except (OSError, ValueError):
+                raise EngineDeadError(f"engine core {self.index} is gone") from None
+
+    def add_request(self, req: Request) -> None:
+        self.sent_since_report += req.sampling_params.n
+        self._send(AddRequest(EngineCoreRequest.of(req)))
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self._send(Abort(list(ids)))
+
+    def abort_all(self) -> None:
+        self._send(AbortAll())
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._send(ShutdownCore())
+        except EngineDeadError:
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class DPEngineCores:
+    """``data_parallel_size`` engine-core processes behind one front end (the async engine)."""
+
+    def __init__(self, config: EngineConfig, model_info) -> None:
+        import dataclasses
+
+        self.config = config
+        self.model_info = model_info
+        self._sink: Callable = lambda i, m: None
+        core_cfg = dataclasses.replace(config, data_parallel_size=1)
+        to_dict = getattr(model_info.hf_config, "to_dict", None)
+        info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
+                    eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,
+                    vocab_size=model_info.vocab_size, path=model_info.path)
+        self.clients: list[EngineCoreClient] = []
+        try:
+            for i in range(config.data_parallel_size):  # start them all, then wait: they load in parallel
+                self.clients.append(EngineCoreClient(core_cfg, i, self._deliver, info))
+            readies = [c.wait_ready() for c in self.clients]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = min(r.num_blocks for r in readies)
+        self.max_model_len = min(r.max_model_len for r in readies)
+        self.owner: dict[str, int] = {}  # user request id -> core index
+
+    # the same face as EngineCore where the front end needs it
+    @property
+    def tokenizer(self):
+        return self.model_info.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_info.eos_token_ids
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(c.num_waiting + c.sent_since_report for c in self.clients)
+
+    @property
+    def num_running(self) -> int:
+        return sum(c.num_running for c in self.clients)
+
+    def set_sink(self, sink: Callable) -> None:
+        """``sink(core index, CoreOutputs | CoreDead)``, called on the clients' reader threads."""
+        self._sink = sink
+
+    def _deliver(self, index: int, msg) -> None:
+        self._sink(index, msg)
+
+    def add_request(self, req: Request) -> int:
+        """Send to the least loaded core; returns its index."""
+        i = min(range(len(self.clients)), key=lambda k: (self.clients[k].load, k))
+        self.owner[req.request_id] = i
+        self.clients[i].add_request(req)
+        return i
+
+    def abort_requests(self, ids) -> None:
+        by_core: dict[int, list[str]] = {}
+        for rid in ids:
+            i = self.owner.pop(rid, None)
+            if i is None and "#" in rid:  # one sample of an n > 1 request: its parent's core
+                i = self.owner.get(rid.rsplit("#", 1)[0])
+            if i is not None:
+                by_core.setdefault(i, []).append(rid)
+        for i, rids in by_core.items():
+            self.clients[i].abort_requests(rids)
+
+    def finished(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+
+    def abort_all(self) -> None:
+        self.owner.clear()
+        for c in self.clients:
+            try:
+                c.abort_all()
+            except EngineDeadError:
+                pass
+
+    def check_health(self) -> None:
+        for c in self.clients:
+            if not c.is_alive():
+                raise EngineDeadError(f"engine core {c.index} (pid {c.proc.pid}) exited with code {c.proc.exitcode}")
+
+    def stats(self) -> dict:
+        """Sums over the cores (means for rates), plus each core's own under "cores"."""
+        per = [dict(c.stats, num_running=c.num_running, num_waiting=c.num_waiting) for c in self.clients]
+        out: dict = {}
+        for s in per:
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        for k in ("kv_usage", "prefix_cache_hit_rate", "mean_scheduled_tokens_per_step", "mean_queue_time_s"):
+            if k in out:
+                out[k] /= len(per)
+        out["num_kv_blocks"] = sum(s.get("num_kv_blocks", self.num_blocks) for s in per)
+        out["data_parallel_size"] = len(per)
+        out["cores"] = per
+        return out
+
+    def shutdown(self) -> None:
+        for c in self.clients:
+            c.shutdown()

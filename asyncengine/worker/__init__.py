@@ -1,0 +1,1 @@
+"""Workers: one rank of the model each (model runner, sampler); executors drive them."""

@@ -1,0 +1,106 @@
+"""``asyncengine serve`` with tensor parallelism (two worker processes) and with data parallelism
+(two engine-core processes): the official openai client gets the same greedy answer as an
+in-process TP=1 engine, /metrics labels the cores, and Ctrl-C leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from live_server import HANG_GUARD_S
+from test_cli_serve import _free_port
+
+PROMPT = [5, 17, 33, 101, 7, 64]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (by parent pid, via /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if rest[0] != "Z":
+                children.setdefault(int(rest[1]), []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    from asyncengine import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=64)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("flags,workers", [
+    (["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"], 2),
+    (["--data-parallel-size", "2"], 2),
+], ids=["tp2-mp", "dp2"])
+def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncengine", "serve", tiny_llama_dir, "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "256", "--num-threads", "1", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(int(HANG_GUARD_S / 0.1)):
+            if proc.poll() is not None:
+                break
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail("the server never became healthy")
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"asyncengine serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+        below = descendants(proc.pid)
+        assert len(below) >= workers, below  # worker / engine-core processes (and their workers)
+        with openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
+            [model] = c.models.list().data
+            texts = [c.completions.create(model=model.id, prompt=PROMPT, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text for _ in range(3)]
+            assert texts == [reference] * 3
+            r = c.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 4
+            chunks = list(c.completions.create(model=model.id, prompt=PROMPT, max_tokens=8, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference
+        metrics = httpx.get(base + "/metrics").text
+        if "--data-parallel-size" in flags:
+            assert 'asyncengine_core_num_requests_running{core="1"}' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        log.close()
+    assert rc == 0
+    from test_executor_faults import wait_gone
+
+    wait_gone(below)  # no worker or engine-core process left behind

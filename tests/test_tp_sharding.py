@@ -1,0 +1,103 @@
+"""Tensor-parallel sharding, in process (no worker processes): which slice of each weight a rank
+loads from safetensors and from GGUF, that the shards hold ~1/N of the bytes, and the refusal of
+models whose heads do not split. The end-to-end runs with worker processes are in
+test_tensor_parallel.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import ConfigError
+from asyncengine.layers.parallel import TPGroup, attention_shard
+from asyncengine.models.loader import load_model
+
+H, I, V, D = 64, 128, 512, 16  # the tiny llama: hidden, intermediate, vocab, head_dim (4 heads, 2 KV)
+
+
+def expected_local(name: str, full: torch.Tensor, rank: int, n: int, heads=4, kv_heads=2, head_dim=D,
+                   inter=I, vocab=V) -> torch.Tensor:
+    """This rank's part of the TP=1 parameter, written out by hand (not with the code under test)."""
+    hq = heads // n
+    kv_per = max(1, kv_heads // n)
+    kv0 = rank * kv_per if kv_heads >= n else rank * kv_heads // n
+    if name.endswith("qkv_proj.weight"):
+        q = full[:heads * head_dim][rank * hq * head_dim:(rank + 1) * hq * head_dim]
+        k = full[heads * head_dim:(heads + kv_heads) * head_dim][kv0 * head_dim:(kv0 + kv_per) * head_dim]
+        v = full[(heads + kv_heads) * head_dim:][kv0 * head_dim:(kv0 + kv_per) * head_dim]
+        return torch.cat([q, k, v])
+    if name.endswith("o_proj.weight"):
+        return full[:, rank * hq * head_dim:(rank + 1) * hq * head_dim]
+    if name.endswith("gate_up_proj.weight"):
+        per = inter // n
+        return torch.cat([full[:inter][rank * per:(rank + 1) * per], full[inter:][rank * per:(rank + 1) * per]])
+    if name.endswith("down_proj.weight"):
+        per = inter // n
+        return full[:, rank * per:(rank + 1) * per]
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        per = -(-vocab // n)
+        part = full[rank * per:(rank + 1) * per]
+        return torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])])
+    return full  # norms: replicated
+
+
+def check_shards(path: str, n: int, **cfg) -> None:
+    config = EngineConfig(model=path, dtype="float32", skip_tokenizer_init=True, **cfg)
+    full = dict(load_model(config, tokenizer=False).model.named_parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in full.values())
+    for rank in range(n):
+        shard = load_model(config, tp=TPGroup(rank=rank, size=n), tokenizer=False).model
+        params = dict(shard.named_parameters())
+        assert params.keys() == full.keys()
+        for name, p in params.items():
+            torch.testing.assert_close(p.detach(), expected_local(name, full[name].detach(), rank, n),
+                                       rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        # everything but the norms is split: about 1/N of the bytes
+        assert abs(nbytes / full_bytes - 1 / n) < 0.02, (rank, nbytes, full_bytes)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_safetensors_shards(tiny_llama_dir, n):
+    check_shards(tiny_llama_dir, n)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory, tiny_llama_dir):
+    from gguf_utils import write_tiny_gguf
+
+    d = tmp_path_factory.mktemp("tp-gguf")
+    return {q: str(write_tiny_gguf(d / f"llama-{q}.gguf", tiny_llama_dir, None, qtype=q)) for q in ("F32", "Q8_0")}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_gguf_shards(llama_gguf, qtype, n):
+    """Row slices straight from the memory map (q/k unpermuted per head), column slices on block
+    edges (TP=2: 32 columns) and off them (TP=4: 16 of a Q8_0 block's 32), KV heads replicated at 4."""
+    check_shards(llama_gguf[qtype], n)
+
+
+def test_refuses_heads_that_do_not_split(tiny_model_dir):
+    with pytest.raises(ConfigError, match="9 query heads"):
+        attention_shard(9, 3, TPGroup(rank=0, size=2))
+    with pytest.raises(ConfigError, match="KV heads"):
+        attention_shard(8, 3, TPGroup(rank=0, size=2))
+    assert attention_shard(4, 1, TPGroup(rank=1, size=2)).num_kv_heads == 1  # MQA: replicated
+    # SmolLM2's shape (9 query heads, 3 KV heads): refused before any worker process starts
+    from asyncengine.core.engine_core import EngineCore
+
+    d = tiny_model_dir("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match="does not divide the model's 9 query heads"):
+        EngineCore(EngineConfig(model=d, dtype="float32", tensor_parallel_size=2))
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="'uni' runs one worker"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    assert EngineConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert EngineConfig().distributed_executor_backend == "uni"
+    with pytest.raises(ConfigError):
+        EngineConfig(data_parallel_size=0)
+    with pytest.raises(ConfigError):
+        EngineConfig(distributed_executor_backend="slurm")
