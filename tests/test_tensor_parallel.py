@@ -175,9 +175,9 @@ def test_worker_holds_half_the_weights(llama_tp2, llama_tp1):
 async def test_mqa_parity(tiny_model_dir, hf_reference):
     """One KV head (multi-query attention), replicated on both ranks; a qwen2 (QKV bias)."""
     d = tiny_model_dir("qwen2", num_key_value_heads=1)
-    from conftest import _parity_requests
+    from model_utils import random_requests
 
-    requests = with_shared_prefixes(_parity_requests(seed=7, n=12))
+    requests = with_shared_prefixes(random_requests(12, 512, seed=7, plen=(3, 60), olen=(1, 24)))
     refs = hf_reference(d, requests)
     core = EngineCore(tp_config(d, 2))
     try:

@@ -300,7 +300,10 @@ class DPEngineCores:
         self.config = config
         self.model_info = model_info
         self._sink: Callable = lambda i, m: None
-        core_cfg = dataclasses.replace(config, data_parallel_size=1)
+        # each core (and each of its TP ranks) gets its share of the cores unless told otherwise
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.data_parallel_size
+                                                                          * config.tensor_parallel_size))
+        core_cfg = dataclasses.replace(config, data_parallel_size=1, num_threads=threads)
         to_dict = getattr(model_info.hf_config, "to_dict", None)
         info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
                     eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,
