@@ -479,6 +479,33 @@ def test_preempted_with_token_in_flight_waits_for_it():
     assert sched.kv.num_free_blocks == 4
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_priority_preemption_with_token_in_flight_is_not_readmitted_in_that_step(caching):
+    """The in-flight guard (a preempted request whose token is still in flight waits for it before
+    re-admission) under the policy that needs it: priority, overlapped. ``v`` knows 12 tokens (3 full
+    blocks) and its 13th is in flight; the step being built gives it a 4th block for that token, then
+    ``high`` needs a block and takes ``v``'s (``_preempt_lower``). ``v``'s known tokens fit the 3 blocks
+    and the budget left, so without the guard it is re-admitted at once and recomputes them *without*
+    the one in flight: the runner samples that token a second time, the request's counts desync and
+    it never finishes (the step cap fails the test)."""
+    sched, runner = new_scheduler(num_blocks=4, block_size=4, budget=16, max_num_seqs=2, caching=caching,
+                                  policy="priority")
+    d = Driver(sched, runner, overlap=True)
+    v = make_req("v", 8, 8, priority=5)  # 8 + 8 tokens: fits the 4 blocks alone
+    d.add(v)
+    for _ in range(5):
+        d.step()  # prefill 0-7, decodes of 8-11; the token sampled at 11 is in flight
+    assert len(v.output_token_ids) == 4 and v.num_output_placeholders == 1
+    assert len(sched.kv.req_to_blocks["v"]) == 3 and sched.kv.num_free_blocks == 1
+    high = make_req("high", 3, 3, priority=0, first=60)
+    d.add(high)
+    so = d.step()
+    assert v.num_preemptions == 1 and "v" in so.finished_req_ids
+    assert so.num_scheduled_tokens == {"high": 3}, "v re-admitted while its token was in flight"
+    d.run(max_steps=200)
+    check_all_done(d, [v, high])
+    assert d.finish == {"v": "length", "high": "length"}
+
 # ---------------------------------------------------------------------------- random workloads
 
 ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 11)),
