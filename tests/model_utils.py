@@ -5,6 +5,8 @@ loader. 2-D weights are rescaled to N(0, 1/fan_in) so logits are far from unifor
 0.02 init makes nearly every step a near-tie)."""
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -116,3 +118,25 @@ def make_core(tiny, **options):
 
     model_dir, loaded = tiny
     return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)
+
+
+@contextlib.contextmanager
+def model_hook(engine, hook):
+    """Call ``hook(k)`` on the model thread before the k-th (0, 1, ...) forward pass of the model behind
+    ``engine`` (an AsyncLLMEngine, an LLM or an EngineCore), until the block exits: raise in it to
+    inject a fault into the forward, block in it to hold the engine mid-step. The one place tests
+    reach the model behind an engine (an executor change only has to update this helper)."""
+    core = getattr(engine, "core", None) or getattr(engine, "engine", None) or engine
+    model = core.runner.model
+    inner = model.forward
+    calls = itertools.count()
+
+    def forward(*args, **kwargs):
+        hook(next(calls))
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward  # the class's forward again
