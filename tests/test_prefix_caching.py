@@ -407,10 +407,33 @@ def test_mid_chunk_preemption_engine_tokens(tiny):
     assert got[True] == got[False]
 
 
-# the hypothesis machine: random arrivals (shared prefixes, salts, priorities), steps, aborts and
-# clock ticks (priority aging) against the KV oracle
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborting_sample_0_releases_the_held_samples(overlap):
+    """n = 3 with prefix caching: samples 1 and 2 are held until sample 0 has had its whole prompt.
+    Aborting sample 0 alone mid-prompt releases them at the next step; they hit the blocks it did
+    write (the oracle checks their contents) and finish with the full greedy output."""
+    s = new_sched(num_blocks=16, budget=4, max_num_seqs=3)
+    d = Driver(s, overlap)
+    r = make_req("r", list(range(10, 22)), 4, n=3)  # 12-token prompt in chunks of 4: 3 steps for sample 0
+    d.add(r)
+    d.step()
+    assert [c.request_id for c in s._held] == ["r#1", "r#2"] and s.num_waiting == 2
+    d.step()
+    assert d.abort(["r#0"]) == ["r#0"] and "r" in s.parents
+    so = d.step()
+    (first,) = so.num_scheduled_tokens  # the budget of 4 goes to one of them
+    assert not s._held and first in ("r#1", "r#2")
+    assert s.requests[first].num_cached_tokens == 8  # the two blocks sample 0 wrote
+    d.run()
+    d.check_done([r])
+    assert d.finish == {"r#0": "abort", "r#1": "length", "r#2": "length"}
+
+
+# the hypothesis machine: random arrivals (shared prefixes, salts, priorities, n > 1), steps, aborts
+# (of whole requests or of single samples) and clock ticks (priority aging) against the KV oracle
 PREFIXES = [list(range(10, 30)), list(range(10, 22)) + [90, 91, 92, 93], [40, 41, 42, 43, 44, 45, 46], []]
-SEEN = {"hits": 0, "preemptions": 0, "evictions": 0, "uncache_refusals": 0, "uncached_blocks": 0}
+SEEN = {"hits": 0, "preemptions": 0, "evictions": 0, "uncache_refusals": 0, "uncached_blocks": 0,
+        "held": 0, "sample_aborts": 0, "sample_preemptions": 0}
 
 
 class SchedulerKVMachine(RuleBasedStateMachine):
@@ -426,6 +449,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.d = Driver(self.sched, overlap)
         self.cap = num_blocks * block_size
         self.reqs: list[Request] = []
+        self.ids: list[str] = []  # what an abort may name: user ids and single samples' ids
         orig = self.sched.kv.uncache_unscheduled
 
         def counted(req):
@@ -436,16 +460,21 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             return ok
         self.sched.kv.uncache_unscheduled = counted
 
-    @precondition(lambda self: len(self.reqs) < 14)
+    @precondition(lambda self: len(self.ids) < 18)
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 20), tail=st.lists(st.integers(3, 5), max_size=6),
-          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "s"]))
-    def add(self, prefix, cut, tail, max_tokens, priority, salt):
+          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "s"]),
+          n=st.sampled_from([1, 1, 2, 3]))
+    def add(self, prefix, cut, tail, max_tokens, priority, salt, n):
         prompt = (prefix[:cut] + tail)[: self.cap - 1] or [7]
         max_tokens = max(1, min(max_tokens, self.cap - len(prompt)))
         r = make_req(f"r{len(self.reqs)}", prompt, max_tokens, priority=priority, salt=salt,
-                     arrival_time=self.now)
+                     arrival_time=self.now, n=n)
         self.reqs.append(r)
-        self.d.add(r)
+        samples = self.d.add(r)
+        self.ids.append(r.request_id)
+        if n > 1:
+            self.ids += [c.request_id for c in samples]
+            SEEN["held"] += len(self.sched._held)
 
     @rule(n=st.integers(1, 4))
     def step(self, n):
@@ -456,10 +485,11 @@ class SchedulerKVMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.now += dt
 
-    @precondition(lambda self: self.reqs)
-    @rule(i=st.integers(0, 20))
+    @precondition(lambda self: self.ids)
+    @rule(i=st.integers(0, 30))
     def abort(self, i):
-        self.d.abort([self.reqs[i % len(self.reqs)].request_id])
+        done = self.d.abort([self.ids[i % len(self.ids)]])
+        SEEN["sample_aborts"] += len(done) == 1 and "#" in done[0]
 
     @invariant()
     def consistent(self):
@@ -475,6 +505,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         SEEN["hits"] += self.sched.kv.prefix_hits
         SEEN["preemptions"] += self.sched.stats.num_preemptions
         SEEN["evictions"] += pool.num_evictions
+        SEEN["sample_preemptions"] += sum(r.num_preemptions for r in self.d.seen if r.parent_id is not None)
 
 
 def test_scheduler_kv_state_machine():
@@ -482,7 +513,9 @@ def test_scheduler_kv_state_machine():
         SEEN[k] = 0
     run_state_machine_as_test(SchedulerKVMachine, settings=settings(
         max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)))
-    assert SEEN["hits"] > 0 and SEEN["preemptions"] > 0 and SEEN["evictions"] > 0, SEEN
+    print(SEEN)
+    assert all(SEEN[k] > 0 for k in ("hits", "preemptions", "evictions", "held", "sample_aborts",
+                                     "sample_preemptions")), SEEN
 
 
 # ---------------------------------------------------------------------------- raw block pool machine

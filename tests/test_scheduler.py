@@ -28,11 +28,12 @@ TOK0 = 100
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int, eos_at: int | None = None, priority: int = 0,
-             first: int = 3) -> Request:
-    """A request whose ``eos_at``-th output (0-based) is its EOS token (the fake runner's ``TOK0 + eos_at``)."""
+             first: int = 3, n: int = 1) -> Request:
+    """A request whose ``eos_at``-th output (0-based) is its EOS token (the fake runner's ``TOK0 + eos_at``);
+    with ``n > 1`` the scheduler fans it out into ``n`` samples, each with those outputs."""
     eos = frozenset() if eos_at is None else frozenset({TOK0 + eos_at})
     return Request(request_id=rid, prompt_token_ids=[first + (i % 90) for i in range(prompt_len)],
-                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens), eos_token_ids=eos,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n), eos_token_ids=eos,
                    max_tokens=max_tokens, priority=priority)
 
 
@@ -103,10 +104,18 @@ class Driver:
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.num_steps = 0
+        self.samples: dict[str, list[Request]] = {}  # n > 1: user id -> its samples
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> list[Request]:
+        """Add a request; returns the core requests it became (its ``n`` samples, or itself)."""
         self.sched.add_request(req)
-        self.outputs[req.request_id] = []
+        kids = self.sched.parents.get(req.request_id)
+        core = [self.sched.requests[k] for k in sorted(kids)] if kids else [req]
+        if kids:
+            self.samples[req.request_id] = core
+        for r in core:
+            self.outputs[r.request_id] = []
+        return core
 
     def abort(self, rids) -> list[str]:
         done = self.sched.abort_requests(rids)
@@ -160,9 +169,9 @@ def expected_tokens(n: int) -> list[int]:
 
 def check_all_done(d: Driver, reqs: list[Request]) -> None:
     s = d.sched
-    assert not s.requests and not s.running and not len(s.waiting)
+    assert not s.requests and not s.running and not len(s.waiting) and not s._held and not s.parents
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
-    for r in reqs:
+    for r in [c for r in reqs for c in d.samples.get(r.request_id, [r])]:
         rid = r.request_id
         assert rid in d.finish, f"{rid} was lost"
         assert d.outputs[rid] == expected_tokens(len(d.outputs[rid])), f"{rid}: {d.outputs[rid]}"
@@ -509,7 +518,7 @@ def test_priority_preemption_with_token_in_flight_is_not_readmitted_in_that_step
 # ---------------------------------------------------------------------------- random workloads
 
 ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 11)),
-                st.integers(0, 2))
+                st.integers(0, 2), st.sampled_from([1, 1, 1, 2, 3]))
 EVENT = st.one_of(ADD, ADD, ADD, st.tuples(st.just("step"), st.integers(1, 4)),
                   st.tuples(st.just("abort"), st.integers(0, 50)))
 
@@ -526,21 +535,24 @@ def test_random_workload(overlap, events, num_blocks, budget, max_num_seqs, cach
                                   max_num_seqs=max_num_seqs, caching=caching, policy=policy)
     d = Driver(sched, runner, overlap)
     reqs: list[Request] = []
+    ids: list[str] = []  # what an abort may name: user ids and single samples' ids
     for ev in events:
         if ev[0] == "add":
-            _, plen, max_tokens, eos_at, prio = ev
+            _, plen, max_tokens, eos_at, prio, n = ev
             plen = min(plen, cap - 1)  # what the input processor guarantees: prompt + outputs fit the pool
             max_tokens = max(1, min(max_tokens, cap - plen))
             # shared first tokens, so prefix hits happen
-            r = make_req(f"r{len(reqs)}", plen, max_tokens, eos_at=eos_at, priority=prio, first=3 + len(reqs) % 3)
+            r = make_req(f"r{len(reqs)}", plen, max_tokens, eos_at=eos_at, priority=prio, first=3 + len(reqs) % 3,
+                         n=n)
             reqs.append(r)
-            d.add(r)
+            samples = d.add(r)
+            ids += [r.request_id] + ([c.request_id for c in samples] if n > 1 else [])
         elif ev[0] == "abort":
-            if reqs:
-                d.abort([reqs[ev[1] % len(reqs)].request_id])
+            if ids:
+                d.abort([ids[ev[1] % len(ids)]])
         else:
             for _ in range(ev[1]):
                 d.step()
     d.run(max_steps=3000)
     check_all_done(d, reqs)
-    assert sched.stats.num_finished == len(reqs)
+    assert sched.stats.num_finished == sum(len(d.samples.get(r.request_id, [r])) for r in reqs)
