@@ -3,7 +3,10 @@
 * logprobs (sampled tokens' and prompt tokens') equal transformers' ``log_softmax`` on every
   architecture (llama, mistral, qwen2, qwen3), under chunked prefill;
 * sequences past 512 tokens (prompts up to 600, decodes past 512), token-exact, with a generous
-  cache and with a small one (chunked prefill and preemption at those lengths).
+  cache and with a small one (chunked prefill and preemption at those lengths);
+* sliding-window attention with a window (16) much shorter than the sequences (up to 84 tokens):
+  Mistral (every layer slides) and Qwen2 with ``max_window_layers`` (only the later layers slide),
+  in the three cache regimes of test_parity.py.
 
 fp32, greedy where tokens are compared, tiny random-weight checkpoints of conftest.py.
 """
@@ -17,7 +20,7 @@ import transformers
 
 from asyncengine import LLM, SamplingParams
 from model_utils import compare
-from test_parity import check_no_leak, run
+from test_parity import REGIMES, check_no_leak, run
 from test_sampling_e2e import check_entry, ref_logprobs
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,4 +75,27 @@ def test_long_sequences_past_512(regime, tiny_model_dir, hf_reference):
     assert counts["exact"] + counts["near_tie"] == len(requests)
     assert max(len(p) + m for p, m in requests) > 512
     if regime == "small-cache":
+        assert llm.engine.stats()["num_preemptions"] > 0
+
+
+SLIDING = {"mistral": dict(sliding_window=16),
+           "qwen2": dict(sliding_window=16, use_sliding_window=True, max_window_layers=1)}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_shorter_than_the_sequence(arch, regime, tiny_model_dir, tiny_reference, hf_reference):
+    d = tiny_model_dir(arch, **SLIDING[arch])
+    requests, refs = tiny_reference(arch, **SLIDING[arch])
+    llm = LLM(d, dtype="float32", **REGIMES[regime])
+    assert llm.engine.max_model_len > 16  # the model serves past its window
+    windows = [layer.self_attn.attn.sliding_window for layer in llm.engine.loaded.model.layers]
+    assert windows == ([16, 16] if arch == "mistral" else [None, 16])
+    got = run(llm, requests)
+    counts = compare(got, refs)
+    assert counts["exact"] + counts["near_tie"] == len(requests)
+    # the window matters: the same weights without it give other tokens for the long requests
+    full = hf_reference(tiny_model_dir(arch), requests)
+    assert sum(g != f.tokens for g, f in zip(got, full)) >= len(requests) // 3
+    if regime == "preempt":
         assert llm.engine.stats()["num_preemptions"] > 0
