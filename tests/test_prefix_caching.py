@@ -429,6 +429,20 @@ def test_aborting_sample_0_releases_the_held_samples(overlap):
     assert d.finish == {"r#0": "abort", "r#1": "length", "r#2": "length"}
 
 
+@pytest.mark.parametrize("plen, held", [(4, False), (5, True)])
+def test_samples_are_held_only_when_a_full_prompt_block_can_be_shared(plen, held):
+    """A prompt with no full block before its last token has nothing to share: its samples start
+    together in the first step. One more token and samples 1..n-1 wait for sample 0's prompt."""
+    s = new_sched(num_blocks=16, block_size=4, budget=32, max_num_seqs=4)
+    d = Driver(s)
+    r = make_req("r", list(range(10, 10 + plen)), 3, n=3)
+    d.add(r)
+    so = d.step()
+    assert set(so.num_scheduled_tokens) == ({"r#0"} if held else {"r#0", "r#1", "r#2"})
+    d.run()
+    d.check_done([r])
+
+
 # the hypothesis machine: random arrivals (shared prefixes, salts, priorities, n > 1), steps, aborts
 # (of whole requests or of single samples) and clock ticks (priority aging) against the KV oracle
 PREFIXES = [list(range(10, 30)), list(range(10, 22)) + [90, 91, 92, 93], [40, 41, 42, 43, 44, 45, 46], []]

@@ -515,6 +515,29 @@ def test_priority_preemption_with_token_in_flight_is_not_readmitted_in_that_step
     check_all_done(d, [v, high])
     assert d.finish == {"v": "length", "high": "length"}
 
+def test_request_ids_in_use_are_refused():
+    """The core refuses an id that is in the engine, whether it names a request, an ``n > 1`` request
+    or one of its samples ("<id>#<i>"), and leaves what is there untouched; an id is free again
+    once its request (all its samples) finished."""
+    sched, runner = new_scheduler()
+    d = Driver(sched, runner)
+    a, pair = make_req("a", 5, 2), make_req("p", 5, 2, n=2)
+    d.add(a)
+    d.add(pair)
+    for dup in (make_req("a", 3, 1), make_req("a", 3, 1, n=2), make_req("p", 3, 1), make_req("p#1", 3, 1)):
+        with pytest.raises(ValueError, match="already in the engine"):
+            sched.add_request(dup)
+    clash = make_req("q#0", 3, 1)  # a plain request whose id is the first sample id of "q" (n = 2)
+    d.add(clash)
+    with pytest.raises(ValueError, match="already in the engine"):
+        sched.add_request(make_req("q", 3, 1, n=2))
+    assert "q" not in sched.parents and "q#1" not in sched.requests  # refused whole
+    assert set(sched.requests) == {"a", "p#0", "p#1", "q#0"}
+    d.run()
+    check_all_done(d, [a, pair, clash])
+    sched.add_request(make_req("a", 3, 1))  # free again
+    assert "a" in sched.requests
+
 # ---------------------------------------------------------------------------- random workloads
 
 ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 11)),
