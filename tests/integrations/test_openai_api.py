@@ -300,11 +300,11 @@ def test_shutting_down_is_503(make_server):
 def test_dead_engine_is_500(make_server):
     srv = make_server()
 
-    def boom(*a, **k):
+    def boom(k):
         raise RuntimeError("simulated model fault")
 
-    srv.on_loop(setattr, srv.engine.core, "execute", boom)
-    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
+    with model_hook(srv.engine, boom), \
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert e.value.status_code == 500 and e.value.code == "engine_dead"
