@@ -28,7 +28,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import asyncengine.core.kv_cache_manager as kvm
 from asyncengine.core.block_pool import BlockPool, hash_block
 from asyncengine.core.engine_core import EngineCore
-from asyncengine.core.request import Request
+from asyncengine.core.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
 from sched_oracle import Driver, make_req, new_sched
 
@@ -441,6 +441,22 @@ def test_samples_are_held_only_when_a_full_prompt_block_can_be_shared(plen, held
     assert set(so.num_scheduled_tokens) == ({"r#0"} if held else {"r#0", "r#1", "r#2"})
     d.run()
     d.check_done([r])
+
+
+def test_released_samples_go_before_later_arrivals():
+    """FCFS: samples released from the hold arrived with sample 0, so they queue ahead of a request
+    that arrived while sample 0 was prefilling (here they take the last seat, it waits)."""
+    s = new_sched(num_blocks=16, block_size=4, budget=32, max_num_seqs=2, policy="fcfs")
+    d = Driver(s)
+    r = make_req("r", list(range(10, 18)), 3, n=2)
+    d.add(r)
+    d.step()  # sample 0's whole prompt
+    late = make_req("late", [50, 51, 52], 2)
+    d.add(late)
+    so = d.step()
+    assert [nr.req_id for nr in so.new_requests] == ["r#1"] and late.status == RequestStatus.WAITING
+    d.run()
+    d.check_done([r, late])
 
 
 # the hypothesis machine: random arrivals (shared prefixes, salts, priorities, n > 1), steps, aborts
