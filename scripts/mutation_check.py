@@ -62,8 +62,7 @@ MUTANTS = [
       "        if req.request_id in self.requests or req.request_id in self.parents:\n"
       "            raise ValueError(",
       "        if False:\n            raise ValueError(",
-      ["tests/test_bad_input.py", "tests/test_sampling_e2e.py", "tests/test_async_engine.py"],
-      "a request id already in the engine is refused"),
+      ["tests/test_scheduler.py", "tests/test_sampling_e2e.py"], "a request id already in the engine is refused"),
     M("sched.dup_child_id", "scheduler.py",
       "            if c.request_id in self.requests:\n                raise ValueError(",
       "            if False:\n                raise ValueError(",
@@ -110,7 +109,8 @@ MUTANTS = [
       "priority: a victim already scheduled this step has its fresh blocks uncached (or is kept)"),
     M("sched.max_tokens", "scheduler.py",
       "            if len(req.output_token_ids) + req.num_output_placeholders >= req.max_tokens:\n"
-      "                return 0\n", "                pass\n", SCHED, "no step samples past max_tokens (placeholders counted)"),
+      "                return 0\n", "                pass\n", SCHED,
+      "no step samples past max_tokens (placeholders counted)"),
     M("sched.running_uncache", "scheduler.py",
       "                if victim.request_id in num_scheduled:  # nothing hit its fresh blocks yet this step\n"
       "                    uncached = self.kv.uncache_unscheduled(victim)\n                    assert uncached\n",
@@ -142,7 +142,8 @@ MUTANTS = [
       "admission stops at the first waiting request that does not fit (no overtaking, no spin)"),
     M("sched.cached_tokens_once", "scheduler.py",
       "                if req.num_cached_tokens < 0:\n                    req.num_cached_tokens = num_hit\n",
-      "                req.num_cached_tokens = num_hit\n", ["tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
+      "                req.num_cached_tokens = num_hit\n",
+      ["tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
       "num_cached_tokens is the first admission's hit (a recompute's hit does not overwrite it)"),
     M("sched.queue_time_once", "scheduler.py",
       "                if req.first_scheduled_time is None:\n", "                if True:\n", METRICS,
@@ -199,7 +200,8 @@ MUTANTS = [
       "after uncaching, those blocks can be registered again when really written"),
     # ------------------------------------------------------------------ block_pool.py
     M("pool.overdraw", "block_pool.py",
-      "        if n > self.num_free_blocks:\n            raise ValueError(", "        if False:\n            raise ValueError(",
+      "        if n > self.num_free_blocks:\n            raise ValueError(",
+      "        if False:\n            raise ValueError(",
       POOL, "asking for more blocks than are free raises before taking any"),
     M("pool.evict", "block_pool.py",
       "            if b.block_hash is not None:  # evict the cached prefix it held\n"
@@ -248,7 +250,8 @@ MUTANTS = [
       ["tests/test_sampling_e2e.py"], "sample i of a seeded n > 1 request uses seed + i"),
     M("req.child_prompt_logprobs", "request.py",
       "                prompt_logprobs=sp.prompt_logprobs if i == 0 else None)",
-      "                prompt_logprobs=sp.prompt_logprobs)", ["tests/test_sampling_e2e.py", "tests/test_prefix_caching.py"],
+      "                prompt_logprobs=sp.prompt_logprobs)",
+      ["tests/test_sampling_e2e.py", "tests/test_prefix_caching.py"],
       "only sample 0 computes prompt logprobs (the others can share the prompt's blocks)"),
     # ------------------------------------------------------------------ request_queue.py
     M("queue.fcfs_front", "request_queue.py",
