@@ -133,6 +133,28 @@ def test_queue_time(tiny, monkeypatch):
     assert core.stats()["mean_queue_time_s"] == 9.0
 
 
+def test_queue_time_counts_the_first_admission_only(tiny, monkeypatch):
+    """A preempted request waits again, but its queue time is arrival -> *first* scheduled (on the
+    step clock: exact)."""
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    rng = random.Random(2)
+    core = make_core(tiny, num_kv_blocks=12, block_size=4)  # 48 slots for 4 x 30 tokens
+    reqs = [req(f"r{i}", toks(rng, 14), 16, arrival_time=0.0) for i in range(4)]
+    for r in reqs:
+        core.add_request(r)
+    first: dict[str, float] = {}
+    while core.has_unfinished():
+        so = core.schedule()
+        for nr in so.new_requests:
+            first.setdefault(nr.req_id, clock[0])
+        core.update(so, core.execute(so))
+        clock[0] += 1.0
+    assert core.stats()["num_preemptions"] > 0
+    assert {r.request_id: r.first_scheduled_time for r in reqs} == first
+    assert core.stats()["mean_queue_time_s"] == sum(first.values()) / 4
+
+
 def test_scheduled_tokens_per_step(tiny):
     rng = random.Random(4)
     core = make_core(tiny, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
