@@ -143,7 +143,7 @@ MUTANTS = [
     M("sched.cached_tokens_once", "scheduler.py",
       "                if req.num_cached_tokens < 0:\n                    req.num_cached_tokens = num_hit\n",
       "                req.num_cached_tokens = num_hit\n",
-      ["tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
+      ["tests/test_scheduler.py", "tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
       "num_cached_tokens is the first admission's hit (a recompute's hit does not overwrite it)"),
     M("sched.queue_time_once", "scheduler.py",
       "                if req.first_scheduled_time is None:\n", "                if True:\n", METRICS,

@@ -184,6 +184,16 @@ def check_accounting(s: Scheduler) -> None:
     s.kv.pool.check_invariants()
 
 
+def check_no_running_request_skipped(s: Scheduler, so: SchedulerOutput) -> None:
+    """Continuous batching: a step leaves out a running request only when it has nothing to compute
+    now, or when the token budget ran out."""
+    if so.total_num_scheduled_tokens == s.max_num_batched_tokens:
+        return
+    for r in s.running:
+        assert r.request_id in so.num_scheduled_tokens or s._tokens_to_schedule(r) == 0, (
+            f"{r.request_id} was running with tokens to compute and budget left, but not scheduled")
+
+
 class Driver:
     """Steps a scheduler with the oracle runner; records each request's outputs and finish reason."""
 
@@ -229,6 +239,7 @@ class Driver:
                  or r.hold_for.num_computed_tokens >= r.hold_for.num_prompt_tokens]
         so = self.sched.schedule()
         assert not set(map(id, ready)) & set(map(id, self.sched._held)), "a ready sample is still held"
+        check_no_running_request_skipped(self.sched, so)
         self.num_steps += 1
         assert so.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
         assert self.sched.num_running <= self.sched.max_num_seqs

@@ -22,7 +22,7 @@ from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
-from sched_oracle import check_accounting  # the stricter bookkeeping check, shared
+from sched_oracle import check_accounting, check_no_running_request_skipped  # shared checks
 
 TOK0 = 100
 
@@ -134,6 +134,7 @@ class Driver:
     def step(self) -> SchedulerOutput:
         s = self.sched
         so = s.schedule()
+        check_no_running_request_skipped(s, so)
         self.num_steps += 1
         assert so.total_num_scheduled_tokens <= s.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= s.max_num_seqs and s.num_running <= s.max_num_seqs
@@ -317,6 +318,28 @@ def test_priority_preempting_a_scheduled_chunk_uncaches_its_blocks():
     check_all_done(d, [v, h])
     (resumed,) = [nr for so in runner.steps[2:] for nr in so.new_requests if nr.req_id == "v"]
     assert resumed.num_computed_tokens == 8  # blocks 0 and 1 served from the cache, block 2 recomputed
+    assert v.num_cached_tokens == 0  # what its first admission found; a recompute's hits do not count
+
+
+def test_priority_victim_before_the_growing_request_skips_no_one():
+    """Phase 1 under the priority policy: the request that needs a block (b) preempts the worst
+    running one (a), which sits *before* it in the running list; the requests after b (c) are
+    still scheduled in that step."""
+    sched, runner = new_scheduler(num_blocks=4, block_size=4, budget=32, policy="priority")
+    d = Driver(sched, runner)
+    a = make_req("a", 3, 8, priority=5)
+    d.add(a)
+    d.step()  # a: positions 0-2 (block 1 of 4)
+    b, c = make_req("b", 4, 4, priority=0, first=40), make_req("c", 3, 4, priority=0, first=60)
+    d.add(b)
+    d.add(c)
+    d.step()  # a decodes; b and c are admitted: one block each, one block left
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"] and sched.kv.num_free_blocks == 1
+    so = d.step()  # a takes the last block for position 4; b needs one for its position 4: a is the victim
+    assert so.num_preempted == 1 and a.status == RequestStatus.PREEMPTED
+    assert so.num_scheduled_tokens == {"b": 1, "c": 1}
+    d.run()
+    check_all_done(d, [a, b, c])
 
 
 def test_priority_victim_keeps_its_chunk_when_a_hit_relies_on_it():
