@@ -263,6 +263,18 @@ def test_free_queue_empty_pop():
         q.popleft()
 
 
+def test_double_free_fails_loudly():
+    """A reference dropped twice is a bookkeeping bug: it must fail at once, not put a block that
+    someone still reads into the free queue."""
+    pool = BlockPool(3)
+    b, _ = pool.get_new_blocks(2)
+    pool.touch([b])  # two references
+    pool.free_blocks([b, b])
+    assert b.ref_cnt == 0 and pool.num_free_blocks == 2
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free_blocks([b])
+
+
 def test_allocate_slots_all_or_nothing():
     kv = KVCacheManager(4, BS)
     a = make_req("a", list(range(3, 3 + 10)))  # 3 blocks
