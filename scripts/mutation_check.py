@@ -164,7 +164,7 @@ MUTANTS = [
     # ------------------------------------------------------------------ kv_cache_manager.py
     M("kv.prompt_logprobs_bypass", "kv_cache_manager.py",
       "        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:",
-      "        if not self.enable_caching:", ["tests/test_sampling_e2e.py"],
+      "        if not self.enable_caching:", ["tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
       "requests with prompt logprobs bypass the prefix cache (every position computed)"),
     M("kv.caching_off", "kv_cache_manager.py",
       "        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:",

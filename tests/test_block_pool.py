@@ -397,7 +397,9 @@ def test_no_caching_pool_never_hashes():
     kv.allocate_slots(a, len(prompt))
     a.num_computed_tokens = len(prompt)
     kv.free(a)
-    assert not kv.pool.cached and kv.get_computed_blocks(make_req("b", prompt)) == ([], 0)
+    b = make_req("b", prompt)
+    assert not kv.pool.cached and kv.get_computed_blocks(b) == ([], 0)
+    assert a.block_hashes == b.block_hashes == []  # with caching off nothing pays for hashing
 
 
 def test_reset_prefix_cache_only_when_idle():

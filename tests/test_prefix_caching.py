@@ -174,6 +174,34 @@ def test_multi_turn_hits_generated_tokens(tiny):
     assert runs[True] == runs[False]
 
 
+def test_prompt_logprobs_bypass_the_cache(tiny):
+    """A request asking for prompt logprobs needs every prompt position's logits: it computes its
+    whole prompt even when the prompt is cached, and gets every position's logprobs, the same as
+    on a cold engine."""
+    rng = random.Random(31)
+    prompt = rand_tokens(rng, 27)
+
+    def with_plp(rid):
+        return Request(request_id=rid, prompt_token_ids=list(prompt), max_tokens=2,
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+
+    def prompt_logprobs(core, r):
+        core.add_request(r)
+        got = []
+        while core.has_unfinished():
+            for o in core.step():
+                got += o.new_prompt_logprobs or []
+        return got
+
+    cold = prompt_logprobs(make_core(tiny, num_kv_blocks=64, block_size=4), with_plp("cold"))
+    core = make_core(tiny, num_kv_blocks=64, block_size=4)
+    drive(core, {0: [greedy_req("warm", prompt, 2)]})  # the prompt's 6 full blocks are cached now
+    r = with_plp("plp")
+    got = prompt_logprobs(core, r)
+    assert r.num_cached_tokens == 0 and len(got) == len(cold) == len(prompt) - 1
+    assert got == cold
+
+
 # ---------------------------------------------------------------------------- accounting of a hit
 
 
