@@ -275,6 +275,21 @@ def test_double_free_fails_loudly():
         pool.free_blocks([b])
 
 
+def test_cache_block_registers_once_and_only_with_caching_on():
+    """A registered block keeps its first hash (another hash for it is ignored, the map stays exact),
+    and a pool without caching registers nothing."""
+    pool = BlockPool(3)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_block(b, b"h1" * 16)
+    pool.cache_block(b, b"h2" * 16)
+    assert b.block_hash == b"h1" * 16 and pool.get_cached_block(b"h2" * 16) is None
+    pool.check_invariants()
+    off = BlockPool(3, enable_caching=False)
+    (c,) = off.get_new_blocks(1)
+    off.cache_block(c, b"h1" * 16)
+    assert c.block_hash is None and not off.cached
+
+
 def test_allocate_slots_all_or_nothing():
     kv = KVCacheManager(4, BS)
     a = make_req("a", list(range(3, 3 + 10)))  # 3 blocks

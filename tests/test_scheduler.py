@@ -13,6 +13,7 @@ engine runs (schedule N+1 before update N, so step N+1 is planned on placeholder
 """
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -560,6 +561,24 @@ def test_request_ids_in_use_are_refused():
     check_all_done(d, [a, pair, clash])
     sched.add_request(make_req("a", 3, 1))  # free again
     assert "a" in sched.requests
+
+def test_min_tokens_holds_off_eos_and_stop_ids_in_the_core():
+    """The core's stop rule itself (not only the sampler's ban on EOS / stop ids, which a runner
+    may not apply): an EOS or stop id among the first min_tokens outputs does not end a request;
+    after that it does."""
+    sched, runner = new_scheduler()
+    d = Driver(sched, runner)
+    eos = make_req("eos", 5, 8, eos_at=1)  # EOS is output #1 only
+    eos.sampling_params = msgspec.structs.replace(eos.sampling_params, min_tokens=3)
+    stop = make_req("stop", 5, 8, first=40)
+    stop.sampling_params = msgspec.structs.replace(stop.sampling_params, min_tokens=3,
+                                                   stop_token_ids=[TOK0 + 1, TOK0 + 4])
+    d.add(eos)
+    d.add(stop)
+    d.run()
+    assert d.finish == {"eos": "length", "stop": "stop"}
+    assert d.outputs["eos"] == expected_tokens(8)
+    assert d.outputs["stop"] == expected_tokens(5) and stop.stop_reason == TOK0 + 4
 
 # ---------------------------------------------------------------------------- random workloads
 
