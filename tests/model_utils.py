@@ -5,6 +5,7 @@ loader. 2-D weights are rescaled to N(0, 1/fan_in) so logits are far from unifor
 0.02 init makes nearly every step a near-tie)."""
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 
@@ -116,3 +117,23 @@ def make_core(tiny, **options):
 
     model_dir, loaded = tiny
     return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)
+
+
+@contextlib.contextmanager
+def model_hook(engine, hook):
+    """Call ``hook(k)`` on the model thread before the k-th (0, 1, ...) forward pass of the model behind
+    ``engine`` (an AsyncLLMEngine, an LLM or an EngineCore), until the block exits: raise in it to
+    inject a fault into the forward, block in it to hold the engine mid-step. The one place tests
+    reach the model behind an engine; it goes through ``collective_rpc`` (in-process executors only:
+    the hook is a local function)."""
+    from worker_hooks import hook_forward, unhook_forward
+
+    from asyncengine.errors import EngineDeadError
+
+    core = getattr(engine, "core", None) or getattr(engine, "engine", None) or engine
+    core.collective_rpc(hook_forward, (hook,))  # through the executor, like any control message
+    try:
+        yield
+    finally:
+        with contextlib.suppress(EngineDeadError):  # a dead engine's model is gone anyway
+            core.collective_rpc(unhook_forward)

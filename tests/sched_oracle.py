@@ -19,11 +19,15 @@ samples), its computed count and its block table. Each step it
 step N+1 is scheduled before step N's tokens are folded back). After every step it asserts the
 block bookkeeping (``check_accounting``) and that every block the prefix cache offers holds exactly
 the KV its hash names (``KVOracleRunner.check_cached_contents``), even if nobody reads it again.
+
+Requests with ``n > 1`` are fanned out by the scheduler into samples ``"<id>#<i>"``; the Driver
+tracks (and ``check_done`` checks) every sample. The fake model is greedy, so each sample must
+produce exactly what a single request with that prompt produces; a sample can be aborted alone.
 """
 from __future__ import annotations
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import Request, RequestStatus, child_request_id
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
@@ -38,10 +42,10 @@ def next_token(tokens: list[int]) -> int:
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int, priority: int = 0, salt: str | None = None,
-             arrival_time: float | None = None) -> Request:
+             arrival_time: float | None = None, n: int = 1) -> Request:
     kw = {} if arrival_time is None else {"arrival_time": arrival_time}
     return Request(request_id=rid, prompt_token_ids=list(prompt),
-                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
                    max_tokens=max_tokens, priority=priority, cache_salt=salt, **kw)
 
 
@@ -146,16 +150,30 @@ class KVOracleRunner:
 
 
 def check_accounting(s: Scheduler) -> None:
-    """Every live request is in exactly one of running / waiting, and only running ones hold blocks;
-    each block's ref count is the number of block tables holding it; free + held == all."""
+    """Every live request is in exactly one of running / waiting / held (an ``n > 1`` sample waiting
+    for sample 0's prompt), and only running ones hold blocks; each block's ref count is the number
+    of block tables holding it; free + held == all; the ``n > 1`` bookkeeping names exactly the live
+    samples."""
     running = {r.request_id for r in s.running}
     waiting = {r.request_id for r in s.waiting}
-    assert not running & waiting and running | waiting == set(s.requests)
-    assert len(running) == len(s.running) and len(waiting) == len(s.waiting)
+    held = {r.request_id for r in s._held}
+    assert not running & waiting and not held & (running | waiting)
+    assert running | waiting | held == set(s.requests)
+    assert len(running) == len(s.running) and len(waiting) == len(s.waiting) and len(held) == len(s._held)
     for r in s.running:
-        assert r.status == RequestStatus.RUNNING
+        assert r.status == RequestStatus.RUNNING and r.hold_for is None
     for r in s.waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.hold_for is None
+    for r in s._held:
+        # a sample 1..n-1 that never ran, waiting for sample 0 of its own request (released by the
+        # next schedule() once that one has had its whole prompt or is gone)
+        assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0 and r.num_preemptions == 0
+        assert r.parent_id is not None and r.request_id != child_request_id(r.parent_id, 0)
+        assert r.hold_for.request_id == child_request_id(r.parent_id, 0)
+    live_samples = {rid for rid, r in s.requests.items() if r.parent_id is not None}
+    assert set().union(*s.parents.values()) == live_samples if s.parents else not live_samples
+    for pid, kids in s.parents.items():
+        assert kids and all(s.requests[k].parent_id == pid for k in kids)
     assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
     holders: dict[int, int] = {}
     for table in s.kv.req_to_blocks.values():
@@ -164,6 +182,16 @@ def check_accounting(s: Scheduler) -> None:
     assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in s.kv.pool.blocks)
     assert s.kv.num_free_blocks + len(holders) == s.kv.pool.num_blocks
     s.kv.pool.check_invariants()
+
+
+def check_no_running_request_skipped(s: Scheduler, so: SchedulerOutput) -> None:
+    """Continuous batching: a step leaves out a running request only when it has nothing to compute
+    now, or when the token budget ran out."""
+    if so.total_num_scheduled_tokens == s.max_num_batched_tokens:
+        return
+    for r in s.running:
+        assert r.request_id in so.num_scheduled_tokens or s._tokens_to_schedule(r) == 0, (
+            f"{r.request_id} was running with tokens to compute and budget left, but not scheduled")
 
 
 class Driver:
@@ -180,10 +208,15 @@ class Driver:
         self.seen: list[Request] = []
         self.num_steps = 0
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> list[Request]:
+        """Add a request; returns the core requests it became (its ``n`` samples, or itself)."""
         self.sched.add_request(req)
-        self.outputs[req.request_id] = []
-        self.seen.append(req)
+        kids = self.sched.parents.get(req.request_id)
+        core = [self.sched.requests[k] for k in sorted(kids)] if kids else [req]
+        for r in core:
+            self.outputs[r.request_id] = []
+            self.seen.append(r)
+        return core
 
     def abort(self, rids) -> list[str]:
         done = self.sched.abort_requests(rids)
@@ -201,7 +234,12 @@ class Driver:
                 self.finish_order.append(o.req_id)
 
     def step(self) -> SchedulerOutput:
+        # held samples whose sample 0 has had its whole prompt (or is gone) must leave the hold now
+        ready = [r for r in self.sched._held if r.hold_for.is_finished
+                 or r.hold_for.num_computed_tokens >= r.hold_for.num_prompt_tokens]
         so = self.sched.schedule()
+        assert not set(map(id, ready)) & set(map(id, self.sched._held)), "a ready sample is still held"
+        check_no_running_request_skipped(self.sched, so)
         self.num_steps += 1
         assert so.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
         assert self.sched.num_running <= self.sched.max_num_seqs
@@ -232,11 +270,19 @@ class Driver:
                              f"waiting {self.sched.num_waiting}")
 
     def check_done(self, reqs: list[Request]) -> None:
+        """Everything finished and freed; each request (each sample of an ``n > 1`` one) finished once,
+        with exactly the greedy continuation unless it was aborted."""
         s = self.sched
-        assert not s.requests and not s.running and not len(s.waiting)
+        assert not s.requests and not s.running and not len(s.waiting) and not s._held and not s.parents
         assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
         assert all(b.ref_cnt == 0 for b in s.kv.pool.blocks)
+        assert len(self.finish_order) == len(set(self.finish_order)), "a request finished twice"
+        samples = []
         for r in reqs:
+            n = r.sampling_params.n
+            samples += [r] if n == 1 else [c for c in self.seen if c.parent_id == r.request_id]
+            assert n == 1 or len(samples[-n:]) == n and all(c.parent_id == r.request_id for c in samples[-n:])
+        for r in samples:
             rid = r.request_id
             assert rid in self.finish, f"{rid} was lost"
             if self.finish[rid] == "abort":

@@ -19,7 +19,7 @@ from asyncengine import (AsyncLLMEngine, EngineConfig, EngineDeadError, EngineOv
                          OutputKind, SamplingParams)
 from asyncengine.engine.llm import render_chat
 from asyncengine.engine.output_processor import IncrementalDetokenizer
-from model_utils import compare, random_requests
+from model_utils import compare, model_hook, random_requests
 
 VOCAB = 512  # the tiny checkpoints of conftest.py
 HANG_GUARD_S = 120.0  # only ever a guard against a hang, never the thing a test checks
@@ -278,10 +278,17 @@ async def scenario_overload(model_dir: str) -> None:
 async def scenario_model_fault(model_dir: str, fail_after: int = 3) -> None:
     """The model raising mid-run: every pending stream gets EngineDeadError carrying the cause,
     later calls fail at once, nobody hangs."""
-    from worker_hooks import fail_after as inject
-
     eng = make_engine(model_dir)
-    eng.core.collective_rpc(inject, (fail_after,))
+
+    def faulty(k):
+        if k >= fail_after:
+            raise RuntimeError("simulated kernel fault")
+
+    with model_hook(eng, faulty):
+        await _model_fault_streams(eng)
+
+
+async def _model_fault_streams(eng: AsyncLLMEngine) -> None:
     async with eng:
         streams = [eng.generate([3 + i, 4, 5, 6], greedy(50)) for i in range(12)]
 
@@ -481,12 +488,18 @@ async def test_model_fault_kills_every_stream(model_dir):
     await scenario_model_fault(model_dir)
 
 
-async def test_model_fault_in_forward_on_first_step(model_dir, monkeypatch):
+async def test_model_fault_in_forward_on_first_step(model_dir):
     """A fault in the model's forward itself, on the very first step."""
-    from worker_hooks import break_forward
-
     eng = make_engine(model_dir)
-    eng.core.collective_rpc(break_forward)
+
+    def boom(k):
+        raise ValueError("forward exploded")
+
+    with model_hook(eng, boom):
+        await _first_step_fault(eng)
+
+
+async def _first_step_fault(eng: AsyncLLMEngine) -> None:
     async with eng:
         with pytest.raises(EngineDeadError) as ei:
             await guard(eng.complete([3, 4, 5], greedy(4)))

@@ -12,11 +12,13 @@ positions actually computed: hits excluded, recomputes after preemption included
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.core.engine_core import EngineCore
+import asyncengine.core.scheduler as scheduler_module
 from asyncengine.core.request import Request
 
 from model_utils import make_core  # noqa: E402
@@ -110,18 +112,47 @@ def test_preemptions_and_evictions_counted(tiny):
     assert t["num_computed_prompt_tokens"] + t["prefix_cache_hits"] > 4 * 14
 
 
-def test_queue_time(tiny):
-    """One seat: the k-th of 4 simultaneous requests waits for the k-1 before it."""
+def test_queue_time(tiny, monkeypatch):
+    """One seat: the k-th of 4 simultaneous requests waits for the k-1 before it. The scheduler's clock
+    is a step counter here, so the waits are exact (no wall-clock assertion)."""
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def tick(core):
+        clock[0] += 1.0
     rng = random.Random(3)
     core = make_core(tiny, num_kv_blocks=32, block_size=4, max_num_seqs=1)
-    run_all(core, [req("solo", toks(rng, 6), 2)])
-    assert 0.0 <= core.stats()["mean_queue_time_s"] < 0.5
+    run_all(core, [req("solo", toks(rng, 6), 2, arrival_time=clock[0])], tick)
+    assert core.stats()["mean_queue_time_s"] == 0.0  # admitted at the first step
     core = make_core(tiny, num_kv_blocks=32, block_size=4, max_num_seqs=1)
-    reqs = [req(f"r{i}", toks(rng, 6), 6) for i in range(4)]
-    run_all(core, reqs)
+    reqs = [req(f"r{i}", toks(rng, 6), 6, arrival_time=clock[0]) for i in range(4)]
+    run_all(core, reqs, tick)
+    # each holds the seat for 6 steps (prefill + 5 decodes); the next starts on the step after
     waits = [r.first_scheduled_time - r.arrival_time for r in reqs]
-    assert waits == sorted(waits) and waits[-1] > waits[0]
-    assert core.stats()["mean_queue_time_s"] == pytest.approx(sum(waits) / 4)
+    assert waits == [0.0, 6.0, 12.0, 18.0]
+    assert core.stats()["mean_queue_time_s"] == 9.0
+
+
+def test_queue_time_counts_the_first_admission_only(tiny, monkeypatch):
+    """A preempted request waits again, but its queue time is arrival -> *first* scheduled (on the
+    step clock: exact)."""
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    rng = random.Random(2)
+    core = make_core(tiny, num_kv_blocks=12, block_size=4)  # 48 slots for 4 x 30 tokens
+    reqs = [req(f"r{i}", toks(rng, 14), 16, arrival_time=0.0) for i in range(4)]
+    for r in reqs:
+        core.add_request(r)
+    first: dict[str, float] = {}
+    while core.has_unfinished():
+        so = core.schedule()
+        for nr in so.new_requests:
+            first.setdefault(nr.req_id, clock[0])
+        core.update(so, core.execute(so))
+        clock[0] += 1.0
+    assert core.stats()["num_preemptions"] > 0
+    assert {r.request_id: r.first_scheduled_time for r in reqs} == first
+    assert core.stats()["mean_queue_time_s"] == sum(first.values()) / 4
 
 
 def test_scheduled_tokens_per_step(tiny):

@@ -28,7 +28,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import asyncengine.core.kv_cache_manager as kvm
 from asyncengine.core.block_pool import BlockPool, hash_block
 from asyncengine.core.engine_core import EngineCore
-from asyncengine.core.request import Request
+from asyncengine.core.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
 from sched_oracle import Driver, make_req, new_sched
 
@@ -172,6 +172,34 @@ def test_multi_turn_hits_generated_tokens(tiny):
         assert len(r2.output_token_ids) == 8
         runs[caching] = (a1, list(r2.output_token_ids))
     assert runs[True] == runs[False]
+
+
+def test_prompt_logprobs_bypass_the_cache(tiny):
+    """A request asking for prompt logprobs needs every prompt position's logits: it computes its
+    whole prompt even when the prompt is cached, and gets every position's logprobs, the same as
+    on a cold engine."""
+    rng = random.Random(31)
+    prompt = rand_tokens(rng, 27)
+
+    def with_plp(rid):
+        return Request(request_id=rid, prompt_token_ids=list(prompt), max_tokens=2,
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+
+    def prompt_logprobs(core, r):
+        core.add_request(r)
+        got = []
+        while core.has_unfinished():
+            for o in core.step():
+                got += o.new_prompt_logprobs or []
+        return got
+
+    cold = prompt_logprobs(make_core(tiny, num_kv_blocks=64, block_size=4), with_plp("cold"))
+    core = make_core(tiny, num_kv_blocks=64, block_size=4)
+    drive(core, {0: [greedy_req("warm", prompt, 2)]})  # the prompt's 6 full blocks are cached now
+    r = with_plp("plp")
+    got = prompt_logprobs(core, r)
+    assert r.num_cached_tokens == 0 and len(got) == len(cold) == len(prompt) - 1
+    assert got == cold
 
 
 # ---------------------------------------------------------------------------- accounting of a hit
@@ -407,10 +435,63 @@ def test_mid_chunk_preemption_engine_tokens(tiny):
     assert got[True] == got[False]
 
 
-# the hypothesis machine: random arrivals (shared prefixes, salts, priorities), steps, aborts and
-# clock ticks (priority aging) against the KV oracle
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborting_sample_0_releases_the_held_samples(overlap):
+    """n = 3 with prefix caching: samples 1 and 2 are held until sample 0 has had its whole prompt.
+    Aborting sample 0 alone mid-prompt releases them at the next step; they hit the blocks it did
+    write (the oracle checks their contents) and finish with the full greedy output."""
+    s = new_sched(num_blocks=16, budget=4, max_num_seqs=3)
+    d = Driver(s, overlap)
+    r = make_req("r", list(range(10, 22)), 4, n=3)  # 12-token prompt in chunks of 4: 3 steps for sample 0
+    d.add(r)
+    d.step()
+    assert [c.request_id for c in s._held] == ["r#1", "r#2"] and s.num_waiting == 2
+    d.step()
+    assert d.abort(["r#0"]) == ["r#0"] and "r" in s.parents
+    so = d.step()
+    (first,) = so.num_scheduled_tokens  # the budget of 4 goes to one of them
+    assert not s._held and first in ("r#1", "r#2")
+    assert s.requests[first].num_cached_tokens == 8  # the two blocks sample 0 wrote
+    d.run()
+    d.check_done([r])
+    assert d.finish == {"r#0": "abort", "r#1": "length", "r#2": "length"}
+
+
+@pytest.mark.parametrize("plen, held", [(4, False), (5, True)])
+def test_samples_are_held_only_when_a_full_prompt_block_can_be_shared(plen, held):
+    """A prompt with no full block before its last token has nothing to share: its samples start
+    together in the first step. One more token and samples 1..n-1 wait for sample 0's prompt."""
+    s = new_sched(num_blocks=16, block_size=4, budget=32, max_num_seqs=4)
+    d = Driver(s)
+    r = make_req("r", list(range(10, 10 + plen)), 3, n=3)
+    d.add(r)
+    so = d.step()
+    assert set(so.num_scheduled_tokens) == ({"r#0"} if held else {"r#0", "r#1", "r#2"})
+    d.run()
+    d.check_done([r])
+
+
+def test_released_samples_go_before_later_arrivals():
+    """FCFS: samples released from the hold arrived with sample 0, so they queue ahead of a request
+    that arrived while sample 0 was prefilling (here they take the last seat, it waits)."""
+    s = new_sched(num_blocks=16, block_size=4, budget=32, max_num_seqs=2, policy="fcfs")
+    d = Driver(s)
+    r = make_req("r", list(range(10, 18)), 3, n=2)
+    d.add(r)
+    d.step()  # sample 0's whole prompt
+    late = make_req("late", [50, 51, 52], 2)
+    d.add(late)
+    so = d.step()
+    assert [nr.req_id for nr in so.new_requests] == ["r#1"] and late.status == RequestStatus.WAITING
+    d.run()
+    d.check_done([r, late])
+
+
+# the hypothesis machine: random arrivals (shared prefixes, salts, priorities, n > 1), steps, aborts
+# (of whole requests or of single samples) and clock ticks (priority aging) against the KV oracle
 PREFIXES = [list(range(10, 30)), list(range(10, 22)) + [90, 91, 92, 93], [40, 41, 42, 43, 44, 45, 46], []]
-SEEN = {"hits": 0, "preemptions": 0, "evictions": 0, "uncache_refusals": 0, "uncached_blocks": 0}
+SEEN = {"hits": 0, "preemptions": 0, "evictions": 0, "uncache_refusals": 0, "uncached_blocks": 0,
+        "held": 0, "sample_aborts": 0, "sample_preemptions": 0}
 
 
 class SchedulerKVMachine(RuleBasedStateMachine):
@@ -426,6 +507,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.d = Driver(self.sched, overlap)
         self.cap = num_blocks * block_size
         self.reqs: list[Request] = []
+        self.ids: list[str] = []  # what an abort may name: user ids and single samples' ids
         orig = self.sched.kv.uncache_unscheduled
 
         def counted(req):
@@ -436,16 +518,21 @@ class SchedulerKVMachine(RuleBasedStateMachine):
             return ok
         self.sched.kv.uncache_unscheduled = counted
 
-    @precondition(lambda self: len(self.reqs) < 14)
+    @precondition(lambda self: len(self.ids) < 18)
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 20), tail=st.lists(st.integers(3, 5), max_size=6),
-          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "s"]))
-    def add(self, prefix, cut, tail, max_tokens, priority, salt):
+          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "s"]),
+          n=st.sampled_from([1, 1, 2, 3]))
+    def add(self, prefix, cut, tail, max_tokens, priority, salt, n):
         prompt = (prefix[:cut] + tail)[: self.cap - 1] or [7]
         max_tokens = max(1, min(max_tokens, self.cap - len(prompt)))
         r = make_req(f"r{len(self.reqs)}", prompt, max_tokens, priority=priority, salt=salt,
-                     arrival_time=self.now)
+                     arrival_time=self.now, n=n)
         self.reqs.append(r)
-        self.d.add(r)
+        samples = self.d.add(r)
+        self.ids.append(r.request_id)
+        if n > 1:
+            self.ids += [c.request_id for c in samples]
+            SEEN["held"] += len(self.sched._held)
 
     @rule(n=st.integers(1, 4))
     def step(self, n):
@@ -456,10 +543,11 @@ class SchedulerKVMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.now += dt
 
-    @precondition(lambda self: self.reqs)
-    @rule(i=st.integers(0, 20))
+    @precondition(lambda self: self.ids)
+    @rule(i=st.integers(0, 30))
     def abort(self, i):
-        self.d.abort([self.reqs[i % len(self.reqs)].request_id])
+        done = self.d.abort([self.ids[i % len(self.ids)]])
+        SEEN["sample_aborts"] += len(done) == 1 and "#" in done[0]
 
     @invariant()
     def consistent(self):
@@ -475,6 +563,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         SEEN["hits"] += self.sched.kv.prefix_hits
         SEEN["preemptions"] += self.sched.stats.num_preemptions
         SEEN["evictions"] += pool.num_evictions
+        SEEN["sample_preemptions"] += sum(r.num_preemptions for r in self.d.seen if r.parent_id is not None)
 
 
 def test_scheduler_kv_state_machine():
@@ -482,7 +571,9 @@ def test_scheduler_kv_state_machine():
         SEEN[k] = 0
     run_state_machine_as_test(SchedulerKVMachine, settings=settings(
         max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)))
-    assert SEEN["hits"] > 0 and SEEN["preemptions"] > 0 and SEEN["evictions"] > 0, SEEN
+    print(SEEN)
+    assert all(SEEN[k] > 0 for k in ("hits", "preemptions", "evictions", "held", "sample_aborts",
+                                     "sample_preemptions")), SEEN
 
 
 # ---------------------------------------------------------------------------- raw block pool machine

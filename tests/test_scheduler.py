@@ -13,6 +13,7 @@ engine runs (schedule N+1 before update N, so step N+1 is planned on placeholder
 """
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,17 +23,18 @@ from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
-from sched_oracle import check_accounting  # the stricter bookkeeping check, shared
+from sched_oracle import check_accounting, check_no_running_request_skipped  # shared checks
 
 TOK0 = 100
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int, eos_at: int | None = None, priority: int = 0,
-             first: int = 3) -> Request:
-    """A request whose ``eos_at``-th output (0-based) is its EOS token (the fake runner's ``TOK0 + eos_at``)."""
+             first: int = 3, n: int = 1) -> Request:
+    """A request whose ``eos_at``-th output (0-based) is its EOS token (the fake runner's ``TOK0 + eos_at``);
+    with ``n > 1`` the scheduler fans it out into ``n`` samples, each with those outputs."""
     eos = frozenset() if eos_at is None else frozenset({TOK0 + eos_at})
     return Request(request_id=rid, prompt_token_ids=[first + (i % 90) for i in range(prompt_len)],
-                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens), eos_token_ids=eos,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n), eos_token_ids=eos,
                    max_tokens=max_tokens, priority=priority)
 
 
@@ -103,10 +105,18 @@ class Driver:
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.num_steps = 0
+        self.samples: dict[str, list[Request]] = {}  # n > 1: user id -> its samples
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> list[Request]:
+        """Add a request; returns the core requests it became (its ``n`` samples, or itself)."""
         self.sched.add_request(req)
-        self.outputs[req.request_id] = []
+        kids = self.sched.parents.get(req.request_id)
+        core = [self.sched.requests[k] for k in sorted(kids)] if kids else [req]
+        if kids:
+            self.samples[req.request_id] = core
+        for r in core:
+            self.outputs[r.request_id] = []
+        return core
 
     def abort(self, rids) -> list[str]:
         done = self.sched.abort_requests(rids)
@@ -125,6 +135,7 @@ class Driver:
     def step(self) -> SchedulerOutput:
         s = self.sched
         so = s.schedule()
+        check_no_running_request_skipped(s, so)
         self.num_steps += 1
         assert so.total_num_scheduled_tokens <= s.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= s.max_num_seqs and s.num_running <= s.max_num_seqs
@@ -160,9 +171,9 @@ def expected_tokens(n: int) -> list[int]:
 
 def check_all_done(d: Driver, reqs: list[Request]) -> None:
     s = d.sched
-    assert not s.requests and not s.running and not len(s.waiting)
+    assert not s.requests and not s.running and not len(s.waiting) and not s._held and not s.parents
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
-    for r in reqs:
+    for r in [c for r in reqs for c in d.samples.get(r.request_id, [r])]:
         rid = r.request_id
         assert rid in d.finish, f"{rid} was lost"
         assert d.outputs[rid] == expected_tokens(len(d.outputs[rid])), f"{rid}: {d.outputs[rid]}"
@@ -308,6 +319,28 @@ def test_priority_preempting_a_scheduled_chunk_uncaches_its_blocks():
     check_all_done(d, [v, h])
     (resumed,) = [nr for so in runner.steps[2:] for nr in so.new_requests if nr.req_id == "v"]
     assert resumed.num_computed_tokens == 8  # blocks 0 and 1 served from the cache, block 2 recomputed
+    assert v.num_cached_tokens == 0  # what its first admission found; a recompute's hits do not count
+
+
+def test_priority_victim_before_the_growing_request_skips_no_one():
+    """Phase 1 under the priority policy: the request that needs a block (b) preempts the worst
+    running one (a), which sits *before* it in the running list; the requests after b (c) are
+    still scheduled in that step."""
+    sched, runner = new_scheduler(num_blocks=4, block_size=4, budget=32, policy="priority")
+    d = Driver(sched, runner)
+    a = make_req("a", 3, 8, priority=5)
+    d.add(a)
+    d.step()  # a: positions 0-2 (block 1 of 4)
+    b, c = make_req("b", 4, 4, priority=0, first=40), make_req("c", 3, 4, priority=0, first=60)
+    d.add(b)
+    d.add(c)
+    d.step()  # a decodes; b and c are admitted: one block each, one block left
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"] and sched.kv.num_free_blocks == 1
+    so = d.step()  # a takes the last block for position 4; b needs one for its position 4: a is the victim
+    assert so.num_preempted == 1 and a.status == RequestStatus.PREEMPTED
+    assert so.num_scheduled_tokens == {"b": 1, "c": 1}
+    d.run()
+    check_all_done(d, [a, b, c])
 
 
 def test_priority_victim_keeps_its_chunk_when_a_hit_relies_on_it():
@@ -479,10 +512,78 @@ def test_preempted_with_token_in_flight_waits_for_it():
     assert sched.kv.num_free_blocks == 4
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_priority_preemption_with_token_in_flight_is_not_readmitted_in_that_step(caching):
+    """The in-flight guard (a preempted request whose token is still in flight waits for it before
+    re-admission) under the policy that needs it: priority, overlapped. ``v`` knows 12 tokens (3 full
+    blocks) and its 13th is in flight; the step being built gives it a 4th block for that token, then
+    ``high`` needs a block and takes ``v``'s (``_preempt_lower``). ``v``'s known tokens fit the 3 blocks
+    and the budget left, so without the guard it is re-admitted at once and recomputes them *without*
+    the one in flight: the runner samples that token a second time, the request's counts desync and
+    it never finishes (the step cap fails the test)."""
+    sched, runner = new_scheduler(num_blocks=4, block_size=4, budget=16, max_num_seqs=2, caching=caching,
+                                  policy="priority")
+    d = Driver(sched, runner, overlap=True)
+    v = make_req("v", 8, 8, priority=5)  # 8 + 8 tokens: fits the 4 blocks alone
+    d.add(v)
+    for _ in range(5):
+        d.step()  # prefill 0-7, decodes of 8-11; the token sampled at 11 is in flight
+    assert len(v.output_token_ids) == 4 and v.num_output_placeholders == 1
+    assert len(sched.kv.req_to_blocks["v"]) == 3 and sched.kv.num_free_blocks == 1
+    high = make_req("high", 3, 3, priority=0, first=60)
+    d.add(high)
+    so = d.step()
+    assert v.num_preemptions == 1 and "v" in so.finished_req_ids
+    assert so.num_scheduled_tokens == {"high": 3}, "v re-admitted while its token was in flight"
+    d.run(max_steps=200)
+    check_all_done(d, [v, high])
+    assert d.finish == {"v": "length", "high": "length"}
+
+def test_request_ids_in_use_are_refused():
+    """The core refuses an id that is in the engine, whether it names a request, an ``n > 1`` request
+    or one of its samples ("<id>#<i>"), and leaves what is there untouched; an id is free again
+    once its request (all its samples) finished."""
+    sched, runner = new_scheduler()
+    d = Driver(sched, runner)
+    a, pair = make_req("a", 5, 2), make_req("p", 5, 2, n=2)
+    d.add(a)
+    d.add(pair)
+    for dup in (make_req("a", 3, 1), make_req("a", 3, 1, n=2), make_req("p", 3, 1), make_req("p#1", 3, 1)):
+        with pytest.raises(ValueError, match="already in the engine"):
+            sched.add_request(dup)
+    clash = make_req("q#0", 3, 1)  # a plain request whose id is the first sample id of "q" (n = 2)
+    d.add(clash)
+    with pytest.raises(ValueError, match="already in the engine"):
+        sched.add_request(make_req("q", 3, 1, n=2))
+    assert "q" not in sched.parents and "q#1" not in sched.requests  # refused whole
+    assert set(sched.requests) == {"a", "p#0", "p#1", "q#0"}
+    d.run()
+    check_all_done(d, [a, pair, clash])
+    sched.add_request(make_req("a", 3, 1))  # free again
+    assert "a" in sched.requests
+
+def test_min_tokens_holds_off_eos_and_stop_ids_in_the_core():
+    """The core's stop rule itself (not only the sampler's ban on EOS / stop ids, which a runner
+    may not apply): an EOS or stop id among the first min_tokens outputs does not end a request;
+    after that it does."""
+    sched, runner = new_scheduler()
+    d = Driver(sched, runner)
+    eos = make_req("eos", 5, 8, eos_at=1)  # EOS is output #1 only
+    eos.sampling_params = msgspec.structs.replace(eos.sampling_params, min_tokens=3)
+    stop = make_req("stop", 5, 8, first=40)
+    stop.sampling_params = msgspec.structs.replace(stop.sampling_params, min_tokens=3,
+                                                   stop_token_ids=[TOK0 + 1, TOK0 + 4])
+    d.add(eos)
+    d.add(stop)
+    d.run()
+    assert d.finish == {"eos": "length", "stop": "stop"}
+    assert d.outputs["eos"] == expected_tokens(8)
+    assert d.outputs["stop"] == expected_tokens(5) and stop.stop_reason == TOK0 + 4
+
 # ---------------------------------------------------------------------------- random workloads
 
 ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 11)),
-                st.integers(0, 2))
+                st.integers(0, 2), st.sampled_from([1, 1, 1, 2, 3]))
 EVENT = st.one_of(ADD, ADD, ADD, st.tuples(st.just("step"), st.integers(1, 4)),
                   st.tuples(st.just("abort"), st.integers(0, 50)))
 
@@ -499,21 +600,24 @@ def test_random_workload(overlap, events, num_blocks, budget, max_num_seqs, cach
                                   max_num_seqs=max_num_seqs, caching=caching, policy=policy)
     d = Driver(sched, runner, overlap)
     reqs: list[Request] = []
+    ids: list[str] = []  # what an abort may name: user ids and single samples' ids
     for ev in events:
         if ev[0] == "add":
-            _, plen, max_tokens, eos_at, prio = ev
+            _, plen, max_tokens, eos_at, prio, n = ev
             plen = min(plen, cap - 1)  # what the input processor guarantees: prompt + outputs fit the pool
             max_tokens = max(1, min(max_tokens, cap - plen))
             # shared first tokens, so prefix hits happen
-            r = make_req(f"r{len(reqs)}", plen, max_tokens, eos_at=eos_at, priority=prio, first=3 + len(reqs) % 3)
+            r = make_req(f"r{len(reqs)}", plen, max_tokens, eos_at=eos_at, priority=prio, first=3 + len(reqs) % 3,
+                         n=n)
             reqs.append(r)
-            d.add(r)
+            samples = d.add(r)
+            ids += [r.request_id] + ([c.request_id for c in samples] if n > 1 else [])
         elif ev[0] == "abort":
-            if reqs:
-                d.abort([reqs[ev[1] % len(reqs)].request_id])
+            if ids:
+                d.abort([ids[ev[1] % len(ids)]])
         else:
             for _ in range(ev[1]):
                 d.step()
     d.run(max_steps=3000)
     check_all_done(d, reqs)
-    assert sched.stats.num_finished == len(reqs)
+    assert sched.stats.num_finished == sum(len(d.samples.get(r.request_id, [r])) for r in reqs)

@@ -3,6 +3,7 @@ worker as first argument): fault injection and looks at what a worker holds. Mod
 worker processes (spawned) can import them by name."""
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -68,6 +69,29 @@ def model_facts(worker) -> dict:
             "param_dtypes": sorted({str(p.dtype) for p in m.parameters()})}
 
 
+def attention_windows(worker) -> list:
+    """Each layer's attention sliding window (None: full attention)."""
+    return [layer.self_attn.attn.sliding_window for layer in worker.model.layers]
+
+
 def restore_execute(worker) -> None:
     """Undo fail_after / slow_steps / die_after."""
     worker.runner.__dict__.pop("execute", None)
+
+
+def hook_forward(worker, hook) -> None:
+    """Call ``hook(k)`` before the k-th (0, 1, ...) forward pass of this worker's model (see
+    model_utils.model_hook); undone by unhook_forward."""
+    model = worker.model
+    inner = model.forward
+    calls = itertools.count()
+
+    def forward(*args, **kwargs):
+        hook(next(calls))
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def unhook_forward(worker) -> None:
+    worker.model.__dict__.pop("forward", None)  # the class's forward again

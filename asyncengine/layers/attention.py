@@ -20,6 +20,10 @@ them. Each
 prefill chunk attends causally over its cached context and its own tokens, in blocks of query rows
 (two matmuls and a softmax per block; faster than SDPA's CPU flash kernel at these sizes). No
 dense mask over all requests' keys is ever built: attention cost is the sum over requests.
+
+Sliding-window attention (Mistral; Qwen2's sliding layers): a layer built with ``sliding_window=W``
+lets the query at position i see keys j with i - W < j <= i (transformers' rule). Keys that fell
+out of the window are masked, not freed: the cache still holds every position.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class DecodeGroup:
     # one bag per (kv head, row, query head of that kv head), num_blocks * block_size slots each
     value_rows: torch.Tensor  # [Hkv * rows * group * L] int64
     value_offsets: torch.Tensor  # [Hkv * rows * group] int64: where each bag starts
+    seq_lens: torch.Tensor | None = None  # [rows] int64: context lengths (sliding-window layers mask by them)
 
 
 @dataclass
@@ -121,19 +126,22 @@ def build_decode_groups(block_tables: list[list[int]], seq_lens: list[int], bloc
         slots = (block_ids.view(n, mb, 1) * block_size + in_block).view(1, n, 1, length)
         value_rows = (head_slots + slots).expand(hk, n, g, length).reshape(-1)
         value_offsets = torch.arange(0, value_rows.numel(), length, device=device)
-        groups.append(DecodeGroup(start, end, mb, key_rows, key_bias, value_rows, value_offsets))
+        groups.append(DecodeGroup(start, end, mb, key_rows, key_bias, value_rows, value_offsets,
+                                  torch.tensor(seq_lens[start:end], device=device)))
     return groups
 
 
 class TorchPagedAttention:
     """Paged attention in plain torch; the CPU backend."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -175,6 +183,11 @@ class TorchPagedAttention:
         scores.mul_(self.scale)
         if grp.key_bias is not None:
             scores.add_(grp.key_bias)
+        w = self.sliding_window
+        if w is not None and length > w:
+            # the row decoding position len - 1 sees keys [len - w, len)
+            old = torch.arange(length, device=q.device)[None, :] < (grp.seq_lens[:, None] - w)  # [n, L]
+            scores.masked_fill_(old.view(1, n, 1, length), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
         out = F.embedding_bag(grp.value_rows, v_cache.view(-1, d), grp.value_offsets, mode="sum",
                               per_sample_weights=probs.view(-1))  # [Hkv * n * g, d]
@@ -207,6 +220,12 @@ class TorchPagedAttention:
             scores.mul_(self.scale)
             diagonal = scores.view(hk, g, b, seen)[..., ctx + i0:]  # [.., b, b]: mask above it
             diagonal.masked_fill_(_upper_triangle(b, q.device), float("-inf"))
+            w = self.sliding_window
+            if w is not None and seen > w:
+                # the query at position p = ctx + i0 + r sees keys (p - w, p]
+                pos = torch.arange(ctx + i0, ctx + i1, device=q.device)
+                old = torch.arange(seen, device=q.device)[None, :] <= (pos[:, None] - w)  # [b, seen]
+                scores.view(hk, g, b, seen).masked_fill_(old, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(vals.dtype)
             out[i0:i1] = torch.matmul(probs, vals[:, :seen]).view(hk * g, b, d).transpose(0, 1)
         return out

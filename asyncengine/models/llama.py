@@ -40,6 +40,8 @@ class LlamaArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    # per layer: its sliding attention window (a query sees the last W positions), or None
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg, max_positions: int, qkv_bias: bool, qk_norm: bool) -> "LlamaArgs":
@@ -52,14 +54,29 @@ class LlamaArgs:
             rms_norm_eps=cfg.rms_norm_eps, rope=rope_parameters(cfg), max_positions=max_positions,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(getattr(cfg, "attention_bias", False)), qk_norm=qk_norm,
-            hidden_act=getattr(cfg, "hidden_act", "silu"))
+            hidden_act=getattr(cfg, "hidden_act", "silu"), layer_windows=sliding_windows(cfg))
+
+
+def sliding_windows(cfg) -> tuple[int | None, ...]:
+    """The sliding window of every layer, as transformers applies it: ``layer_types`` says which
+    layers slide (Qwen2: from ``max_window_layers`` on); without it (Mistral) all do, when
+    ``sliding_window`` is set and ``use_sliding_window`` is not False."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return (None,) * n
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * n
 
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         sh = attention_shard(a.num_heads, a.num_kv_heads, tp)
         self.tp = tp
@@ -71,7 +88,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchPagedAttention(sh.num_heads, sh.num_kv_heads, a.head_dim, a.head_dim ** -0.5)
+        self.attn = TorchPagedAttention(sh.num_heads, sh.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
+                                        sliding_window=sliding_window)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`."""
@@ -105,9 +123,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(a, rotary, tp)
+        self.self_attn = Attention(a, rotary, tp, sliding_window)
         self.mlp = MLP(a, tp)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -135,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(rows, a.hidden_size)
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp) for _ in range(a.num_layers))
+        windows = a.layer_windows or (None,) * a.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, rows, bias=False)
 

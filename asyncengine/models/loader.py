@@ -119,12 +119,8 @@ def _load_tokenizer(path: str, config: EngineConfig):
 
 
 def _max_model_len(hf_config, config: EngineConfig) -> int:
+    # (sliding-window models serve their full length: their layers mask what left the window)
     limit = getattr(hf_config, "max_position_embeddings", None) or 4096
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)
-    if window and uses_window and window < limit:
-        # sliding-window attention is not implemented: serve only lengths inside one window
-        limit = window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

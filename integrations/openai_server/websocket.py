@@ -16,7 +16,9 @@ Server -> client:
 ID is any string or number the client picks (the server picks one when it is missing and echoes
 it). Frames of different ids interleave. A cancelled generation ends with a "done" frame whose
 finish_reason is "abort"; when the client disconnects, every generation of the connection is
-aborted at once (its KV blocks are freed).
+aborted at once (its KV blocks are freed). When the engine dies, every generation gets an "error"
+frame (code "engine_dead") and then the server closes the connection (code 1011): nothing on it
+can work any more. A connection idle at that moment gets the same at its next chat frame.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class _Connection:
         self.tasks: dict[object, asyncio.Task] = {}
         self.request_ids: dict[object, str] = {}
         self._ids = itertools.count()
+        self.engine_dead = False  # once set, the connection closes when its last generation ended
 
     async def send(self, obj) -> None:
         data = msgspec.json.encode(obj).decode("utf-8")
@@ -58,6 +61,14 @@ class _Connection:
 
     async def send_error(self, cid, e: APIError) -> None:
         await self.send({"type": "error", "id": cid, **e.body()})
+        if e.code == "engine_dead":
+            self.engine_dead = True
+
+    async def close_if_engine_dead(self) -> None:
+        """After the engine died, once every generation has had its error frame: close (1011)."""
+        if self.engine_dead and not self.tasks:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=1011, reason="the engine died")
 
     async def handle(self, raw: str | bytes) -> None:
         limits = self.st.limits
@@ -102,7 +113,8 @@ class _Connection:
         try:
             stream = await self._submit(cid, frame)
         except APIError as e:
-            return await self.send_error(cid, e)
+            await self.send_error(cid, e)
+            return await self.close_if_engine_dead()
         self.tasks[cid] = asyncio.create_task(self._run(cid, stream))
 
     async def _submit(self, cid, frame: WSChat):
@@ -150,6 +162,7 @@ class _Connection:
                 st.metrics.finished.labels("abort").inc()
             self.tasks.pop(cid, None)
             self.request_ids.pop(cid, None)
+            await self.close_if_engine_dead()
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())

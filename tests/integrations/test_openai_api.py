@@ -4,15 +4,20 @@ client's own exception type. Greedy (temperature 0) wherever text is compared; `
 vLLM extra, sent with extra_body) wherever token counts are."""
 from __future__ import annotations
 
+import json
+import socket
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncengine import SamplingParams
 from asyncengine.engine.llm import render_chat
 from live_server import API_KEY, HANG_GUARD_S, MODEL
+from model_utils import model_hook
 
 NO_EOS = {"ignore_eos": True}
 NO_SPECIALS = {"0": -100, "1": -100, "2": -100}  # <s> </s> <pad> of the tiny tokenizer
@@ -301,11 +306,13 @@ def test_shutting_down_is_503(make_server):
 
 
 def test_dead_engine_is_500(make_server):
-    from worker_hooks import fail_after
-
     srv = make_server()
-    srv.engine.core.collective_rpc(fail_after, (0, "simulated model fault"))  # through the executor
-    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
+
+    def boom(k):
+        raise RuntimeError("simulated model fault")
+
+    with model_hook(srv.engine, boom), \
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert e.value.status_code == 500 and e.value.code == "engine_dead"
@@ -332,11 +339,40 @@ def test_stream_disconnect_aborts_and_frees_blocks(server, client, n):
     assert server.stats()["total_output_tokens"] - before < n * 900  # they did not run to the end
 
 
+def _finished_aborts(server) -> float:
+    """asyncengine_requests_finished_total{finish_reason="abort"}, scraped from /metrics."""
+    for fam in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text):
+        if fam.name == "asyncengine_requests_finished":
+            return sum(s.value for s in fam.samples
+                       if s.name.endswith("_total") and s.labels.get("finish_reason") == "abort")
+    return 0.0
+
+
+def _wait_for(cond, what: str) -> None:
+    for _ in range(int(HANG_GUARD_S / 0.01)):
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def test_non_stream_disconnect_aborts(server):
+    """A client that leaves a non-streaming request gets it aborted. The model is held still (a
+    blocking hook on its forward) from the request's first step until the server has counted the
+    abort, so the request cannot finish first, however fast the machine."""
     server.wait_clean()
     before = server.stats()["total_output_tokens"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/chat/completions", timeout=0.3,
-                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True})
+    aborts = _finished_aborts(server)
+    gate = threading.Event()
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True}).encode()
+    with model_hook(server.engine, lambda k: gate.wait(HANG_GUARD_S)):
+        try:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD_S) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                _wait_for(lambda: server.stats()["num_running"] == 1, "the request to be scheduled")
+            _wait_for(lambda: _finished_aborts(server) == aborts + 1, "the server to abort the request")
+        finally:
+            gate.set()
     server.wait_clean("the abandoned request to be aborted")
     assert server.stats()["total_output_tokens"] - before < 900
