@@ -128,3 +128,30 @@ def test_padded_decode_batch_matches_unpadded(interpret):
     got = be.forward(qp, kp, vp, c2, meta)
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(c1[0], c2[0]) and torch.equal(c1[1], c2[1])
+
+
+def test_backends_agree_on_a_mixed_step(interpret):
+    """One step holding a decode, a decode carrying 3 tokens (speculative: several query tokens
+    over cached context), a chunk after cached context and a fresh prompt, over shuffled blocks:
+    the triton backend's rows equal the torch backend's, whose cache layout differs."""
+    torch.manual_seed(1)
+    tri, ref = _shapes("triton"), _shapes("torch")
+    rng = random.Random(1)
+    perm = rng.sample(range(32), 32)
+    specs = [(1, 9), (3, 6), (5, 4), (7, 0)]  # (query_len, context_len)
+    seqs, slots, used, row = [], [], 0, 0
+    for ql, c in specs:
+        nb = -(-(c + ql) // 4)
+        blocks = perm[used:used + nb]
+        used += nb
+        seqs.append(SeqChunk(query_start=row, query_len=ql, context_len=c, block_ids=blocks))
+        slots += [blocks[p // 4] * 4 + p % 4 for p in range(c, c + ql)]
+        row += ql
+    batch = StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=1)
+    kt, vt = (t.normal_() for t in tri.allocate_kv_caches(1)[0])  # [blocks, bs, Hkv, D]
+    kr, vr = kt.permute(2, 0, 1, 3).contiguous(), vt.permute(2, 0, 1, 3).contiguous()  # [Hkv, blocks, bs, D]
+    q, k, v = torch.randn(row, 4, 16), torch.randn(row, 2, 16), torch.randn(row, 2, 16)
+    got = tri.forward(q, k, v, (kt, vt), tri.build_metadata(batch))
+    want = ref.forward(q, k, v, (kr, vr), ref.build_metadata(batch))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kt.permute(2, 0, 1, 3), kr, atol=0, rtol=0)

@@ -111,3 +111,18 @@ class PersistentBuffers:
         d.copy_(self.host[name][:n], non_blocking=True)
         self._copied.record()
         return d
+
+
+def to_host_list(t: torch.Tensor) -> list:
+    """A device tensor's values as a Python list. On CUDA: a non-blocking copy into pinned memory
+    and a wait on an event recorded after it. The wait releases the GIL (``.tolist()`` on a CUDA
+    tensor would hold it through the device sync), so the event loop and the scheduler keep
+    running in other threads while the GPU finishes the step; this is the step's only sync."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
