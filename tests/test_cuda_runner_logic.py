@@ -74,3 +74,18 @@ def test_device_auto(monkeypatch):
     monkeypatch.setattr("asyncengine.kernels.triton_available", lambda: True)
     cfg = EngineConfig(device="auto")
     assert cfg.torch_device.type == "cuda" and cfg.attention_backend_name == "triton"
+
+
+def test_kv_blocks_from_the_profiled_budget():
+    """The core sizes the cache from the CUDA budget when a rank measured one (not the CPU default,
+    not capped by the 90%-of-free rule), still bounded by what max_num_seqs full requests use."""
+    from asyncengine.core.engine_core import num_kv_blocks_for
+    from asyncengine.worker.worker import KVCacheSpec
+
+    cfg = EngineConfig(device="cpu", max_num_seqs=4, block_size=16)
+    spec = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20, kv_budget_bytes=50 << 20)
+    assert num_kv_blocks_for(cfg, spec, max_model_len=4096) == 50
+    assert num_kv_blocks_for(cfg, spec, max_model_len=64) == 4 * 4 + 1
+    cpu = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20)
+    assert num_kv_blocks_for(cfg, cpu, max_model_len=4096) == 90  # the free-memory cap
+    assert num_kv_blocks_for(EngineConfig(device="cpu", kv_cache_bytes=10 << 20), spec, 4096) == 10

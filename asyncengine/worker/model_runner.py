@@ -13,17 +13,21 @@ the sampled ids so that every rank's request state advances alike. Only rank 0 r
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
+
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
+from asyncengine.worker.cuda_utils import PersistentBuffers
 from asyncengine.sampling_params import SamplingParams
 
 
@@ -129,6 +133,14 @@ class ModelRunner:
             max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)))
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
+        # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
+        cap = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
+                                        self.device)
+        self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
+        if (self.device.type == "cuda" and self.attn_backend.name == "triton" and not config.enforce_eager
+                and tp.size == 1):
+            self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
         self._prompt_logprob_ids: set[str] = set()
@@ -157,6 +169,22 @@ class ModelRunner:
             st.block_ids.extend(cr.new_block_ids)
             assert st.num_computed_tokens == cr.num_computed_tokens, \
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
+
+    def _capture_graphs(self):
+        from asyncengine.worker.cuda_graphs import DecodeGraphs
+
+        try:
+            graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.inputs, self.config.max_num_seqs)
+            graphs.capture()
+            return graphs
+        except Exception:  # a capture failure costs speed, never correctness: run eagerly
+            log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            return None
+
+    def _stage(self, name: str, values: list[int]) -> torch.Tensor:
+        if len(values) <= self.inputs.capacity(name):
+            return self.inputs.stage(name, values)
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -212,7 +240,6 @@ class ModelRunner:
             if end == st.num_tokens:
                 sample_rows.append(row - 1)
                 sample_states.append(st)
-        meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
 
         plp_spans = self._prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
 
@@ -222,9 +249,13 @@ class ModelRunner:
             st.num_computed_tokens += n
 
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(seqs) else None
+        if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
+            hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
+        else:
+            meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
+            hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
+                                self.kv_caches, meta)
 
         req_ids: list[str] = []
         sampled: list[int] = []
