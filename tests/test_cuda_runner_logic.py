@@ -89,3 +89,16 @@ def test_kv_blocks_from_the_profiled_budget():
     cpu = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20)
     assert num_kv_blocks_for(cfg, cpu, max_model_len=4096) == 90  # the free-memory cap
     assert num_kv_blocks_for(EngineConfig(device="cpu", kv_cache_bytes=10 << 20), spec, 4096) == 10
+
+
+def test_rms_norm_residual_form_is_the_unfused_sum():
+    """RMSNorm(x, residual=r) == (norm(x + r), x + r) bit for bit (the decoder layer relies on it)."""
+    from asyncengine.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    n = RMSNorm(32)
+    with torch.no_grad():
+        n.weight.normal_()
+    x, r = torch.randn(5, 32), torch.randn(5, 32)
+    h, s = n(x, residual=r)
+    assert torch.equal(s, r + x) and torch.equal(h, n(r + x))

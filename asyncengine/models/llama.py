@@ -112,8 +112,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        h, x = self.post_attention_layernorm(attn, residual=x)  # one fused add + norm on CUDA
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
