@@ -36,7 +36,7 @@ def workload(vocab: int, seed: int = 0):
 
 
 def run(model_dir: str, backend: str, prompts):
-    llm = LLM(model_dir, dtype="float32", attention_backend=backend, **REGIME)
+    llm = LLM(model_dir, dtype="float32", device="cpu", attention_backend=backend, **REGIME)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     # the second batch hits the prefix blocks the first one cached
     outs = llm.generate(prompts[:3], sp, use_tqdm=False) + llm.generate(prompts[3:], sp, use_tqdm=False)

@@ -50,8 +50,9 @@ class PersistentBuffers:
     device copy. No per-step device allocation, and the device tensors keep their addresses, which
     CUDA-graph replay needs.
 
-    Reuse is safe because every step ends with reading its sampled ids back, after which the
-    previous step's host-to-device copies have completed; an event makes that explicit."""
+    Reuse is safe: a buffer's host copy is rewritten only after the event recorded behind its
+    previous device copy has passed (free in practice: each step ends by reading its sampled ids
+    back, after which that step's copies are done)."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         self.device = device
@@ -62,14 +63,15 @@ class PersistentBuffers:
             h = torch.zeros(shape, dtype=dtype, pin_memory=self.on_cuda)
             self.host[name] = h
             self.dev[name] = torch.zeros(shape, dtype=dtype, device=device) if self.on_cuda else h
-        self._copied = torch.cuda.Event() if self.on_cuda else None
+        # per buffer: an event after its last host-to-device copy (the host copy is reused after it)
+        self._copied = {name: torch.cuda.Event() for name in specs} if self.on_cuda else None
 
     def capacity(self, name: str) -> int:
         return self.host[name].shape[0]
 
-    def _wait_copies(self) -> None:
+    def _wait_copies(self, name: str) -> None:
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied[name].synchronize()  # at once unless the copy of the last step is pending
 
     def stage(self, name: str, values, n: int | None = None, fill: int | float | None = None) -> torch.Tensor:
         """Write ``values`` (a sequence) at the start of buffer ``name``; if ``n`` > len(values),
@@ -79,7 +81,7 @@ class PersistentBuffers:
         h = self.host[name]
         if n > h.shape[0]:
             raise ValueError(f"buffer {name!r} holds {h.shape[0]} rows, step needs {n}")
-        self._wait_copies()
+        self._wait_copies(name)
         arr = h.numpy()
         arr[:m] = values
         if n > m:
@@ -94,7 +96,7 @@ class PersistentBuffers:
         h = self.host[name]
         if n > h.shape[0]:
             raise ValueError(f"buffer {name!r} holds {h.shape[0]} rows, step needs {n}")
-        self._wait_copies()
+        self._wait_copies(name)
         arr = h.numpy()
         arr[:n] = fill
         width = arr.shape[1]
@@ -109,7 +111,7 @@ class PersistentBuffers:
             return self.dev[name][:n]
         d = self.dev[name][:n]
         d.copy_(self.host[name][:n], non_blocking=True)
-        self._copied.record()
+        self._copied[name].record()
         return d
 
 
