@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
-
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
@@ -29,6 +27,8 @@ from asyncengine.worker.sampler import Sampler, SamplingMetadata, gather_logprob
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.worker.cuda_utils import PersistentBuffers
 from asyncengine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
