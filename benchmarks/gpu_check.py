@@ -33,9 +33,18 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+COMPAT = REPO / "benchmarks" / "_compat"
 for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
+sys.path.append(str(COMPAT))
+try:  # the GPU machine may lack msgspec (and have no network): a pure-Python stand-in then
+    import msgspec  # noqa: F401
+    MSGSPEC = "msgspec"
+except ImportError:
+    sys.path.append(str(COMPAT / "shim"))
+    MSGSPEC = "msgspec MISSING: pure-Python shim"
+import _aepaths  # noqa: E402,F401  (asyncengine.kernels importable without an install)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -125,8 +134,10 @@ def cuda_time(fn, iters: int, device: torch.device) -> float:
 def s_tests(args) -> None:
     files = ["tests/kernels", "tests/test_triton_backend.py", "tests/test_cuda_runner_logic.py", "tests/test_gpu.py"]
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
-                           cwd=REPO, capture_output=True, text=True, timeout=args.tests_timeout)
+        paths = [str(REPO), str(COMPAT)] + ([str(COMPAT / "shim")] if "shim" in MSGSPEC else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_aepaths", "-rs",
+                            *files], cwd=REPO, capture_output=True, text=True, timeout=args.tests_timeout, env=env)
         tail = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
         row("tests", "pytest GPU subset", tail, note="rc=%d" % r.returncode, ok=r.returncode == 0)
         if r.returncode:
@@ -290,7 +301,7 @@ def main(argv=None) -> int:
         dev = torch.device("cuda")
     skip = {s for s in args.skip.split(",") if s} | ({"tests"} if args.dry_run else set())
     args.copy_bw = float("nan")
-    env = f"torch {torch.__version__}, python {sys.version.split()[0]}"
+    env = f"torch {torch.__version__}, python {sys.version.split()[0]}, {MSGSPEC}"
     try:
         import triton
         env += f", triton {triton.__version__}"
