@@ -115,6 +115,15 @@ class EngineConfig:
     # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,
     # STRICT_SPREAD = one rank per node)
     ray_placement_strategy: str = "PACK"
+    # attention over the paged KV cache: "torch" (the CPU path), "triton" (the kernels/ Triton
+    # kernels: CUDA, or triton's CPU interpreter under TRITON_INTERPRET=1), "auto" = triton on CUDA
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # CUDA: the share of the GPU's memory the engine may use; the KV cache gets what is left of it
+    # after a profiling run of the largest step (vLLM's name). Ignored when kv_cache_bytes or
+    # num_kv_blocks is given.
+    gpu_memory_utilization: float = 0.9
+    # CUDA: never capture CUDA graphs for decode steps (vLLM's name)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -160,5 +169,10 @@ class EngineConfig:
                               "tensor_parallel_size > 1 needs 'mp' or 'ray'")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be > 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        from asyncengine.attention.selector import resolve_backend_name
+
+        self.attention_backend_name = resolve_backend_name(self.attention_backend, self.torch_device)

@@ -71,7 +71,7 @@ def model_facts(worker) -> dict:
 
 def attention_windows(worker) -> list:
     """Each layer's attention sliding window (None: full attention)."""
-    return [layer.self_attn.attn.sliding_window for layer in worker.model.layers]
+    return [layer.self_attn.sliding_window for layer in worker.model.layers]
 
 
 def restore_execute(worker) -> None:

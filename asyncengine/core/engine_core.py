@@ -34,12 +34,13 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     per_block = spec.bytes_per_block
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    budget = config.kv_cache_bytes or spec.kv_budget_bytes or DEFAULT_KV_CACHE_BYTES
     n = budget // per_block
     if config.kv_cache_bytes is None:
         # never more than every sequence slot at full length could use
         n = min(n, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
-        if spec.available_bytes is not None:  # nor more than 90% of the memory a rank has free
+        # nor more than 90% of the memory a rank has free (CUDA: the profiled budget already says)
+        if spec.available_bytes is not None and spec.kv_budget_bytes is None:
             n = min(n, max(2, int(spec.available_bytes * 0.9) // per_block))
     if n < 2:
         raise ConfigError(f"kv_cache_bytes={budget} holds fewer than 2 blocks of {per_block} bytes")

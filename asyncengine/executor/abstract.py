@@ -51,8 +51,10 @@ class Executor(ABC):
         """The most constrained rank's view: the largest block, the least free memory."""
         specs = self.collective_rpc("determine_kv_cache_spec")
         avail = [s.available_bytes for s in specs if s.available_bytes is not None]
+        budgets = [s.kv_budget_bytes for s in specs if s.kv_budget_bytes is not None]
         return KVCacheSpec(bytes_per_block=max(s.bytes_per_block for s in specs),
-                           available_bytes=min(avail) if avail else None)
+                           available_bytes=min(avail) if avail else None,
+                           kv_budget_bytes=min(budgets) if budgets else None)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.layers.attention import AttentionMetadata, TorchPagedAttention
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import SINGLE, TPGroup, attention_shard, even_split, vocab_split
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -88,11 +87,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
-        self.attn = TorchPagedAttention(sh.num_heads, sh.num_kv_heads, a.head_dim, a.head_dim ** -0.5,
-                                        sliding_window=sliding_window)
+        self.sliding_window = sliding_window  # None: full attention; the backend applies it
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
-        """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`."""
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta):
+        """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`; meta: the
+        step's attention metadata, built by the runner's attention backend (``meta.backend``)."""
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -105,7 +104,7 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.tp.all_reduce(self.o_proj(self.attn.forward(q, k, v, kv_cache, meta)))
+        return self.tp.all_reduce(self.o_proj(meta.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)))
 
 
 class MLP(nn.Module):
@@ -132,8 +131,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        h, x = self.post_attention_layernorm(attn, residual=x)  # one fused add + norm on CUDA
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         return self.args.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         if self.tp.size == 1:
             x = self.embed_tokens(input_ids)
         else:  # rows outside this rank's vocabulary slice contribute zeros to the all-reduce

@@ -13,6 +13,7 @@ the sampled ids so that every rank's request state advances alike. Only rank 0 r
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
-from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
-                                          build_decode_groups)
+from asyncengine.attention import SeqChunk, StepBatch, get_backend
+from asyncengine.errors import ConfigError
+from asyncengine.worker.cuda_utils import PersistentBuffers
 from asyncengine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,13 +126,26 @@ class ModelRunner:
         # this rank's heads: the KV cache holds only its KV heads
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.num_blocks = num_blocks
-        shape = TorchPagedAttention.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
+        # the attention backend owns the cache layout and builds each step's attention metadata
+        self.attn_backend = get_backend(
+            config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=a.head_dim, block_size=self.block_size, num_blocks=num_blocks, dtype=self.dtype,
+            device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)))
+        if self.attn_backend.name != "torch" and any(w is not None for w in a.layer_windows):
+            raise ConfigError(f"attention_backend={self.attn_backend.name!r} has no sliding-window attention "
+                              f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
+                              f"use attention_backend='torch'")
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
-        self.kv_caches = [(kv_cache_zeros(shape, self.dtype, self.device),
-                           kv_cache_zeros(shape, self.dtype, self.device))
-                          for _ in range(a.num_layers)]
-        # scratch for the decode attention's gathered keys, reused by every layer and step
-        self.attn_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
+        # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
+        cap = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
+                                        self.device)
+        self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
+        if (self.device.type == "cuda" and self.attn_backend.name == "triton" and not config.enforce_eager
+                and tp.size == 1):
+            self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
         self._prompt_logprob_ids: set[str] = set()
@@ -158,14 +175,21 @@ class ModelRunner:
             assert st.num_computed_tokens == cr.num_computed_tokens, \
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
 
-    def _workspace(self, groups) -> torch.Tensor:
-        """The decode scratch, grown (never shrunk) to hold the largest group's gathered keys."""
-        a = self.model.args
-        need = max(self.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * a.head_dim
-                   for g in groups)
-        if self.attn_workspace.numel() < need:
-            self.attn_workspace = torch.empty(need, dtype=self.dtype, device=self.device)
-        return self.attn_workspace
+    def _capture_graphs(self):
+        from asyncengine.worker.cuda_graphs import DecodeGraphs
+
+        try:
+            graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.inputs, self.config.max_num_seqs)
+            graphs.capture()
+            return graphs
+        except Exception:  # a capture failure costs speed, never correctness: run eagerly
+            log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            return None
+
+    def _stage(self, name: str, values: list[int]) -> torch.Tensor:
+        if len(values) <= self.inputs.capacity(name):
+            return self.inputs.stage(name, values)
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -192,27 +216,22 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat row of the last token of each request that samples
         sample_states: list[RunnerRequestState] = []
 
-        # decodes: one token each, longest context first, attended in groups of similar length
+        # decodes: one token each, longest context first (the torch backend groups similar lengths)
         decodes.sort(key=lambda st: st.num_computed_tokens, reverse=True)
         nd = len(decodes)
-        for st in decodes:
+        seqs: list[SeqChunk] = []
+        for i, st in enumerate(decodes):
             pos = st.num_computed_tokens
             n_prompt = st.num_prompt_tokens
             input_ids.append(st.prompt_ids[pos] if pos < n_prompt else st.output_ids[pos - n_prompt])
             positions.append(pos)
             slots.append(st.block_ids[pos // bs] * bs + pos % bs)
-        meta = AttentionMetadata(slot_mapping=None, num_decodes=nd)
-        if nd:
-            meta.decode_groups = build_decode_groups(
-                [st.block_ids for st in decodes], [p + 1 for p in positions], bs, self.num_kv_heads,
-                self.num_heads // self.num_kv_heads, self.num_blocks, self.device)
-            meta.workspace = self._workspace(meta.decode_groups)
-            for i, st in enumerate(decodes):
-                if st.num_computed_tokens + 1 == st.num_tokens:
-                    sample_rows.append(i)
-                    sample_states.append(st)
+            seqs.append(SeqChunk(query_start=i, query_len=1, context_len=pos, block_ids=st.block_ids))
+            if pos + 1 == st.num_tokens:
+                sample_rows.append(i)
+                sample_states.append(st)
 
-        # prefill chunks
+        # prefill chunks (any run of tokens over any cached context)
         row = nd
         for st, n in prefills:
             start = st.num_computed_tokens
@@ -221,10 +240,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             blocks = st.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            nb = -(-end // bs)
-            meta.prefills.append(PrefillChunk(
-                q_start=row, q_end=row + n, context_len=start,
-                block_ids=torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)))
+            seqs.append(SeqChunk(query_start=row, query_len=n, context_len=start, block_ids=blocks))
             row += n
             if end == st.num_tokens:
                 sample_rows.append(row - 1)
@@ -238,10 +254,13 @@ class ModelRunner:
             st.num_computed_tokens += n
 
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(seqs) else None
+        if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
+            hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
+        else:
+            meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
+            hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
+                                self.kv_caches, meta)
 
         req_ids: list[str] = []
         sampled: list[int] = []

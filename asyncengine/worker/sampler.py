@@ -45,6 +45,7 @@ import torch
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.worker.cuda_utils import to_host_list
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
@@ -393,7 +394,7 @@ class Sampler:
             logits = logits[:, :V]
         if meta.fast_greedy:
             ids = logits.argmax(dim=-1)
-            return SamplerOutput(ids.tolist(), None, ids)
+            return SamplerOutput(to_host_list(ids), None, ids)
 
         # a private float32 copy: processed in place below, never the caller's tensor
         logits = logits.to(torch.float32, copy=True)
@@ -428,7 +429,7 @@ class Sampler:
                 out_lps[row] = lps_l[j][:k + 1]
                 out_ranks[row] = ranks_l[j]
             logprobs = LogprobsLists(out_ids, out_lps, out_ranks)
-        return SamplerOutput(sampled.tolist(), logprobs, sampled)
+        return SamplerOutput(to_host_list(sampled), logprobs, sampled)
 
     @staticmethod
     def _uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:

@@ -28,6 +28,8 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
 
     bytes_per_block: int  # this rank's share of one block (its KV heads only)
     available_bytes: int | None  # memory the rank could give the cache (None: unknown)
+    # CUDA: what gpu_memory_utilization leaves for the cache after a profiling run (None: not measured)
+    kv_budget_bytes: int | None = None
 
 
 def _available_memory(device: torch.device) -> int | None:
@@ -87,9 +89,51 @@ class Worker:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(bytes_per_block=kv_bytes_per_block(self.model, self.config.block_size,
-                                                              self.config.torch_dtype),
-                           available_bytes=_available_memory(self.config.torch_device))
+        c = self.config
+        budget = None
+        if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
+            budget = self.profile_kv_budget()
+        return KVCacheSpec(bytes_per_block=kv_bytes_per_block(self.model, c.block_size, c.torch_dtype),
+                           available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget)
+
+    @torch.inference_mode()
+    def profile_kv_budget(self) -> int:
+        """CUDA: run the largest step (max_num_batched_tokens of prefill, then logits for
+        max_num_seqs rows) on a throwaway cache, note the allocator's peak, and give the cache what
+        ``gpu_memory_utilization`` of the device leaves beyond it (and beyond memory torch does not
+        own: the CUDA context, other processes)."""
+        from asyncengine.attention import SeqChunk, StepBatch, get_backend
+        from asyncengine.worker.cuda_utils import kv_cache_budget
+
+        c, m = self.config, self.model
+        a, dev = m.args, c.torch_device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        n = max(1, min(c.max_num_batched_tokens, a.max_positions))
+        nb = -(-n // c.block_size)
+        backend = get_backend(c.attention_backend_name, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                              head_dim=a.head_dim, block_size=c.block_size, num_blocks=nb, dtype=c.torch_dtype,
+                              device=dev, max_num_tokens=n, max_num_seqs=1, max_blocks_per_seq=nb)
+        caches = backend.allocate_kv_caches(a.num_layers)
+        meta = backend.build_metadata(StepBatch(seqs=[SeqChunk(0, n, 0, list(range(nb)))],
+                                                slot_mapping=list(range(n))))
+        hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
+        logits = m.compute_logits(hidden[:min(n, c.max_num_seqs)])
+        if logits is not None:
+            logits.float().softmax(-1)  # the sampler's fp32 copies are of this order
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        cache_bytes = sum(t.numel() * t.element_size() for kv in caches for t in kv)
+        del caches, meta, hidden, logits, backend
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        not_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        budget = kv_cache_budget(total, c.gpu_memory_utilization, peak - cache_bytes + not_torch)
+        log.info("KV cache budget %.2f GiB (profiled peak %.2f GiB, other %.2f GiB, %.0f%% of %.2f GiB)",
+                 budget / 2**30, (peak - cache_bytes) / 2**30, not_torch / 2**30,
+                 100 * c.gpu_memory_utilization, total / 2**30)
+        return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp)

@@ -1,0 +1,73 @@
+"""The torch backend: :class:`asyncengine.layers.attention.TorchPagedAttention` (the CPU path)
+behind the seam, unchanged: head-major cache, decode groups, prefill chunks in query blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncengine.attention.backend import AttentionBackend, StepBatch
+from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
+                                          build_decode_groups)
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    backend: Any = None
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.impl = TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        self._by_window: dict[int, TorchPagedAttention] = {}
+        # scratch for the decode attention's gathered keys, reused by every layer and step
+        self.workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        return TorchPagedAttention.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads,
+                                                  self.head_dim)
+
+    def build_metadata(self, batch: StepBatch) -> TorchAttentionMetadata:
+        dev = self.device
+        nd = batch.num_decodes
+        meta = TorchAttentionMetadata(
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
+            num_decodes=nd, backend=self)
+        if nd:
+            decodes = batch.seqs[:nd]
+            meta.decode_groups = build_decode_groups(
+                [s.block_ids for s in decodes], [s.seq_len for s in decodes], self.block_size,
+                self.num_kv_heads, self.num_heads // self.num_kv_heads, self.num_blocks, dev)
+            meta.workspace = self._workspace(meta.decode_groups)
+        bs = self.block_size
+        for s in batch.seqs[nd:]:
+            nb = -(-s.seq_len // bs)
+            meta.prefills.append(PrefillChunk(
+                q_start=s.query_start, q_end=s.query_start + s.query_len, context_len=s.context_len,
+                block_ids=torch.tensor(s.block_ids[:nb], dtype=torch.long, device=dev)))
+        return meta
+
+    def _workspace(self, groups) -> torch.Tensor:
+        """The decode scratch, grown (never shrunk) to hold the largest group's gathered keys."""
+        need = max(self.num_kv_heads * (g.end - g.start) * g.num_blocks * self.block_size * self.head_dim
+                   for g in groups)
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=self.dtype, device=self.device)
+        return self.workspace
+
+    def forward(self, q, k, v, kv_cache, meta, sliding_window: int | None = None) -> torch.Tensor:
+        impl = self.impl if sliding_window is None else self._windowed(sliding_window)
+        return impl.forward(q, k, v, kv_cache, meta)
+
+    def _windowed(self, window: int) -> TorchPagedAttention:
+        """The same attention limited to the last ``window`` positions (Mistral, Qwen2's sliding
+        layers), one per distinct window size."""
+        impl = self._by_window.get(window)
+        if impl is None:
+            impl = self._by_window[window] = TorchPagedAttention(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, sliding_window=window)
+        return impl
