@@ -136,7 +136,7 @@ def s_tests(args) -> None:
     try:
         paths = [str(REPO), str(COMPAT)] + ([str(COMPAT / "shim")] if "shim" in MSGSPEC else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_aepaths", "-rs",
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_aepaths", "-rfs",
                             *files], cwd=REPO, capture_output=True, text=True, timeout=args.tests_timeout, env=env)
         tail = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
         row("tests", "pytest GPU subset", tail, note="rc=%d" % r.returncode, ok=r.returncode == 0)

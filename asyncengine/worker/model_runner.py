@@ -179,7 +179,9 @@ class ModelRunner:
         from asyncengine.worker.cuda_graphs import DecodeGraphs
 
         try:
-            graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.inputs, self.config.max_num_seqs)
+            # a decode batch has at most max_num_batched_tokens rows: the input buffers' size
+            largest = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.inputs, largest)
             graphs.capture()
             return graphs
         except Exception:  # a capture failure costs speed, never correctness: run eagerly
