@@ -109,6 +109,10 @@ class EngineConfig:
     # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,
     # STRICT_SPREAD = one rank per node)
     ray_placement_strategy: str = "PACK"
+    # speculative decoding (vLLM's shape): {"method": "ngram", "num_speculative_tokens": 3,
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model": path,
+    # "num_speculative_tokens": 3}; None = off. Parsed into a SpeculativeConfig.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -150,5 +154,10 @@ class EngineConfig:
                               "tensor_parallel_size > 1 needs 'mp' or 'ray'")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be > 0")
+        from asyncengine.spec_decode.config import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

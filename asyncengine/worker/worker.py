@@ -57,6 +57,7 @@ class Worker:
         self._hf_config = hf_config
         self.tp: TPGroup = SINGLE
         self.model = None
+        self.draft_model = None  # speculative decoding with a draft model
         self.runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -85,14 +86,29 @@ class Worker:
             self._preloaded = None
         else:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            import dataclasses
+
+            from asyncengine.errors import ConfigError
+
+            draft_cfg = dataclasses.replace(self.config, model=spec.model, tokenizer=None, speculative_config=None)
+            self.draft_model = load_model(draft_cfg, tokenizer=False).model
+            if self.draft_model.args.vocab_size != self.model.args.vocab_size:
+                raise ConfigError(f"speculative draft model {spec.model!r} has a vocabulary of "
+                                  f"{self.draft_model.args.vocab_size}, the model {self.model.args.vocab_size}: "
+                                  "a draft must share the tokenizer")
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(bytes_per_block=kv_bytes_per_block(self.model, self.config.block_size,
-                                                              self.config.torch_dtype),
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.config.torch_dtype)
+        if self.draft_model is not None:  # the draft's cache has as many blocks
+            per_block += kv_bytes_per_block(self.draft_model, self.config.block_size, self.config.torch_dtype)
+        return KVCacheSpec(bytes_per_block=per_block,
                            available_bytes=_available_memory(self.config.torch_device))
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp)
+        self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp,
+                                  draft_model=self.draft_model)
 
     # ------------------------------------------------------------------ the step
 
@@ -109,7 +125,9 @@ class Worker:
         r = self.runner
         return {"rank": self.rank, "pid": os.getpid(), "execute_time_s": r.execute_time_s,
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
-                "weight_bytes": self.weight_bytes()}
+                "weight_bytes": self.weight_bytes(),
+                "draft_tokens_processed": r.drafter.num_tokens_processed if r.drafter else 0,
+                "draft_forwards": r.drafter.num_forwards if r.drafter else 0}
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters this rank holds (its shard)."""
@@ -120,6 +138,8 @@ class Worker:
         if self.runner is not None:
             self.runner.requests.clear()
             self.runner._prompt_logprob_ids.clear()
+            if self.runner.drafter is not None:
+                self.runner.drafter.computed.clear()
 
     def shutdown(self) -> None:
         if self.world_size > 1:
