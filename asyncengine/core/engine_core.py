@@ -175,6 +175,7 @@ class EngineCore:
             "executor_busy_s": self.execute_time_s,
             # speculative decoding (0 when off): drafts proposed / accepted, and per verify step the
             # mean number of tokens a request got (1 + accepted drafts)
+            "spec_num_drafts": s.spec_num_drafts,
             "spec_num_draft_tokens": s.spec_num_draft_tokens,
             "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
             "spec_acceptance_rate": (s.spec_num_accepted_tokens / s.spec_num_draft_tokens
