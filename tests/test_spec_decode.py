@@ -289,3 +289,72 @@ def test_chi_square_speculative_sampling_follows_target(tiny_vocab_dir):
     assert len(f_exp) >= 2
     p = chisquare(f_obs, f_exp).pvalue
     assert p > 0.001, (seen, probs.tolist(), p)
+
+
+# ------------------------------------------------------------------ the async engine, end to end
+
+
+def test_async_engine_with_speculation(tiny_llama_dir):
+    """Through AsyncLLMEngine (two steps in flight): greedy streams match speculation off; n = 2
+    seeded samples, logprobs, a stop string and priorities work; an abort mid-stream leaves nothing
+    behind; the spec counters reach /metrics' collector."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine
+    from asyncengine.integrations.openai_server.metrics import EngineCollector
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 7))] * 4 for _ in range(6)]
+
+    async def go(spec):
+        eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=8,
+                                          policy="priority", speculative_config=spec))
+        try:
+            greedy = [eng.complete(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1),
+                                   request_id=f"g{i}", priority=i % 2) for i, p in enumerate(prompts)]
+            sampled = eng.complete(prompts[0], SamplingParams(n=2, temperature=0.5, seed=7, max_tokens=16,
+                                                              ignore_eos=True), request_id="n2")
+            text_ref = eng.complete(prompts[1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                                    request_id="t")
+            outs = await asyncio.wait_for(asyncio.gather(*greedy, sampled, text_ref), 120)
+            # a stop string cut: the same prompt, stopping at a piece of the text the greedy run made
+            full = outs[-1].outputs[0].text
+            stop = full[len(full) // 2:len(full) // 2 + 3]
+            cut = await asyncio.wait_for(eng.complete(prompts[1], SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]), request_id="stop"), 60) if stop.strip() else None
+            # an abort mid-stream
+            stream = eng.generate(prompts[2], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                                  request_id="ab")
+            async for o in stream:
+                if len(o.outputs[0].token_ids) >= 5:
+                    await eng.abort("ab")
+                    break
+            for _ in range(500):
+                if eng.stats()["num_running"] == 0 and eng.stats()["num_waiting"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            stats = eng.stats()
+            metrics = {f.name: f.samples[0].value for f in EngineCollector(eng).collect() if f.samples}
+            assert eng.core.kv.num_free_blocks == eng.core.num_blocks
+            return outs, cut, stats, metrics
+        finally:
+            await eng.shutdown()
+
+    ref, ref_cut, _, _ = asyncio.run(go(None))
+    got, cut, stats, metrics = asyncio.run(go(NGRAM))
+    for a, b in zip(ref, got):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [c.text for c in a.outputs] == [c.text for c in b.outputs]
+    for a, b in zip(ref[:len(prompts)], got[:len(prompts)]):
+        lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert len(lp_b) == len(b.outputs[0].token_ids)
+        for x, y in zip(lp_a, lp_b):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    if ref_cut is not None:
+        assert cut.outputs[0].text == ref_cut.outputs[0].text and cut.outputs[0].finish_reason == "stop"
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert metrics["asyncengine_spec_decode_num_accepted_tokens"] == stats["spec_num_accepted_tokens"]
+    assert 0 < metrics["asyncengine_spec_decode_acceptance_rate"] <= 1
+    assert metrics["asyncengine_spec_decode_mean_accepted_length"] > 1
