@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from asyncengine.structured.params import StructuredOutputsParams
 from asyncengine.errors import InvalidRequestError
 
 
@@ -70,6 +71,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     detokenize: bool = True
+    # constrained decoding (vLLM's shape): StructuredOutputsParams(json=schema | json_object=True |
+    # regex=... | choice=[...] | grammar=ebnf)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -212,6 +212,11 @@ class AsyncLLMEngine:
         kind = _check_params(sampling_params).output_kind
         slot = RequestSlot(request_id, kind)
         self._slots[request_id] = slot
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # compile the grammar on a worker thread (cached by its text); errors at the first iteration
+            stream = RequestStream(slot, self._abort_nowait)
+            self._loop.create_task(self._submit_structured(slot, prompt, sampling_params, priority, cache_salt))
+            return stream
         if isinstance(prompt, str) and len(prompt) > _LONG_PROMPT_CHARS and self.tokenizer is not None:
             stream = RequestStream(slot, self._abort_nowait)
             self._loop.create_task(self._submit_later(slot, prompt, sampling_params, priority, cache_salt))
@@ -229,6 +234,20 @@ class AsyncLLMEngine:
             if slot.request_id in self._slots and not slot.finished:
                 self._submit(slot.request_id, {"prompt": text, "prompt_token_ids": ids}, params,
                              priority, cache_salt)
+        except Exception as e:
+            self._slots.pop(slot.request_id, None)
+            slot.put_error(e)
+
+    async def _submit_structured(self, slot: RequestSlot, prompt, params, priority, cache_salt) -> None:
+        from asyncengine.structured.backend import check_compiles
+
+        try:
+            await asyncio.to_thread(check_compiles, self.config, self.core, params)
+            if isinstance(prompt, str) and len(prompt) > _LONG_PROMPT_CHARS and self.tokenizer is not None:
+                _, ids = await asyncio.to_thread(self.processor.tokenize, prompt)
+                prompt = {"prompt": prompt, "prompt_token_ids": ids}
+            if slot.request_id in self._slots and not slot.finished:
+                self._submit(slot.request_id, prompt, params, priority, cache_salt)
         except Exception as e:
             self._slots.pop(slot.request_id, None)
             slot.put_error(e)

@@ -48,6 +48,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     bad_words_token_ids: list[list[int]] | None
+    matcher: object | None = None  # structured outputs: the grammar state after output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +149,7 @@ class ModelRunner:
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
         spec = config.speculative
         self.spec = spec
+        self._grammar = None  # structured outputs: the xgrammar compiler, made on first use
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
             from asyncengine.spec_decode.ngram import NgramProposer
@@ -175,6 +177,8 @@ class ModelRunner:
                 bad_words_token_ids=nr.bad_words_token_ids)
             if self.drafter is not None:
                 self.drafter.add(nr.req_id, nr.num_computed_tokens)
+            if nr.sampling_params.structured_outputs is not None:
+                self._start_matcher(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
@@ -319,6 +323,9 @@ class ModelRunner:
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[idx]).float()
+            masked = self._grammar_bitmask(sample_states) if self._grammar is not None else None
+            if masked is not None:
+                self._grammar.apply_bitmask(logits, *masked)
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
                 prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -333,6 +340,8 @@ class ModelRunner:
             for st, tok in zip(sample_states, sampled):
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
+                if st.matcher is not None:
+                    st.matcher.accept(tok)
             if out.logprobs is not None:
                 lp = out.logprobs
                 logprobs = [None if ids is None else [(ids, vals, rank)]
@@ -345,6 +354,61 @@ class ModelRunner:
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def grammar_compiler(self):
+        if self._grammar is None:
+            from asyncengine.models.loader import load_model_info
+            from asyncengine.structured.backend import compiler_for
+
+            key = self.config.tokenizer or self.config.model
+            self._grammar = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
+                                         self.eos_token_ids)
+        return self._grammar
+
+    def _start_matcher(self, st: RunnerRequestState) -> None:
+        """The request's grammar state, replayed over the outputs it already has (a resume)."""
+        k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs, max_rollback=k)
+        for t in st.output_ids:
+            st.matcher.accept(t)
+
+    def _grammar_bitmask(self, sample_states, spec_drafts=None):
+        """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
+        (first sample index -> drafts): a spec row's i-th row is masked as if its first i drafts
+        were accepted (the matcher advances through them, then rolls back)."""
+        rows = [j for j, st in enumerate(sample_states) if st.matcher is not None]
+        if not rows:
+            return None
+        g = self.grammar_compiler()
+        bitmask = g.allocate_bitmask(len(sample_states))
+        j = 0
+        n_rows = len(sample_states)
+        while j < n_rows:
+            st = sample_states[j]
+            drafts = spec_drafts.get(j) if spec_drafts else None
+            if drafts is None:
+                if st.matcher is not None:
+                    st.matcher.fill(bitmask, j)
+                j += 1
+                continue
+            n = len(drafts) + 1
+            if st.matcher is not None:
+                advanced = 0
+                for i in range(n):
+                    st.matcher.fill(bitmask, j + i)
+                    if i < len(drafts):
+                        if not st.matcher.accept(drafts[i]):
+                            # the draft breaks the grammar: the target cannot sample it (masked),
+                            # so the rows after it are never accepted; mask them alike
+                            for r in range(j + i + 1, j + n):
+                                bitmask[r] = bitmask[j + i]
+                            break
+                        advanced += 1
+                st.matcher.rollback(advanced)
+            j += n
+        return bitmask, rows
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -370,6 +434,10 @@ class ModelRunner:
                 outputs[first + i] = st.output_ids + drafts[:i]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[idx]).float()
+        if self._grammar is not None:
+            masked = self._grammar_bitmask(sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+            if masked is not None:
+                self._grammar.apply_bitmask(logits, *masked)
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -407,6 +475,9 @@ class ModelRunner:
                 if self.drafter is not None and drafts:
                     self.drafter.accepted(st.req_id, start, len(acc), len(drafts))
             st.output_ids.extend(acc)
+            if st.matcher is not None:
+                for t in acc:
+                    st.matcher.accept(t)
             req_ids.append(st.req_id)
             toks_out.append(acc)
             if lps_out is not None:
