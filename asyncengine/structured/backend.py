@@ -38,6 +38,18 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        # compact JSON never needs a raw control byte (JSON forbids them unescaped inside strings,
+        # and there is no free whitespace), but xgrammar's string rule lets them through: JSON
+        # matchers AND their masks with this one, which drops every token holding a byte < 0x20
+        words = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+        for i, b in enumerate(self.info.decoded_vocab[:vocab_size]):
+            words[i] = not any(c < 0x20 for c in b)
+        for t in eos_token_ids:
+            if 0 <= t < vocab_size:
+                words[t] = True
+        bits = words.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+        packed = bits.sum(dim=1)
+        self.no_control_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -70,8 +82,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return g
 
-    def matcher(self, p: StructuredOutputsParams, max_rollback: int) -> "Matcher":
-        return Matcher(self.xgr.GrammarMatcher(self.compile(p), max_rollback_tokens=max_rollback))
+    def matcher(self, p: StructuredOutputsParams) -> "Matcher":
+        compact_json = (p.json is not None or p.json_object) and not p.any_whitespace
+        return Matcher(self.xgr.GrammarMatcher(self.compile(p)), self.no_control_mask if compact_json else None)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -87,13 +100,16 @@ class Matcher:
     ``accept`` advances (False: the token breaks the grammar, nothing changed); ``rollback`` undoes
     the last n accepted tokens (speculative drafts that were rejected)."""
 
-    __slots__ = ("m",)
+    __slots__ = ("m", "also")
 
-    def __init__(self, m) -> None:
+    def __init__(self, m, also: torch.Tensor | None = None) -> None:
         self.m = m
+        self.also = also  # a mask ANDed with the grammar's (see GrammarCompiler.no_control_mask)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
+        if self.also is not None:
+            bitmask[row] &= self.also
 
     def accept(self, token: int) -> bool:
         if self.m.is_terminated():

@@ -369,8 +369,7 @@ class ModelRunner:
 
     def _start_matcher(self, st: RunnerRequestState) -> None:
         """The request's grammar state, replayed over the outputs it already has (a resume)."""
-        k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs, max_rollback=k)
+        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs)
         for t in st.output_ids:
             st.matcher.accept(t)
 
