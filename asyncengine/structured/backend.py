@@ -50,6 +50,13 @@ class GrammarCompiler:
         bits = words.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
         packed = bits.sum(dim=1)
         self.no_control_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        # after the grammar has ended (a step already in flight, or ignore_eos): only stop tokens
+        stop = torch.zeros_like(words)
+        for t in eos_token_ids:
+            if 0 <= t < vocab_size:
+                stop[t] = True
+        packed = (stop.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+        self.stop_only_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -84,7 +91,8 @@ class GrammarCompiler:
 
     def matcher(self, p: StructuredOutputsParams) -> "Matcher":
         compact_json = (p.json is not None or p.json_object) and not p.any_whitespace
-        return Matcher(self.xgr.GrammarMatcher(self.compile(p)), self.no_control_mask if compact_json else None)
+        return Matcher(self.xgr.GrammarMatcher(self.compile(p)), self.no_control_mask if compact_json else None,
+                       self.stop_only_mask)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -100,13 +108,17 @@ class Matcher:
     ``accept`` advances (False: the token breaks the grammar, nothing changed); ``rollback`` undoes
     the last n accepted tokens (speculative drafts that were rejected)."""
 
-    __slots__ = ("m", "also")
+    __slots__ = ("m", "also", "ended")
 
-    def __init__(self, m, also: torch.Tensor | None = None) -> None:
+    def __init__(self, m, also: torch.Tensor | None, ended: torch.Tensor) -> None:
         self.m = m
         self.also = also  # a mask ANDed with the grammar's (see GrammarCompiler.no_control_mask)
+        self.ended = ended  # the mask once the grammar has accepted its stop token
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.m.is_terminated():
+            bitmask[row] = self.ended
+            return
         self.m.fill_next_token_bitmask(bitmask, row)
         if self.also is not None:
             bitmask[row] &= self.also
