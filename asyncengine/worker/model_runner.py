@@ -150,6 +150,7 @@ class ModelRunner:
         spec = config.speculative
         self.spec = spec
         self._grammar = None  # structured outputs: the xgrammar compiler, made on first use
+        self.grammar_time_s = 0.0  # time spent on masks and matchers (the structured-output overhead)
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
             from asyncengine.spec_decode.ngram import NgramProposer
@@ -323,9 +324,13 @@ class ModelRunner:
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[idx]).float()
-            masked = self._grammar_bitmask(sample_states) if self._grammar is not None else None
-            if masked is not None:
-                self._grammar.apply_bitmask(logits, *masked)
+            masked = None
+            if self._grammar is not None:
+                tg = time.perf_counter()
+                masked = self._grammar_bitmask(sample_states)
+                if masked is not None:
+                    self._grammar.apply_bitmask(logits, *masked)
+                self.grammar_time_s += time.perf_counter() - tg
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
                 prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -341,7 +346,9 @@ class ModelRunner:
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
                 if st.matcher is not None:
+                    tg = time.perf_counter()
                     st.matcher.accept(tok)
+                    self.grammar_time_s += time.perf_counter() - tg
             if out.logprobs is not None:
                 lp = out.logprobs
                 logprobs = [None if ids is None else [(ids, vals, rank)]
@@ -434,9 +441,11 @@ class ModelRunner:
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[idx]).float()
         if self._grammar is not None:
+            tg = time.perf_counter()
             masked = self._grammar_bitmask(sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
             if masked is not None:
                 self._grammar.apply_bitmask(logits, *masked)
+            self.grammar_time_s += time.perf_counter() - tg
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],

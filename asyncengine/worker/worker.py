@@ -127,7 +127,8 @@ class Worker:
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
                 "weight_bytes": self.weight_bytes(),
                 "draft_tokens_processed": r.drafter.num_tokens_processed if r.drafter else 0,
-                "draft_forwards": r.drafter.num_forwards if r.drafter else 0}
+                "draft_forwards": r.drafter.num_forwards if r.drafter else 0,
+                "grammar_time_s": r.grammar_time_s}
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters this rank holds (its shard)."""
