@@ -124,6 +124,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CUDA: never capture CUDA graphs for decode steps (vLLM's name)
     enforce_eager: bool = False
+    # speculative decoding (vLLM's shape): {"method": "ngram", "num_speculative_tokens": 3,
+    # "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model": path,
+    # "num_speculative_tokens": 3}; None = off. Parsed into a SpeculativeConfig.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -171,6 +175,11 @@ class EngineConfig:
             raise ConfigError("distributed_timeout_s must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        from asyncengine.spec_decode.config import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         from asyncengine.attention.selector import resolve_backend_name

@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from asyncengine.structured.params import StructuredOutputsParams
 
 
 class OutputKind(enum.IntEnum):
@@ -69,6 +70,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     detokenize: bool = True
+    # constrained decoding (vLLM's shape): StructuredOutputsParams(json=schema | json_object=True |
+    # regex=... | choice=[...] | grammar=ebnf)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # the rules live with every other request rule, in engine/validation.py

@@ -79,7 +79,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,
-            enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s)
+            enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
@@ -173,4 +174,13 @@ class EngineCore:
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "mean_queue_time_s": s.queue_time_s_total / s.num_started if s.num_started else 0.0,
             "executor_busy_s": self.execute_time_s,
+            # speculative decoding (0 when off): drafts proposed / accepted, and per verify step the
+            # mean number of tokens a request got (1 + accepted drafts)
+            "spec_num_drafts": s.spec_num_drafts,
+            "spec_num_draft_tokens": s.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+            "spec_acceptance_rate": (s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+                                     if s.spec_num_draft_tokens else 0.0),
+            "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
+                                          if s.spec_num_drafts else 0.0),
         }

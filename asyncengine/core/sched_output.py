@@ -35,6 +35,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # requests the runner must forget before this step: finished, aborted or preempted
     finished_req_ids: list[str]
     num_preempted: int = 0
+    # speculative decoding: req_id -> k, the last k of that request's scheduled tokens are slots
+    # (budget and KV) for draft tokens the runner proposes and verifies in this same step
+    num_spec_tokens: dict[str, int] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -44,12 +47,14 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Only rows that sampled appear. ``sampled_token_ids[i]`` is the list of tokens request
     ``req_ids[i]`` accepted this step (one today; several once speculative decoding accepts drafts).
-    ``logprobs[i]`` is (token ids, logprobs, rank of the sampled token) for rows whose request
-    asked for logprobs, else None."""
+    ``logprobs[i]`` is one (token ids, logprobs, rank of the sampled token) per accepted token for
+    rows whose request asked for logprobs, else None. ``num_draft_tokens[i]``: drafts the row
+    verified (speculative decoding; None when no row speculated)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    num_draft_tokens: list[int] | None = None
     # req_id -> (first position p, entries) for requests with prompt_logprobs whose chunk this step
     # covers prompt positions p, p+1, ...: entry i is (ids, logprobs, rank) for prompt token
     # p + i + 1 (the sampler's logprobs format), computed from the logits at position p + i

@@ -9,6 +9,15 @@ blocks are freed and it waits again at the front. Nothing is admitted in a step 
 Async scheduling: ``num_computed_tokens`` advances when a step is scheduled and each step that will
 sample adds an output placeholder, so step N+1 can be planned before step N's tokens are known.
 
+Speculative decoding (``num_spec_tokens`` = k > 0): a request whose next step is a single decode
+token is scheduled 1 + k tokens (budget and KV slots); the runner fills the k extra slots with draft
+tokens and verifies them in the same forward pass, and returns the m (1..k+1) tokens it accepted.
+Counts are *optimistic* while a step is in flight (all k drafts assumed accepted: k + 1
+placeholders, ``num_computed_tokens`` advanced by 1 + k), so KV blocks always cover what the runner
+may write, and ``update`` takes back the k + 1 - m that were not accepted. The runner keeps each
+request's true position itself (it executes steps in order); a rejected draft's KV slot is simply
+overwritten by the next step. Only accepted tokens reach stop checks, block hashes and max_tokens.
+
 Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample requests
 (``Request.make_children``: ids ``"<id>#<i>"``, ``seed + i``). With prefix caching on, samples
 1..n-1 are *held* (neither waiting nor running) until sample 0 has had its whole prompt scheduled;
@@ -32,7 +41,8 @@ from asyncengine.core.sched_output import (CachedRequestData, EngineCoreOutput, 
 
 class SchedulerStats:
     __slots__ = ("num_preemptions", "num_steps", "num_scheduled_tokens", "num_finished", "queue_time_s_total",
-                 "num_started", "num_computed_prompt_tokens")
+                 "num_started", "num_computed_prompt_tokens", "spec_num_drafts", "spec_num_draft_tokens",
+                 "spec_num_accepted_tokens")
 
     def __init__(self) -> None:
         self.num_preemptions = 0
@@ -43,13 +53,18 @@ class SchedulerStats:
         self.num_started = 0
         # prompt positions actually computed (prefix-cache hits excluded, recomputes included)
         self.num_computed_prompt_tokens = 0
+        # speculative decoding: verify steps that had drafts, drafts proposed, drafts accepted
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float = 10.0) -> None:
+                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0) -> None:
         self.kv = kv
+        self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -62,6 +77,7 @@ class Scheduler:
         # n > 1: user request id -> ids of its samples still in the engine
         self.parents: dict[str, set[str]] = {}
         self._held: list[Request] = []  # samples waiting for sample 0's prompt (see the docstring)
+        self._spec: dict[str, int] = {}  # the step being built: req_id -> draft slots
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in / out
@@ -163,6 +179,7 @@ class Scheduler:
     def _unschedule(self, victim: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> int:
         """Take a request out of the step being built; returns the budget it gave back."""
         new_blocks.pop(victim.request_id, None)
+        self._spec.pop(victim.request_id, None)
         if victim in new_reqs:
             new_reqs.remove(victim)
         return num_scheduled.pop(victim.request_id, 0)
@@ -192,6 +209,14 @@ class Scheduler:
                 return 0
         return n
 
+    def _num_spec(self, req: Request, budget: int) -> int:
+        """Draft slots for a request about to be scheduled one token that samples (0: none)."""
+        k = min(self.num_spec_tokens, budget - 1,
+                req.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1)
+        if k <= 0 or req.sampling_params.prompt_logprobs is not None:
+            return 0
+        return k
+
     def schedule(self) -> SchedulerOutput:
         if self._held:
             self._release_held()
@@ -200,15 +225,19 @@ class Scheduler:
         new_blocks: dict[str, list[int]] = {}
         new_reqs: list[Request] = []
         preempted = 0
+        spec = self._spec = {}
 
         # 1. running requests, in order
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._tokens_to_schedule(req), budget)
+            t = self._tokens_to_schedule(req)
+            n = min(t, budget)
             if n <= 0:
                 i += 1
                 continue
+            k = self._num_spec(req, budget) if t == 1 and self.num_spec_tokens else 0
+            n += k
             while True:
                 blocks = self.kv.allocate_slots(req, n)
                 if blocks is not None:
@@ -229,6 +258,8 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next request
             num_scheduled[req.request_id] = n
             new_blocks[req.request_id] = [b.block_id for b in blocks]
+            if k:
+                spec[req.request_id] = k
             budget -= n
             i += 1
 
@@ -292,14 +323,15 @@ class Scheduler:
                 self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
-                req.num_output_placeholders += 1
+                req.num_output_placeholders += 1 + spec.get(rid, 0)
         total = sum(num_scheduled.values())
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += total > 0
         self.stats.num_scheduled_tokens += total
         return SchedulerOutput(new_requests=new_data, cached_requests=cached_data,
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
-                               finished_req_ids=finished, num_preempted=preempted)
+                               finished_req_ids=finished, num_preempted=preempted,
+                               num_spec_tokens=spec)
 
     # ------------------------------------------------------------------ results back
 
@@ -332,11 +364,20 @@ class Scheduler:
                 if plp:
                     outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], new_prompt_logprobs=plp,
                                                     num_cached_tokens=max(req.num_cached_tokens, 0)))
+        spec = sched.num_spec_tokens
+        drafts = out.num_draft_tokens
+        st = self.stats
         for j, (rid, toks) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None:
                 continue  # finished or aborted while this step was in flight
-            req.num_output_placeholders -= 1  # one sampling step per row, however many it accepted
+            k = spec.get(rid, 0) if spec else 0
+            req.num_output_placeholders -= 1 + k  # what schedule() assumed this step would give
+            if k:
+                # take back the optimistic count of drafts that were not accepted (a request
+                # preempted meanwhile restarts from 0 anyway)
+                if req.status == RequestStatus.RUNNING:
+                    req.num_computed_tokens -= k + 1 - len(toks)
             new_ids: list[int] = []
             status = None
             for tok in toks:  # only accepted tokens reach stop checks; none past a stop
@@ -345,12 +386,16 @@ class Scheduler:
                 status = req.check_stop(tok)
                 if status is not None:
                     break
+            if drafts is not None and drafts[j]:
+                st.spec_num_drafts += 1
+                st.spec_num_draft_tokens += drafts[j]
+                st.spec_num_accepted_tokens += min(drafts[j], len(new_ids) - 1)
             lp = logprobs[j] if logprobs is not None else None
             outputs.append(EngineCoreOutput(
                 req_id=rid, new_token_ids=new_ids,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=req.stop_reason if status else None,
-                new_logprobs=[lp] if lp is not None else None,
+                new_logprobs=lp[:len(new_ids)] if lp is not None else None,
                 new_prompt_logprobs=self._new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
             if status is not None:

@@ -236,12 +236,13 @@ class AsyncLLMEngine:
         self._slots[request_id] = slot
         long_text = size > self.limits.off_loop_chars and self.tokenizer is not None
         long_stops = sum(len(x) for x in params.stop or ()) > _STOP_CHARS_OFF_LOOP and self.tokenizer is not None
-        if long_text or long_stops:
+        structured = params.structured_outputs is not None  # its grammar compiles on a worker thread
+        if long_text or long_stops or structured:
             # long: tokenized (or rendered) and its stop automaton built on a worker thread; errors
             # surface at the first iteration
             stream = RequestStream(slot, self._abort_slot)
-            kind = ("chat" if chat else "text") if long_text else "ready"
-            self._loop.create_task(self._submit_later(slot, (messages if chat else text) if long_text else prompt,
+            kind = "chat" if chat else ("text" if long_text else "ready")
+            self._loop.create_task(self._submit_later(slot, messages if chat else (text if long_text else prompt),
                                                       kind, params, priority, cache_salt))
             return stream
         try:
@@ -298,8 +299,12 @@ class AsyncLLMEngine:
 
     async def _submit_later(self, slot: RequestSlot, prompt, kind: str, params, priority, cache_salt) -> None:
         """kind: "chat" (messages to render), "text" (to tokenize) or "ready" (only the stop
-        automaton is long to build)."""
+        automaton or the structured-output grammar is long to build)."""
         try:
+            if params.structured_outputs is not None:  # compiled (and cached) now: a bad grammar is a 400
+                from asyncengine.structured.backend import check_compiles
+
+                await asyncio.to_thread(check_compiles, self.config, self.core, params)
             async with self._tokenizing:
                 if slot.finished or self._slots.get(slot.request_id) is not slot:
                     return  # abandoned while it waited for a thread

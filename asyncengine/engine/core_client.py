@@ -393,6 +393,9 @@ class DPEngineCores:
         for k in ("kv_usage", "prefix_cache_hit_rate", "mean_scheduled_tokens_per_step", "mean_queue_time_s"):
             if k in out:
                 out[k] /= len(per)
+        if out.get("spec_num_draft_tokens"):  # rates from the summed counts, not a mean of means
+            out["spec_acceptance_rate"] = out["spec_num_accepted_tokens"] / out["spec_num_draft_tokens"]
+            out["spec_mean_accepted_length"] = 1 + out["spec_num_accepted_tokens"] / out["spec_num_drafts"]
         out["num_kv_blocks"] = sum(s.get("num_kv_blocks", self.num_blocks) for s in per)
         out["data_parallel_size"] = len(per)
         out["cores"] = per

@@ -86,6 +86,9 @@ class LLM:
                 # only the final outputs are returned: don't build the intermediate ones (vLLM too)
                 sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)
             try:
+                if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
+                    from asyncengine.structured.backend import check_compiles
+                    check_compiles(self.config, self.engine, sp)
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
             except InvalidRequestError as e:  # the same error (e.g. a RequestLimitError), naming the prompt

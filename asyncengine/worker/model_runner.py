@@ -6,6 +6,16 @@ table), so the scheduler sends only what changed. The runner appends each token 
 state, which is what lets the scheduler plan step N+1 before step N's tokens reach it: the input
 of a decode is always the runner's own last sample.
 
+Speculative decoding: a request the scheduler gave k draft slots is laid out like a prefill chunk
+of 1 + k' tokens (its last token and the k' <= k drafts the proposer made) and every one of those
+rows is sampled, row i as if the drafts before it were already outputs (same penalties, same seeded
+draw position). Drafts are accepted while they equal the target's own sample; the first mismatch
+(or the bonus row after the last draft) gives the target's token. The drafts are point masses
+(n-gram lookup, greedy draft model), and for those this *is* rejection sampling: the output
+follows the target distribution exactly, and a seeded request gets the very tokens it would get
+without speculation. The request's true position moves by the number accepted; the KV of rejected
+drafts sits past it and is overwritten by the next step.
+
 Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
 rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
 the sampled ids so that every rank's request state advances alike. Only rank 0 returns an output.
@@ -42,6 +52,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     bad_words_token_ids: list[list[int]] | None
+    matcher: object | None = None  # structured outputs: the grammar state after output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -111,7 +122,8 @@ def keep_freed_memory() -> bool:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
-                 eos_token_ids: list[int], tp: TPGroup = SINGLE) -> None:
+                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None
+                 ) -> None:
         self.config = config
         if config.torch_device.type == "cpu":
             keep_freed_memory()
@@ -152,6 +164,21 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
+        spec = config.speculative
+        self.spec = spec
+        self._grammar = None  # structured outputs: the xgrammar compiler, made on first use
+        self.grammar_time_s = 0.0  # time spent on masks and matchers (the structured-output overhead)
+        self.ngram = self.drafter = None
+        if spec is not None and spec.method == "ngram":
+            from asyncengine.spec_decode.ngram import NgramProposer
+
+            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        elif spec is not None:
+            from asyncengine.spec_decode.draft import DraftModelProposer
+
+            assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
+            self.drafter = DraftModelProposer(draft_model, num_blocks, self.block_size, self.device, self.dtype,
+                                              config.attention_backend_name)
 
     # ------------------------------------------------------------------ state
 
@@ -159,12 +186,18 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprob_ids.discard(rid)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         for nr in so.new_requests:
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids)
+            if self.drafter is not None:
+                self.drafter.add(nr.req_id, nr.num_computed_tokens)
+            if nr.sampling_params.structured_outputs is not None:
+                self._start_matcher(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
@@ -172,7 +205,10 @@ class ModelRunner:
         for cr in so.cached_requests:
             st = self.requests[cr.req_id]
             st.block_ids.extend(cr.new_block_ids)
-            assert st.num_computed_tokens == cr.num_computed_tokens, \
+            # with speculation the scheduler counts in-flight drafts as accepted (>=): the runner
+            # knows the true position
+            assert st.num_computed_tokens == cr.num_computed_tokens or (
+                self.spec is not None and st.num_computed_tokens < cr.num_computed_tokens), \
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
 
     def _capture_graphs(self):
@@ -205,12 +241,21 @@ class ModelRunner:
         bs = self.block_size
         decodes: list[RunnerRequestState] = []
         prefills: list[tuple[RunnerRequestState, int]] = []
+        specs: list[tuple[RunnerRequestState, list[int]]] = []  # (state, drafts), after the prefills
+        spec_k = so.num_spec_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
-            if n == 1 and st.num_computed_tokens > 0:
+            if spec_k and rid in spec_k:
+                assert st.num_computed_tokens + 1 == st.num_tokens, f"{rid}: drafts scheduled off a decode"
+                specs.append((st, spec_k[rid]))
+            elif n == 1 and st.num_computed_tokens > 0:
                 decodes.append(st)
             else:
                 prefills.append((st, n))
+        if specs:
+            specs = self._propose(decodes, prefills, specs)
+        elif self.drafter is not None:  # the draft still runs on every position the target computes
+            self._propose(decodes, prefills, specs)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -248,6 +293,23 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_states.append(st)
 
+        # speculative rows: the last token and its drafts, all sampled
+        spec_rows: list[tuple[int, int]] = []  # (first sample index, count) of each spec row
+        for st, drafts in specs:
+            start = st.num_computed_tokens
+            n = 1 + len(drafts)
+            end = start + n
+            input_ids.append(st.tokens(start, start + 1)[0])
+            input_ids.extend(drafts)
+            positions.extend(range(start, end))
+            blocks = st.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            seqs.append(SeqChunk(query_start=row, query_len=n, context_len=start, block_ids=blocks))
+            spec_rows.append((len(sample_rows), n))
+            sample_rows.extend(range(row, row + n))
+            sample_states.extend([st] * n)
+            row += n
+
         plp_spans = self._prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
 
         for st in decodes:
@@ -277,9 +339,18 @@ class ModelRunner:
                 self._prompt_logprobs(hidden, plp_spans)
             self.execute_time_s += time.perf_counter() - t0
             return None
+        if sample_rows and specs:
+            return self._sample_and_verify(hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0)
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[idx]).float()
+            masked = None
+            if self._grammar is not None:
+                tg = time.perf_counter()
+                masked = self._grammar_bitmask(sample_states)
+                if masked is not None:
+                    self._grammar.apply_bitmask(logits, *masked)
+                self.grammar_time_s += time.perf_counter() - tg
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
                 prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -294,9 +365,13 @@ class ModelRunner:
             for st, tok in zip(sample_states, sampled):
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
+                if st.matcher is not None:
+                    tg = time.perf_counter()
+                    st.matcher.accept(tok)
+                    self.grammar_time_s += time.perf_counter() - tg
             if out.logprobs is not None:
                 lp = out.logprobs
-                logprobs = [None if ids is None else (ids, vals, rank)
+                logprobs = [None if ids is None else [(ids, vals, rank)]
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
         if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
@@ -306,6 +381,142 @@ class ModelRunner:
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def grammar_compiler(self):
+        if self._grammar is None:
+            from asyncengine.models.loader import load_model_info
+            from asyncengine.structured.backend import compiler_for
+
+            key = self.config.tokenizer or self.config.model
+            self._grammar = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
+                                         self.eos_token_ids)
+        return self._grammar
+
+    def _start_matcher(self, st: RunnerRequestState) -> None:
+        """The request's grammar state, replayed over the outputs it already has (a resume)."""
+        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs)
+        for t in st.output_ids:
+            st.matcher.accept(t)
+
+    def _grammar_bitmask(self, sample_states, spec_drafts=None):
+        """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
+        (first sample index -> drafts): a spec row's i-th row is masked as if its first i drafts
+        were accepted (the matcher advances through them, then rolls back)."""
+        rows = [j for j, st in enumerate(sample_states) if st.matcher is not None]
+        if not rows:
+            return None
+        g = self.grammar_compiler()
+        bitmask = g.allocate_bitmask(len(sample_states))
+        j = 0
+        n_rows = len(sample_states)
+        while j < n_rows:
+            st = sample_states[j]
+            drafts = spec_drafts.get(j) if spec_drafts else None
+            if drafts is None:
+                if st.matcher is not None:
+                    st.matcher.fill(bitmask, j)
+                j += 1
+                continue
+            n = len(drafts) + 1
+            if st.matcher is not None:
+                advanced = 0
+                for i in range(n):
+                    st.matcher.fill(bitmask, j + i)
+                    if i < len(drafts):
+                        if not st.matcher.accept(drafts[i]):
+                            # the draft breaks the grammar: the target cannot sample it (masked),
+                            # so the rows after it are never accepted; mask them alike
+                            for r in range(j + i + 1, j + n):
+                                bitmask[r] = bitmask[j + i]
+                            break
+                        advanced += 1
+                st.matcher.rollback(advanced)
+            j += n
+        return bitmask, rows
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _propose(self, decodes, prefills, specs) -> list[tuple[RunnerRequestState, list[int]]]:
+        """Drafts for the rows given draft slots (``specs``: (state, k)); the draft model also
+        catches its KV up on every other row. Call before the computed counts advance."""
+        if self.ngram is not None:
+            return [(st, self.ngram.propose(st.prompt_ids + st.output_ids, k)) for st, k in specs]
+        rows = [(st, st.num_computed_tokens + 1, 0) for st in decodes]
+        rows += [(st, st.num_computed_tokens + n, 0) for st, n in prefills]
+        rows += [(st, st.num_computed_tokens + 1, k) for st, k in specs]
+        drafts = self.drafter.propose(rows)
+        return [(st, d) for (st, _), d in zip(specs, drafts)]
+
+    def _sample_and_verify(self, hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0
+                           ) -> ModelRunnerOutput:
+        """Sample every row (a spec row's i-th as if its first i drafts were outputs), then accept
+        each spec row's drafts up to the first one that differs from the target's sample."""
+        dev = self.device
+        outputs = [st.output_ids for st in sample_states]
+        for (st, drafts), (first, n) in zip(specs, spec_rows):
+            for i in range(1, n):
+                outputs[first + i] = st.output_ids + drafts[:i]
+        idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[idx]).float()
+        if self._grammar is not None:
+            tg = time.perf_counter()
+            masked = self._grammar_bitmask(sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+            if masked is not None:
+                self._grammar.apply_bitmask(logits, *masked)
+            self.grammar_time_s += time.perf_counter() - tg
+        smeta = SamplingMetadata.build(
+            params=[st.sampling_params for st in sample_states],
+            prompt_token_ids=[st.prompt_ids for st in sample_states],
+            output_token_ids=outputs, eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
+            vocab_size=self.vocab_size, device=dev, generator=self.generator)
+        out = self.sampler(logits, smeta)
+        sampled = out.sampled_token_ids
+        lp = out.logprobs
+        row_lps = None if lp is None else [None if ids is None else (ids, vals, rank) for ids, vals, rank in
+                                           zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
+        spec_first = {first: (st, drafts, n) for (st, drafts), (first, n) in zip(specs, spec_rows)}
+        req_ids: list[str] = []
+        toks_out: list[list[int]] = []
+        lps_out: list | None = [] if row_lps is not None else None
+        num_drafts: list[int] = []
+        j = 0
+        while j < len(sampled):
+            st = sample_states[j]
+            hit = spec_first.get(j)
+            if hit is None:
+                acc = [sampled[j]]
+                num_drafts.append(0)
+                count = 1
+            else:
+                _, drafts, count = hit
+                acc = []
+                for i in range(count):
+                    acc.append(sampled[j + i])
+                    if i == len(drafts) or sampled[j + i] != drafts[i]:
+                        break
+                num_drafts.append(len(drafts))
+                start = st.num_computed_tokens
+                st.num_computed_tokens = start + len(acc)
+                if self.drafter is not None and drafts:
+                    self.drafter.accepted(st.req_id, start, len(acc), len(drafts))
+            st.output_ids.extend(acc)
+            if st.matcher is not None:
+                for t in acc:
+                    st.matcher.accept(t)
+            req_ids.append(st.req_id)
+            toks_out.append(acc)
+            if lps_out is not None:
+                e = row_lps[j:j + len(acc)]
+                lps_out.append(None if e[0] is None else e)
+            j += count
+        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
+        dt = time.perf_counter() - t0
+        self.execute_time_s += dt
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks_out, logprobs=lps_out,
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
     # ------------------------------------------------------------------ prompt logprobs
 

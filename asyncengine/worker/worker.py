@@ -59,6 +59,7 @@ class Worker:
         self._hf_config = hf_config
         self.tp: TPGroup = SINGLE
         self.model = None
+        self.draft_model = None  # speculative decoding with a draft model
         self.runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -87,14 +88,29 @@ class Worker:
             self._preloaded = None
         else:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            import dataclasses
+
+            from asyncengine.errors import ConfigError
+
+            draft_cfg = dataclasses.replace(self.config, model=spec.model, tokenizer=None, speculative_config=None)
+            self.draft_model = load_model(draft_cfg, tokenizer=False).model
+            if self.draft_model.args.vocab_size != self.model.args.vocab_size:
+                raise ConfigError(f"speculative draft model {spec.model!r} has a vocabulary of "
+                                  f"{self.draft_model.args.vocab_size}, the model {self.model.args.vocab_size}: "
+                                  "a draft must share the tokenizer")
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         c = self.config
         budget = None
         if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             budget = self.profile_kv_budget()
-        return KVCacheSpec(bytes_per_block=kv_bytes_per_block(self.model, c.block_size, c.torch_dtype),
-                           available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget)
+        per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        if self.draft_model is not None:  # the draft's cache has as many blocks
+            per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
+        return KVCacheSpec(bytes_per_block=per_block, available_bytes=_available_memory(c.torch_device),
+                           kv_budget_bytes=budget)
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:
@@ -136,7 +152,8 @@ class Worker:
         return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp)
+        self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp,
+                                  draft_model=self.draft_model)
 
     # ------------------------------------------------------------------ the step
 
@@ -153,7 +170,10 @@ class Worker:
         r = self.runner
         return {"rank": self.rank, "pid": os.getpid(), "execute_time_s": r.execute_time_s,
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
-                "weight_bytes": self.weight_bytes()}
+                "weight_bytes": self.weight_bytes(),
+                "draft_tokens_processed": r.drafter.num_tokens_processed if r.drafter else 0,
+                "draft_forwards": r.drafter.num_forwards if r.drafter else 0,
+                "grammar_time_s": r.grammar_time_s}
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters this rank holds (its shard)."""
@@ -164,6 +184,8 @@ class Worker:
         if self.runner is not None:
             self.runner.requests.clear()
             self.runner._prompt_logprob_ids.clear()
+            if self.runner.drafter is not None:
+                self.runner.drafter.computed.clear()
 
     def shutdown(self) -> None:
         if self.world_size > 1:

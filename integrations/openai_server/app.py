@@ -28,7 +28,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from asyncengine.engine import validation
-from asyncengine.errors import AsyncEngineError
+from asyncengine.errors import AsyncEngineError, InvalidRequestError
 
 from . import openapi
 from .errors import APIError, from_engine
@@ -37,6 +37,7 @@ from .generation import (Submission, TokenBytes, chat_logprobs, completion_logpr
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
+from .tools import ToolPlan, response_format_params
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
@@ -219,6 +220,27 @@ class ServerState:
         return ids
 
     # ------------------------------------------------------------ engine
+
+    async def constrain(self, params, from_tools, from_format, streaming_tools: bool):
+        """``params`` with the request's structured output, compiled off the loop first: a grammar
+        that cannot compile is a 400 with the compiler's message."""
+        if from_tools is not None and from_format is not None:
+            raise APIError(400, "give response_format or a tool_choice that forces a tool call, not both",
+                           param="response_format")
+        so = from_tools or from_format
+        if so is None:
+            return params
+        if streaming_tools:
+            raise APIError(400, "streaming with tool_choice 'required' or a named tool is not supported yet",
+                           param="stream")
+        from asyncengine.structured.backend import check_compiles
+
+        params = msgspec.structs.replace(params, structured_outputs=so)
+        try:
+            await asyncio.to_thread(check_compiles, self.engine.config, self.engine.core, params)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
+        return params
 
     async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,
                      request_id: str) -> Submission:
@@ -448,6 +470,9 @@ async def chat_completions(request: Request) -> Response:
     st.check_params(params, req.n)  # before the messages are rendered
     ids = await st.chat_prompt(req.messages)
     st.check_length(len(ids), max_tokens, "messages")
+    plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    params = await st.constrain(params, plan.structured(), response_format_params(req.response_format),
+                                bool(req.stream) and plan.mode in ("required", "named"))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())
@@ -477,9 +502,14 @@ async def chat_completions(request: Request) -> Response:
         c = out.outputs[0]
         completion_tokens += len(c.token_ids)
         st.metrics.observe(out, len(c.token_ids))
-        choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+        calls = plan.tool_calls(c.text) if plan.mode != "none" else None
+        message = {"role": "assistant", "content": c.text}
+        if calls:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        choices.append({"index": i, "message": message,
                         "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
-                        "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason,
+                        "stop_reason": c.stop_reason})
     return _json({**head, "choices": choices, "usage": _usage(len(ids), completion_tokens)})
 
 

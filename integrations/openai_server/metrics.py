@@ -54,6 +54,16 @@ class EngineCollector:
         yield from counter("asyncengine_prefix_cache_hits", "Prefix cache hits (tokens).", "prefix_cache_hits")
         yield from counter("asyncengine_num_preemptions", "Requests preempted since start.", "num_preemptions")
         yield from gauge("asyncengine_tokens_per_second", "Recent generation throughput.", "tokens_per_s")
+        # speculative decoding (vLLM's spec_decode metrics, in our names)
+        yield from counter("asyncengine_spec_decode_num_drafts", "Verify steps that had drafts.", "spec_num_drafts")
+        yield from counter("asyncengine_spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                           "spec_num_draft_tokens")
+        yield from counter("asyncengine_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                           "spec_num_accepted_tokens")
+        yield from gauge("asyncengine_spec_decode_acceptance_rate", "Accepted / proposed draft tokens (0-1).",
+                         "spec_acceptance_rate")
+        yield from gauge("asyncengine_spec_decode_mean_accepted_length",
+                         "Tokens per verify step of a request (1 + accepted drafts).", "spec_mean_accepted_length")
         yield g("asyncengine_engine_errored", "1 once the engine has died.", value=float(bool(s.get("errored"))))
         cores = s.get("cores")  # data parallel: the same gauges per engine core, labelled
         if cores:

@@ -85,6 +85,11 @@ class ChatFields(SamplingFields, kw_only=True):
 
 class ChatCompletionRequest(ChatFields, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    # structured outputs (integrations/openai_server/tools.py)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     stream: bool | None = False

@@ -1,0 +1,171 @@
+"""The xgrammar backend: one compiler per tokenizer, compiled grammars cached by (kind, text), and
+per-request matchers that fill token bitmasks and advance only on accepted tokens.
+
+Compiling is the slow part (milliseconds to seconds for a big schema): front ends compile in a
+worker thread before a request enters the engine (:func:`compile_async`), which both fails a bad
+schema early (an ``InvalidRequestError`` with the compiler's message) and warms the cache the
+model runner then reads from (same process; other processes compile once for themselves).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+
+from asyncengine.errors import InvalidRequestError
+from asyncengine.structured.params import StructuredOutputsParams
+
+_CACHE_SIZE = 512
+
+
+def _ebnf_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # xgrammar's EBNF string literals use JSON escapes
+
+
+class GrammarCompiler:
+    """Compiles and caches the grammars of one tokenizer (thread-safe)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise InvalidRequestError("structured outputs need xgrammar: pip install 'asyncengine[structured]'") from None
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        # compact JSON never needs a raw control byte (JSON forbids them unescaped inside strings,
+        # and there is no free whitespace), but xgrammar's string rule lets them through: JSON
+        # matchers AND their masks with this one, which drops every token holding a byte < 0x20
+        words = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+        for i, b in enumerate(self.info.decoded_vocab[:vocab_size]):
+            words[i] = not any(c < 0x20 for c in b)
+        for t in eos_token_ids:
+            if 0 <= t < vocab_size:
+                words[t] = True
+        bits = words.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+        packed = bits.sum(dim=1)
+        self.no_control_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        # after the grammar has ended (a step already in flight, or ignore_eos): only stop tokens
+        stop = torch.zeros_like(words)
+        for t in eos_token_ids:
+            if 0 <= t < vocab_size:
+                stop[t] = True
+        packed = (stop.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+        self.stop_only_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, p: StructuredOutputsParams):
+        key = p.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        c = self.compiler
+        kind, text = key
+        try:
+            if kind.startswith("json_object"):
+                g = (c.compile_builtin_json_grammar() if kind.endswith("_ws") else
+                     c.compile_json_schema('{"type": "object"}', any_whitespace=False))
+            elif kind.startswith("json"):
+                g = c.compile_json_schema(text, any_whitespace=kind.endswith("_ws"))
+            elif kind == "regex":
+                g = c.compile_regex(text)
+            elif kind == "choice":
+                g = c.compile_grammar("root ::= " + " | ".join(_ebnf_string(s) for s in json.loads(text)))
+            else:
+                g = c.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
+            raise InvalidRequestError(f"structured_outputs: the {kind.split('_')[0]} does not compile: {e}") from None
+        with self._lock:
+            self._cache[key] = g
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return g
+
+    def matcher(self, p: StructuredOutputsParams) -> "Matcher":
+        compact_json = (p.json is not None or p.json_object) and not p.any_whitespace
+        return Matcher(self.xgr.GrammarMatcher(self.compile(p)), self.no_control_mask if compact_json else None,
+                       self.stop_only_mask)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+class Matcher:
+    """One request's grammar state. ``fill`` writes the allowed next tokens into a bitmask row;
+    ``accept`` advances (False: the token breaks the grammar, nothing changed); ``rollback`` undoes
+    the last n accepted tokens (speculative drafts that were rejected)."""
+
+    __slots__ = ("m", "also", "ended")
+
+    def __init__(self, m, also: torch.Tensor | None, ended: torch.Tensor) -> None:
+        self.m = m
+        self.also = also  # a mask ANDed with the grammar's (see GrammarCompiler.no_control_mask)
+        self.ended = ended  # the mask once the grammar has accepted its stop token
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.m.is_terminated():
+            bitmask[row] = self.ended
+            return
+        self.m.fill_next_token_bitmask(bitmask, row)
+        if self.also is not None:
+            bitmask[row] &= self.also
+
+    def accept(self, token: int) -> bool:
+        if self.m.is_terminated():
+            return False
+        return self.m.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
+    @property
+    def terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+_compilers: dict[int, GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(key, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarCompiler:
+    """The process-wide compiler of the tokenizer named ``key`` (the model or tokenizer path):
+    built once, since it reads the whole vocabulary; front end and model runner share it (and its
+    cache) in one process. ``tokenizer``: the tokenizer, or a function returning it."""
+    with _compilers_lock:
+        c = _compilers.get(key)
+        if c is None:
+            tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "encode") else tokenizer
+            c = _compilers[key] = GrammarCompiler(tok, vocab_size, eos_token_ids)
+        return c
+
+
+async def compile_async(compiler: GrammarCompiler, p: StructuredOutputsParams) -> None:
+    """Compile off the event loop (raises InvalidRequestError on a grammar that cannot compile)."""
+    import asyncio
+
+    await asyncio.to_thread(compiler.compile, p)
+
+
+def check_compiles(config, core, params) -> None:
+    """Front ends: compile ``params.structured_outputs`` now (InvalidRequestError if it cannot),
+    which also caches it for the model runner in this process."""
+    p = params.structured_outputs
+    if p is None:
+        return
+    if core.tokenizer is None:
+        raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is on)")
+    compiler_for(config.tokenizer or config.model, core.tokenizer, core.vocab_size, core.eos_token_ids).compile(p)

@@ -1,0 +1,43 @@
+"""StructuredOutputsParams (vLLM's fields): exactly one of json / json_object / regex / choice /
+grammar."""
+from __future__ import annotations
+
+import json as _json
+from typing import Any
+
+import msgspec
+
+from asyncengine.errors import InvalidRequestError
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    json: str | dict[str, Any] | None = None  # a JSON schema (text or object)
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF-style, xgrammar's dialect), start rule "root"
+    # JSON: a compact form by default (no free whitespace between tokens): a model cannot pad its
+    # output with whitespace runs until it hits max_tokens. True allows any whitespace.
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, n)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs: give exactly one of json, json_object, regex, "
+                                      f"choice, grammar (got {given or 'none'})")
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise InvalidRequestError("structured_outputs.choice: a list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)  # property order matters
+            return ("json_ws" if self.any_whitespace else "json", text)
+        if self.json_object:
+            return ("json_object_ws" if self.any_whitespace else "json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", _json.dumps(self.choice))
+        return ("grammar", self.grammar)
