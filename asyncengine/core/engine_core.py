@@ -12,30 +12,20 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.kv_sizing import KVModelShape, available_memory_bytes, plan_kv_cache
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
-from asyncengine.errors import ConfigError
-from asyncengine.executor.model_runner import ModelRunner, kv_bytes_per_block
+from asyncengine.executor.model_runner import ModelRunner
 from asyncengine.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30
-
 
 def num_kv_blocks_for(config: EngineConfig, loaded: LoadedModel) -> int:
-    per_block = kv_bytes_per_block(loaded.model, config.block_size, config.torch_dtype)
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-    n = budget // per_block
-    if config.kv_cache_bytes is None:
-        # never more than every sequence slot at full length could use
-        n = min(n, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)
-    if n < 2:
-        raise ConfigError(f"kv_cache_bytes={budget} holds fewer than 2 blocks of {per_block} bytes")
-    return int(n)
+    """The KV-cache policy (core/kv_sizing.py) applied to this model on this machine."""
+    shape = KVModelShape.of(loaded.model.args, loaded.max_model_len)
+    return plan_kv_cache(config, shape, available_memory_bytes(config.torch_device)).num_blocks
 
 
 class EngineCore:
