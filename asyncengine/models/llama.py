@@ -117,7 +117,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         a = LlamaArgs.from_hf(hf_config, max_positions, self.qkv_bias, self.qk_norm)
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # _weight: no random init (on the meta device, normal_ would import torch._dynamo: seconds)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size,
+                                         _weight=torch.empty(a.vocab_size, a.hidden_size))
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(a, rotary) for _ in range(a.num_layers))

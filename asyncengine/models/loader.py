@@ -116,15 +116,20 @@ def _max_model_len(hf_config, config: EngineConfig) -> int:
     return config.max_model_len
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, progress=None) -> LoadedModel:
+    """Load ``config.model``. ``progress(message)``, if given, hears what is happening (the CLI
+    prints it as one line on stderr)."""
+    say = progress or (lambda _msg: None)
     path = resolve_path(config.model)
+    gguf = None
     if path.endswith(".gguf"):
-        from asyncengine.models.gguf_loader import load_gguf
+        from asyncengine.models.gguf_loader import open_gguf
 
-        ckpt = load_gguf(path)
-        hf_config, weights = ckpt.config, ckpt.tensors.items()
-        tokenizer = None if config.skip_tokenizer_init else ckpt.tokenizer
-        eos = list(ckpt.eos_token_ids)
+        say(f"reading {os.path.basename(path)}")
+        # straight into the runtime format: no transformers config or model, weights decoded lazily
+        gguf = open_gguf(path, tokenizer=not config.skip_tokenizer_init)
+        hf_config, tokenizer, eos = gguf.config, gguf.tokenizer, list(gguf.eos_token_ids)
+        weights = None
     else:
         p = Path(path)
         if not p.is_dir():
@@ -143,15 +148,32 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_len = _max_model_len(hf_config, config)
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len)
-    model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
+    cache, cached = None, False
+    if gguf is not None and config.torch_device.type == "cpu":
+        from asyncengine.models import weight_cache
+
+        if weight_cache.enabled_for(path):
+            cache = weight_cache.cache_file(path, config.torch_dtype, cls)
+            cached = weight_cache.load(model, cache)
+    if not cached:
+        model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
     model.rotary.build(config.torch_device)
-    if weights is None:
-        weights = _safetensors_weights(Path(path))
-        tokenizer = _load_tokenizer(path, config)
-    try:
-        model.load_weights(weights)
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
+    if not cached:
+        if gguf is not None:
+            say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache
+                else f"decoding {os.path.basename(path)}")
+            weights = gguf.weights(config.torch_dtype)
+        else:
+            say(f"reading {path}")
+            weights = _safetensors_weights(Path(path))
+            tokenizer = _load_tokenizer(path, config)
+        try:
+            model.load_weights(weights)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
+        if cache is not None:
+            say("writing the weight cache")
+            weight_cache.save(model, cache)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
                        max_model_len=max_len, path=path)
