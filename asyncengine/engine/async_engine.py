@@ -28,6 +28,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
+from asyncengine.engine.defaults import default_sampling_params
 from asyncengine.engine.llm import render_chat
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
@@ -68,6 +69,8 @@ class AsyncLLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
                                         loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # what generate() uses without params, and front ends for the fields a caller left out
+        self.default_sampling_params = default_sampling_params(loaded.generation_config)
         if config.freeze_gc_after_load:
             _freeze_gc()
         self._slots: dict[str, RequestSlot] = {}
@@ -189,6 +192,8 @@ class AsyncLLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("chat messages need a tokenizer")
             prompt = {"prompt_token_ids": render_chat(self.tokenizer, list(prompt))}
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params
         kind = _check_params(sampling_params).output_kind
         slot = RequestSlot(request_id, kind)
         self._slots[request_id] = slot
@@ -239,7 +244,8 @@ class AsyncLLMEngine:
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
         """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(_check_params(sampling_params), output_kind=OutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(_check_params(sampling_params or self.default_sampling_params),
+                                         output_kind=OutputKind.FINAL_ONLY)
         final = None
         async for out in self.generate(prompt, params, request_id, **kw):
             final = out

@@ -26,6 +26,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     path: str
+    # sampling settings the checkpoint recommends (generation_config.json; GGUF general.sampling.*)
+    generation_config: dict | None = None
 
 
 def resolve_path(name_or_path: str | None) -> str:
@@ -69,6 +71,15 @@ def _safetensors_weights(path: Path):
             raise
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"{fp}: cannot read safetensors file ({e})") from None
+
+
+def _generation_config(path: Path) -> dict | None:
+    gc = path / "generation_config.json"
+    try:
+        data = json.loads(gc.read_text()) if gc.exists() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _eos_ids(path: Path, hf_config) -> list[int]:
@@ -116,10 +127,10 @@ def _max_model_len(hf_config, config: EngineConfig) -> int:
     return config.max_model_len
 
 
-def load_model(config: EngineConfig, progress=None) -> LoadedModel:
-    """Load ``config.model``. ``progress(message)``, if given, hears what is happening (the CLI
-    prints it as one line on stderr)."""
-    say = progress or (lambda _msg: None)
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load ``config.model``. What it is doing is logged at INFO on this module's logger (the CLI
+    shows it as one status line on stderr)."""
+    say = log.info
     path = resolve_path(config.model)
     gguf = None
     if path.endswith(".gguf"):
@@ -129,6 +140,9 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
         # straight into the runtime format: no transformers config or model, weights decoded lazily
         gguf = open_gguf(path, tokenizer=not config.skip_tokenizer_init)
         hf_config, tokenizer, eos = gguf.config, gguf.tokenizer, list(gguf.eos_token_ids)
+        from asyncengine.engine.defaults import gguf_generation_config
+
+        generation_config = gguf_generation_config(gguf.metadata)
         weights = None
     else:
         p = Path(path)
@@ -144,6 +158,7 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
         weights = None
         tokenizer = None
         eos = _eos_ids(p, hf_config)
+        generation_config = _generation_config(p)
     cls = resolve_architecture(hf_config)
     max_len = _max_model_len(hf_config, config)
     with torch.device("meta"):
@@ -176,4 +191,4 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
             weight_cache.save(model, cache)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
-                       max_model_len=max_len, path=path)
+                       max_model_len=max_len, path=path, generation_config=generation_config)

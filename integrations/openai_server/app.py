@@ -299,7 +299,8 @@ async def completions(request: Request) -> Response:
     for _, ids in prompts:
         st.check_length(len(ids), req.max_tokens, "prompt")
     k = req.logprobs
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream))
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
+                             defaults=st.engine.default_sampling_params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -408,7 +409,8 @@ async def chat_completions(request: Request) -> Response:
     ids = await st.chat_prompt(req.messages)
     st.check_length(len(ids), max_tokens, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream))
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream),
+                             defaults=st.engine.default_sampling_params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())

@@ -18,10 +18,18 @@ from .protocol import SamplingFields
 _SEED_MOD = 2**63  # OpenAI's seed is any int64; the engine's is [0, 2**63)
 
 
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+
+
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    stream: bool) -> SamplingParams:
-    """The SamplingParams of one prompt's samples (n is set by submit_n)."""
+                    stream: bool, defaults: SamplingParams | None = None) -> SamplingParams:
+    """The SamplingParams of one prompt's samples (n is set by submit_n). Fields the request
+    leaves out come from ``defaults`` (the engine's: the model's generation config, else the
+    small-chat defaults of asyncengine/engine/defaults.py), else SamplingParams' own."""
     kw: dict = {}
+    if defaults is not None:
+        kw.update({f: getattr(defaults, f) for f in _DEFAULTED})
     if req.temperature is not None:
         kw["temperature"] = req.temperature
     if req.top_p is not None:

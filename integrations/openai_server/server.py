@@ -8,10 +8,11 @@ import os
 
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
-          served_model_name: str | None = None, log_level: str = "info", **engine_kwargs) -> int:
+          served_model_name: str | None = None, log_level: str = "info", on_loaded=None, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on /v1 (default: $ASYNCENGINE_API_KEY).
+    on_loaded(): called once the model is loaded, before the server starts listening.
     Other keyword arguments go to EngineConfig. Returns the exit status (0)."""
     import uvicorn
 
@@ -24,6 +25,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
     engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                          **engine_kwargs))
+    if on_loaded is not None:
+        on_loaded()
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"

@@ -99,7 +99,8 @@ class _Connection:
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")
-        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True)
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True,
+                                 defaults=st.engine.default_sampling_params)
         rid = f"ws-{uuid.uuid4().hex}"
         try:
             stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
