@@ -150,12 +150,15 @@ def _make_engine(args, default_max_num_seqs: int = 1):
 def _params(engine, args):
     import msgspec
 
-    from asyncengine import OutputKind
+    from asyncengine import OutputKind, SamplingParams
 
     given = {f: getattr(args, f) for f in _SAMPLING_FIELDS if getattr(args, f) is not None}
     if args.sample_seed is not None:
         given["seed"] = args.sample_seed
-    return msgspec.structs.replace(engine.default_sampling_params, output_kind=OutputKind.DELTA, **given)
+    # the defaults are a set, as in the server: picking any sampling knob drops the others' defaults
+    picked = any(f in given for f in _SAMPLING_FIELDS if f not in ("max_tokens", "stop"))
+    base = SamplingParams(max_tokens=None) if picked else engine.default_sampling_params
+    return msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
 
 
 async def _stream_answer(engine, prompt, params, out=None) -> str:

@@ -26,9 +26,10 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
                     stream: bool, defaults: SamplingParams | None = None) -> SamplingParams:
     """The SamplingParams of one prompt's samples (n is set by submit_n). Fields the request
     leaves out come from ``defaults`` (the engine's: the model's generation config, else the
-    small-chat defaults of asyncengine/engine/defaults.py), else SamplingParams' own."""
+    small-chat defaults of asyncengine/engine/defaults.py) as a set: only when the request sets
+    none of them (a request that picks its temperature gets no penalty it did not ask for)."""
     kw: dict = {}
-    if defaults is not None:
+    if defaults is not None and all(getattr(req, f) is None for f in _DEFAULTED):
         kw.update({f: getattr(defaults, f) for f in _DEFAULTED})
     if req.temperature is not None:
         kw["temperature"] = req.temperature
