@@ -164,7 +164,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len)
     cache, cached = None, False
-    if gguf is not None and config.torch_device.type == "cpu":
+    # unsharded CPU loads only: a key without the shard would hand one rank another's weights
+    if gguf is not None and config.torch_device.type == "cpu" and \
+            (getattr(config, "tensor_parallel_size", None) or 1) == 1:
         from asyncengine.models import weight_cache
 
         if weight_cache.enabled_for(path):
