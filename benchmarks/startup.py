@@ -12,6 +12,7 @@ Figures (median over --repeat runs; peak RSS = the process's ``ru_maxrss``, chil
                 load, KV cache, prefill)
   chat_total_s  launch -> exit of that command
   chat_rss_mb   peak RSS of that command
+  *_cpu_s       user + system CPU seconds of the command (less sensitive to a busy machine)
   serve_ready_s launch of ``asyncengine serve --port P`` -> ``GET /health`` answers 200
   serve_rss_mb  peak RSS of the idle server (VmHWM read from /proc 2 s after it is ready)
   decode_tok_s  single-stream decode speed the chat command reports on stderr ("N tok/s"), for a
@@ -42,7 +43,10 @@ LONG_PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def cli() -> list[str]:
-    """The ``asyncengine`` console script next to this interpreter (what a user types), else -m."""
+    """The ``asyncengine`` console script next to this interpreter (what a user types), else -m;
+    $STARTUP_CLI overrides (e.g. "python -m asyncengine" with PYTHONPATH at another checkout)."""
+    if os.environ.get("STARTUP_CLI"):
+        return os.environ["STARTUP_CLI"].split()
     exe = os.path.join(os.path.dirname(sys.executable), "asyncengine")
     if os.path.exists(exe):
         return [exe]
@@ -96,7 +100,7 @@ def run_timed(args: list[str], timeout: float = 300.0) -> dict:
     for t in threads:
         t.join(timeout=5)
     res = {"wall_s": end - t0, "first_s": (first[0] - t0) if first else None,
-           "rss_mb": ru.ru_maxrss / 1024, "rc": p.returncode,
+           "rss_mb": ru.ru_maxrss / 1024, "rc": p.returncode, "cpu_s": ru.ru_utime + ru.ru_stime,
            "stdout": b"".join(out_chunks).decode(errors="replace"),
            "stderr": b"".join(err_chunks).decode(errors="replace")}
     if p.returncode != 0:
@@ -167,11 +171,13 @@ def main() -> int:
     run_timed(cli() + ["chat", *model_args, *extra, "--prompt", PROMPT])
 
     results: dict[str, list[float]] = {k: [] for k in (
-        "help_s", "version_s", "chat_first_s", "chat_total_s", "chat_rss_mb", "serve_ready_s", "serve_rss_mb",
+        "help_s", "help_cpu_s", "version_s", "chat_first_s", "chat_total_s", "chat_cpu_s", "chat_rss_mb", "serve_ready_s", "serve_rss_mb",
         "decode_tok_s")}
     answer = ""
     for _ in range(args.repeat):
-        results["help_s"].append(run_timed(cli() + ["--help"])["wall_s"])
+        h = run_timed(cli() + ["--help"])
+        results["help_s"].append(h["wall_s"])
+        results["help_cpu_s"].append(h["cpu_s"])
         try:
             results["version_s"].append(run_timed(cli() + ["--version"])["wall_s"])
         except RuntimeError:
@@ -180,6 +186,7 @@ def main() -> int:
         answer = r["stdout"].strip()
         results["chat_first_s"].append(r["first_s"])
         results["chat_total_s"].append(r["wall_s"])
+        results["chat_cpu_s"].append(r["cpu_s"])
         results["chat_rss_mb"].append(r["rss_mb"])
         d = run_timed(cli() + ["chat", *model_args, *extra, "--temperature", "0", "--max-tokens",
                                str(args.decode_tokens), "--prompt", LONG_PROMPT])
