@@ -4,7 +4,7 @@ Everything here is imported on first use: ``import asyncengine`` (and ``asynceng
 not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
-           "InvalidRequestError", "ModelLoadError"]
+           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -15,8 +15,11 @@ _WHERE = {
     "OutputKind": "asyncengine.sampling_params",
     "RequestOutput": "asyncengine.outputs",
     "CompletionOutput": "asyncengine.outputs",
+    "RequestLimits": "asyncengine.engine.validation",
+    "RequestLimitError": "asyncengine.engine.validation",
     **{name: "asyncengine.errors" for name in ("AsyncEngineError", "ConfigError", "EngineDeadError",
-                                                 "EngineOverloaded", "InvalidRequestError", "ModelLoadError")},
+                                                 "EngineOverloaded", "InvalidRequestError", "ModelLoadError",
+                                                 "RequestFailedError")},
 }
 
 

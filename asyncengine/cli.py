@@ -332,20 +332,55 @@ def _serve(args) -> int:
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
+    from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
 
-    status = _Status(args.model or "smollm2-135m-instruct")
-    kw = dict(max_num_seqs=args.max_num_seqs or 256)
+    limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
+                                ("max_prompt_chars", args.max_prompt_chars),
+                                ("max_stop_strings", args.max_stop_strings),
+                                ("max_stop_string_chars", args.max_stop_string_chars),
+                                ("max_n", args.max_n)) if v is not None}
+    kw = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
+                            ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
+    kw["max_num_seqs"] = args.max_num_seqs or 256
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
+    status = _Status(args.model or "smollm2-135m-instruct")
     try:
         return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
-                     max_model_len=args.max_model_len, seed=args.seed, on_loaded=lambda: status.done(
-                         f"ready, serving on http://{args.host}:{args.port}"), **kw)
+                     max_model_len=args.max_model_len, seed=args.seed,
+                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                     metrics_public=args.metrics_public, limits=RequestLimits(**limits),
+                     on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
     except BaseException:
         status.done("stopped")
         raise
+
+
+def _serve_args(s: argparse.ArgumentParser) -> None:
+    """Admission limits, request limits and browser protections of ``serve`` (security.py)."""
+    s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--allowed-hosts", type=_csv, default=None,
+                   help="Host names to answer besides the defaults (loopback names when bound to loopback, "
+                        "the bound address otherwise); '*' for any (comma-separated)")
+    s.add_argument("--allowed-origins", type=_csv, default=(),
+                   help="browser origins (https://app.example) allowed to call the API besides this "
+                        "server's own; also turns CORS on for them (comma-separated; default: none)")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="waiting requests before 429 (default 4096)")
+    s.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="waiting prompt tokens before 429 (default: unlimited)")
+    s.add_argument("--max-request-bytes", type=int, default=None, help="HTTP body / websocket frame (default 4 MiB)")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of a prompt (default 32 x max_model_len)")
+    s.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request (default 16)")
+    s.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string (default 1024)")
+    s.add_argument("--max-n", type=int, default=None, help="samples per request (default 128)")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,7 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1 (default: $ASYNCENGINE_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on everything but /health and the chat page "
+                        "(default: $ASYNCENGINE_API_KEY, else none)")
+    _serve_args(s)
     return ap
 
 

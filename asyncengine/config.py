@@ -8,11 +8,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import lru_cache
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from asyncengine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncengine.engine.validation import RequestLimits
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -99,6 +102,9 @@ class EngineConfig:
     # stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive at that point
     # are then never cycle-collected: turn it off if your app creates the engine late and cares.
     freeze_gc_after_load: bool = True
+    # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
+    # asyncengine/engine/validation.py; None = RequestLimits()'s documented defaults
+    limits: "RequestLimits | None" = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -128,5 +134,9 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if self.limits is None:
+            from asyncengine.engine.validation import RequestLimits
+
+            self.limits = RequestLimits()
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

@@ -23,3 +23,8 @@ class EngineOverloaded(AsyncEngineError):
 
 class EngineDeadError(AsyncEngineError):
     """The engine's loop died; every pending and future request fails with this. `__cause__` holds why."""
+
+
+class RequestFailedError(AsyncEngineError):
+    """One request failed inside the engine (e.g. its output could not be detokenized); only that
+    request ends with it, the engine and every other request go on. `__cause__` holds why."""

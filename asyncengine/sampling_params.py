@@ -9,7 +9,6 @@ import enum
 
 import msgspec
 
-from asyncengine.errors import InvalidRequestError
 
 
 class OutputKind(enum.IntEnum):
@@ -72,45 +71,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise InvalidRequestError(f"SamplingParams: {msg}")
+        # the rules live with every other request rule, in engine/validation.py
+        from asyncengine.engine.validation import check_sampling_ranges
 
-        if self.n < 1:
-            bad(f"n must be >= 1, got {self.n}")
-        if not self.temperature >= 0.0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
-        if self.top_k == -1:
-            self.top_k = 0
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and any(not s for s in self.stop):
-            bad("stop strings must be non-empty")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            bad("allowed_token_ids must not be empty")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            bad(f"seed must be in [0, 2**63), got {self.seed}")
+        check_sampling_ranges(self)
 
     @property
     def greedy(self) -> bool:

@@ -28,18 +28,26 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
+from asyncengine.core.request import child_request_id
+from asyncengine.engine import validation
 from asyncengine.engine.defaults import default_sampling_params
-from asyncengine.engine.llm import render_chat
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
+from asyncengine.engine.stop_strings import StopAutomaton
 from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_LONG_PROMPT_CHARS = 4096  # tokenize longer prompts on a worker thread, not on the loop
+# stop strings longer than this in all are built into their automaton on a worker thread
+_STOP_CHARS_OFF_LOOP = 1024
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
+        and isinstance(prompt[0], Mapping)
 
 
 def _check_params(params) -> SamplingParams:
@@ -66,8 +74,9 @@ class AsyncLLMEngine:
         self.core = core or EngineCore(config)
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
+        self.limits = config.limits
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
-                                        loaded.eos_token_ids)
+                                        loaded.eos_token_ids, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         # what generate() uses without params, and front ends for the fields a caller left out
         self.default_sampling_params = default_sampling_params(loaded.generation_config)
@@ -84,6 +93,7 @@ class AsyncLLMEngine:
         self._loop_thread: int | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._tokenizing: asyncio.Semaphore | None = None  # bounds the worker threads tokenizing
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-model")
         self._dead: EngineDeadError | None = None
         self._closing = False
@@ -130,6 +140,7 @@ class AsyncLLMEngine:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
+        self._tokenizing = asyncio.Semaphore(self.limits.max_concurrent_tokenizations)
         self._task = loop.create_task(self._busy_loop(), name="asyncengine-busy-loop")
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -184,46 +195,118 @@ class AsyncLLMEngine:
         self._bind_loop()
         if self._closing:
             raise EngineDeadError("the engine is shutting down")
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if request_id in self._slots:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, Sequence) and not isinstance(prompt, str) and prompt \
-                and isinstance(prompt[0], Mapping):
-            if self.tokenizer is None:
-                raise InvalidRequestError("chat messages need a tokenizer")
-            prompt = {"prompt_token_ids": render_chat(self.tokenizer, list(prompt))}
-        if sampling_params is None:
+        if sampling_params is None:  # the model's defaults (engine/defaults.py)
             sampling_params = self.default_sampling_params
-        kind = _check_params(sampling_params).output_kind
-        slot = RequestSlot(request_id, kind)
+        params = _check_params(sampling_params)
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex[:16]}"
+        else:
+            validation.check_request_id(request_id, self.limits)
+        # the cheap checks before anything is tokenized (they are repeated, harmlessly, later)
+        params = validation.check_sampling_params(params, self.limits, self.processor.vocab_size,
+                                                  self.processor.eos_token_ids)
+        self._check_id_free(request_id, params.n)  # after n is known to be within max_n
+        self._check_admissible(params)
+        chat = _is_chat(prompt)
+        if chat:
+            messages = validation.check_messages(prompt, self.limits, self.processor.max_model_len)
+            size = validation.messages_chars(messages)
+        else:
+            text = prompt.get("prompt") if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt \
+                else prompt
+            if isinstance(text, str) and self.tokenizer is not None:
+                self.processor.check_text(text)
+            size = len(text) if isinstance(text, str) else 0
+        slot = RequestSlot(request_id, params.output_kind)
         self._slots[request_id] = slot
-        if isinstance(prompt, str) and len(prompt) > _LONG_PROMPT_CHARS and self.tokenizer is not None:
-            stream = RequestStream(slot, self._abort_nowait)
-            self._loop.create_task(self._submit_later(slot, prompt, sampling_params, priority, cache_salt))
+        long_text = size > self.limits.off_loop_chars and self.tokenizer is not None
+        long_stops = sum(len(x) for x in params.stop or ()) > _STOP_CHARS_OFF_LOOP and self.tokenizer is not None
+        if long_text or long_stops:
+            # long: tokenized (or rendered) and its stop automaton built on a worker thread; errors
+            # surface at the first iteration
+            stream = RequestStream(slot, self._abort_slot)
+            kind = ("chat" if chat else "text") if long_text else "ready"
+            self._loop.create_task(self._submit_later(slot, (messages if chat else text) if long_text else prompt,
+                                                      kind, params, priority, cache_salt))
             return stream
         try:
-            self._submit(request_id, prompt, sampling_params, priority, cache_salt)
+            if chat:
+                prompt = {"prompt_token_ids": self.processor.render_chat(messages)}
+            self._submit(request_id, prompt, params, priority, cache_salt)
         except BaseException:
             del self._slots[request_id]
             raise
-        return RequestStream(slot, self._abort_nowait)
+        return RequestStream(slot, self._abort_slot)
 
-    async def _submit_later(self, slot: RequestSlot, text: str, params, priority, cache_salt) -> None:
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        """A live request's id (or a core id of its samples) cannot be given to another request: its
+        outputs and aborts would go to the wrong one."""
+        live = self.output_processor.is_live
+        if request_id in self._slots or live(request_id) or \
+                (n > 1 and any(live(child_request_id(request_id, i)) for i in range(n))):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
+
+    def _check_admissible(self, params: SamplingParams) -> None:
+        """A request that the admission limits can never let in is a bad request (400), not a
+        full queue (429: retry later)."""
+        c = self.config
+        if c.max_queued_requests is not None and params.n > c.max_queued_requests:
+            raise validation.RequestLimitError(
+                f"n is {params.n}, but at most max_queued_requests={c.max_queued_requests} samples can ever "
+                f"wait at once", param="n", limit="max_queued_requests")
+
+    def check_sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against this engine's limits and vocabulary (what generate() will do
+        anyway), for front ends that want to refuse a request before tokenizing its prompt."""
+        return validation.check_sampling_params(_check_params(params), self.limits, self.processor.vocab_size,
+                                                self.processor.eos_token_ids)
+
+    async def encode(self, prompt) -> tuple[str | None, list[int]]:
+        """Check and tokenize a prompt the way generate() will (text, token ids or chat messages):
+        ``(text or None, token ids)``. Long ones are tokenized on a worker thread (at most
+        ``limits.max_concurrent_tokenizations`` at once). For front ends that need the token count
+        before submitting (the HTTP server's context-length errors)."""
+        self._bind_loop()
+        proc = self.processor
+        if _is_chat(prompt):
+            messages = validation.check_messages(prompt, self.limits, proc.max_model_len)
+            if validation.messages_chars(messages) > self.limits.off_loop_chars:
+                async with self._tokenizing:
+                    return None, await asyncio.to_thread(proc.render_chat, messages)
+            return None, proc.render_chat(messages)
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            proc.check_text(prompt)
+            if len(prompt) > self.limits.off_loop_chars:
+                async with self._tokenizing:
+                    return await asyncio.to_thread(proc.tokenize, prompt)
+        return proc.tokenize(prompt)
+
+    async def _submit_later(self, slot: RequestSlot, prompt, kind: str, params, priority, cache_salt) -> None:
+        """kind: "chat" (messages to render), "text" (to tokenize) or "ready" (only the stop
+        automaton is long to build)."""
         try:
-            _, ids = await asyncio.to_thread(self.processor.tokenize, text)
-            if slot.request_id in self._slots and not slot.finished:
-                self._submit(slot.request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                             priority, cache_salt)
+            async with self._tokenizing:
+                if slot.finished or self._slots.get(slot.request_id) is not slot:
+                    return  # abandoned while it waited for a thread
+                if kind == "chat":
+                    prompt = {"prompt_token_ids": await asyncio.to_thread(self.processor.render_chat, prompt)}
+                elif kind == "text":
+                    _, ids = await asyncio.to_thread(self.processor.tokenize, prompt)
+                    prompt = {"prompt": prompt, "prompt_token_ids": ids}
+                automaton = await asyncio.to_thread(StopAutomaton, params.stop) if params.stop else None
+            if self._slots.get(slot.request_id) is slot and not slot.finished:
+                self._submit(slot.request_id, prompt, params, priority, cache_salt, automaton)
         except Exception as e:
-            self._slots.pop(slot.request_id, None)
+            if self._slots.get(slot.request_id) is slot:
+                del self._slots[slot.request_id]
             slot.put_error(e)
 
-    def _submit(self, request_id: str, prompt, params, priority, cache_salt) -> None:
+    def _submit(self, request_id: str, prompt, params, priority, cache_salt, automaton=None) -> None:
         req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt)
         self._admit_check(req)
         self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
-                                          req.arrival_time)
+                                          req.arrival_time, stop_automaton=automaton)
         self._queued_tokens[request_id] = req.num_prompt_tokens
         self._num_queued_tokens += req.num_prompt_tokens
         self._new.append(req)
@@ -236,6 +319,11 @@ class AsyncLLMEngine:
         if c.max_queued_requests is not None and queued + req.sampling_params.n > c.max_queued_requests:
             raise EngineOverloaded(f"{queued} requests are waiting (max_queued_requests={c.max_queued_requests}); "
                                    f"retry later")
+        if c.max_queued_tokens is not None and req.num_prompt_tokens > c.max_queued_tokens:
+            raise validation.RequestLimitError(
+                f"the prompt is {req.num_prompt_tokens} tokens, but at most max_queued_tokens="
+                f"{c.max_queued_tokens} prompt tokens can ever wait at once", param="prompt",
+                limit="max_queued_tokens")
         if c.max_queued_tokens is not None and \
                 self._num_queued_tokens + req.num_prompt_tokens > c.max_queued_tokens:
             raise EngineOverloaded(f"{self._num_queued_tokens} prompt tokens are waiting "
@@ -254,18 +342,24 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._abort_nowait(request_id)
 
-    def _abort_nowait(self, request_id: str) -> None:
-        """Safe from any thread and from __del__: the busy loop applies it at its next turn."""
+    def _abort_nowait(self, request_id: str, slot: RequestSlot | None = None) -> None:
+        """Safe from any thread and from __del__: the busy loop applies it at its next turn.
+        With ``slot``: only if that slot is still the id's live one (a stream dropped long after its
+        request ended must never abort a newer request that reuses the id)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         if threading.get_ident() == self._loop_thread:
-            self._mark_abort(request_id)
+            self._mark_abort(request_id, slot)
         else:
-            loop.call_soon_threadsafe(self._mark_abort, request_id)
+            loop.call_soon_threadsafe(self._mark_abort, request_id, slot)
 
-    def _mark_abort(self, request_id: str) -> None:
-        if request_id in self._slots:
+    def _abort_slot(self, slot: RequestSlot) -> None:
+        self._abort_nowait(slot.request_id, slot)
+
+    def _mark_abort(self, request_id: str, slot: RequestSlot | None = None) -> None:
+        live = self._slots.get(request_id)
+        if live is not None and (slot is None or live is slot):
             self._aborts.add(request_id)
             if self._wake is not None:
                 self._wake.set()
@@ -279,7 +373,10 @@ class AsyncLLMEngine:
             for req in new:
                 if req.request_id in self._aborts:
                     continue  # abandoned before it reached the core
-                core.add_request(req)
+                try:
+                    core.add_request(req)
+                except Exception as e:  # this request's input: it alone fails
+                    self._fail_request(req.request_id, e, "was admitted")
         if self._aborts:
             ids, self._aborts = list(self._aborts), set()
             core.abort_requests(ids)
@@ -289,6 +386,19 @@ class AsyncLLMEngine:
                 slot = self._slots.pop(rid, None)
                 if slot is not None and not slot.finished:
                     slot.put(self._aborted_output(rid, st))
+
+    def _fail_request(self, rid: str, exc: Exception, stage: str) -> None:
+        from asyncengine.errors import RequestFailedError
+
+        log.warning("request %s failed while it %s: %s: %s", rid, stage, type(exc).__name__, exc, exc_info=exc)
+        self.core.abort_requests([rid])
+        self.output_processor.abort(rid)
+        self._unqueue(rid)
+        err = RequestFailedError(f"request {rid!r} failed while it {stage}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            slot.put_error(err)
 
     def _unqueue(self, rid: str) -> None:
         self._num_queued_tokens -= self._queued_tokens.pop(rid, 0)
@@ -415,6 +525,12 @@ class AsyncLLMEngine:
         processed = self.output_processor.process(core_outputs)
         if processed.to_abort:
             self.core.abort_requests(processed.to_abort)
+        for rid, err in processed.failed:  # that request alone fails; the engine goes on
+            log.warning("request %s failed: %s", rid, err, exc_info=err.__cause__)
+            self._unqueue(rid)
+            slot = self._slots.pop(rid, None)
+            if slot is not None:
+                slot.put_error(err)
         for i, out in enumerate(processed.outputs):
             slot = self._slots.get(out.request_id)
             if slot is not None:

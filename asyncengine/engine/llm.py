@@ -34,7 +34,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.loaded.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
-                                        self.engine.loaded.eos_token_ids)
+                                        self.engine.loaded.eos_token_ids, self.config.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -74,8 +74,9 @@ class LLM:
             try:
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt #{i}: {e}") from None
+            except InvalidRequestError as e:  # the same error (e.g. a RequestLimitError), naming the prompt
+                e.args = (f"prompt #{i}: {e}",)
+                raise e from None
             made.append((req, text))
         return self._run(made, use_tqdm)
 
@@ -85,7 +86,9 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": render_chat(self.tokenizer, c, add_generation_prompt)} for c in convs]
+        if not convs:
+            raise InvalidRequestError("chat needs at least one conversation")
+        prompts = [{"prompt_token_ids": self.processor.render_chat(c, add_generation_prompt)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, made, use_tqdm: bool) -> list[RequestOutput]:
@@ -104,6 +107,8 @@ class LLM:
                 processed = outp.process(core_outs)
                 if processed.to_abort:
                     engine.abort_requests(processed.to_abort)
+                if processed.failed:  # a request's output handling raised: the call fails with it
+                    raise processed.failed[0][1]
                 n_out += sum(len(c.new_token_ids) for c in core_outs)
                 for o in processed.outputs:
                     if o.finished:
@@ -124,9 +129,10 @@ class LLM:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("the tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    """Chat messages through the tokenizer's chat template, checked as every chat request is
+    (roles, contents; validation.check_messages) but with no length limit."""
+    from asyncengine.engine.processor import render_chat_checked
+    from asyncengine.engine.validation import RequestLimits, check_messages
+
+    msgs = check_messages(messages, RequestLimits(max_messages=1 << 30, max_prompt_chars=1 << 62), 1)
+    return render_chat_checked(tokenizer, msgs, add_generation_prompt)

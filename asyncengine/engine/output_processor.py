@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from asyncengine.core.request import child_request_id
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine.detokenizer import IncrementalDetokenizer
-from asyncengine.engine.stop_strings import StopStringMatcher
+from asyncengine.engine.stop_strings import StopAutomaton, StopStringMatcher
+from asyncengine.errors import RequestFailedError
 from asyncengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -93,7 +94,10 @@ class RequestState:
 @dataclass
 class ProcessedOutputs:
     outputs: list[RequestOutput]
-    to_abort: list[str]  # core ids finished here by a stop string: abort them in the core
+    to_abort: list[str]  # core ids finished here (a stop string, a failure): abort them in the core
+    # user requests whose output handling raised (detokenizer, stop matching...): each fails alone
+    # with this error, the others go on
+    failed: list[tuple[str, RequestFailedError]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -103,18 +107,23 @@ class OutputProcessor:
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> RequestState:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    stop_automaton: StopAutomaton | None = None) -> RequestState:
         n = params.n
         want_lp = params.logprobs is not None
         samples = []
+        # one automaton for every sample (linear in the stops' total length; validation bounds it)
+        automaton = None
+        if params.stop and self.tokenizer is not None and params.detokenize:
+            automaton = stop_automaton if stop_automaton is not None else StopAutomaton(params.stop)
         for i in range(n):
             detok = stops = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                skip_special_tokens=params.skip_special_tokens,
                                                prompt_context=True)
-                if params.stop:
-                    stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+                if automaton is not None:
+                    stops = StopStringMatcher(automaton, params.include_stop_str_in_output)
             samples.append(SampleState(
                 index=i, core_id=request_id if n == 1 else child_request_id(request_id, i),
                 detokenizer=detok, stops=stops, logprobs=[] if want_lp else None,
@@ -128,6 +137,10 @@ class OutputProcessor:
         for s in samples:
             self._samples[s.core_id] = (st, s)
         return st
+
+    def is_live(self, request_id: str) -> bool:
+        """True while ``request_id`` is a live user request or a live sample's core id."""
+        return request_id in self.states or request_id in self._samples
 
     def request_id_of(self, core_id: str) -> str:
         """The user request id of a core request id (itself when unknown or ``n == 1``)."""
@@ -163,6 +176,7 @@ class OutputProcessor:
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
+        failed: list[tuple[str, RequestFailedError]] = []
         for co in core_outputs:
             ref = self._samples.get(co.req_id)
             if ref is None:
@@ -171,41 +185,11 @@ class OutputProcessor:
             if s.finished:
                 continue
             touched[st.request_id] = st
-            m = st.metrics
-            new_ids = co.new_token_ids
-            if new_ids:
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.last_token_time = now
-            if s.index == 0:
-                st.num_cached_tokens = co.num_cached_tokens
-            if co.new_prompt_logprobs and st.prompt_logprobs is not None:
-                st.prompt_logprobs.extend(self._decode_logprobs(e) for e in co.new_prompt_logprobs)
-            s.token_ids.extend(new_ids)
-            if co.new_logprobs and s.logprobs is not None:
-                for entry in co.new_logprobs:
-                    s.logprobs.append(self._decode_logprobs(entry))
-                    s.cumulative_logprob += entry[1][0]
-            finish, stop_reason = co.finish_reason, co.stop_reason
-            if s.detokenizer is not None:
-                text_ids = new_ids
-                if co.finish_reason == "stop" and new_ids and not st.params.include_stop_str_in_output:
-                    text_ids = new_ids[:-1]  # the EOS / stop token that ended it is not text (vLLM)
-                delta = s.detokenizer.push(text_ids)
-                if finish is not None:
-                    delta += s.detokenizer.finish()  # an unfinished character at the very end
-                if s.stops is not None:
-                    delta, matched = s.stops.feed(delta)
-                    if matched is not None:
-                        finish, stop_reason = "stop", matched
-                        if co.finish_reason is None:
-                            to_abort.append(co.req_id)
-                    elif finish is not None:
-                        delta += s.stops.flush()
-                s.text += delta
-            if finish is not None:
-                s.finish_reason, s.stop_reason = finish, stop_reason
-                del self._samples[co.req_id]
+            try:
+                self._process_one(st, s, co, now, to_abort)
+            except Exception as e:  # this request's fault (a detokenizer, a matcher...): it alone fails
+                failed.append((st.request_id, self._fail(st, e, to_abort)))
+                touched.pop(st.request_id, None)
         for st in touched.values():
             if st.finished:
                 st.metrics.finished_time = now
@@ -214,8 +198,60 @@ class OutputProcessor:
                 continue
             elif not any(s.has_news for s in st.samples):
                 continue  # e.g. a prefill chunk that only brought prompt logprobs
-            results.append(self.make_output(st))
-        return ProcessedOutputs(results, to_abort)
+            try:
+                results.append(self.make_output(st))
+            except Exception as e:
+                failed.append((st.request_id, self._fail(st, e, to_abort)))
+        return ProcessedOutputs(results, to_abort, failed)
+
+    def _fail(self, st: RequestState, exc: Exception, to_abort: list[str]) -> RequestFailedError:
+        """Forget a request whose output handling raised; its unfinished samples are aborted."""
+        for s in st.samples:
+            if not s.finished:
+                to_abort.append(s.core_id)
+        self.abort(st.request_id)
+        err = RequestFailedError(f"request {st.request_id!r} failed while its output was processed: "
+                                 f"{type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _process_one(self, st: RequestState, s: SampleState, co: EngineCoreOutput, now: float,
+                     to_abort: list[str]) -> None:
+        m = st.metrics
+        new_ids = co.new_token_ids
+        if new_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+        if s.index == 0:
+            st.num_cached_tokens = co.num_cached_tokens
+        if co.new_prompt_logprobs and st.prompt_logprobs is not None:
+            st.prompt_logprobs.extend(self._decode_logprobs(e) for e in co.new_prompt_logprobs)
+        s.token_ids.extend(new_ids)
+        if co.new_logprobs and s.logprobs is not None:
+            for entry in co.new_logprobs:
+                s.logprobs.append(self._decode_logprobs(entry))
+                s.cumulative_logprob += entry[1][0]
+        finish, stop_reason = co.finish_reason, co.stop_reason
+        if s.detokenizer is not None:
+            text_ids = new_ids
+            if co.finish_reason == "stop" and new_ids and not st.params.include_stop_str_in_output:
+                text_ids = new_ids[:-1]  # the EOS / stop token that ended it is not text (vLLM)
+            delta = s.detokenizer.push(text_ids)
+            if finish is not None:
+                delta += s.detokenizer.finish()  # an unfinished character at the very end
+            if s.stops is not None:
+                delta, matched = s.stops.feed(delta)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
+                    if co.finish_reason is None:
+                        to_abort.append(co.req_id)
+                elif finish is not None:
+                    delta += s.stops.flush()
+            s.text += delta
+        if finish is not None:
+            s.finish_reason, s.stop_reason = finish, stop_reason
+            del self._samples[co.req_id]
 
     def make_output(self, st: RequestState) -> RequestOutput:
         """The output as the request's output_kind wants it, with the deltas since the last one."""

@@ -1,7 +1,8 @@
 """Input processing: prompts and parameters in, validated core ``Request``s out.
 
 Everything that can be wrong with a request is caught here, before it reaches the scheduler, with
-an ``InvalidRequestError`` naming the problem; the engine itself never sees a bad request.
+an ``InvalidRequestError`` naming the problem; the engine itself never sees a bad request. The
+rules and limits themselves live in ``validation.py`` (shared with the HTTP server).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from asyncengine.core.request import Request
+from asyncengine.engine import validation
+from asyncengine.engine.validation import RequestLimits
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
 
@@ -16,11 +19,31 @@ PromptType = str | Sequence[int] | Mapping
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids,
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = limits or RequestLimits()
+
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """A text prompt's length in characters, before it is tokenized."""
+        validation.check_prompt_chars(text, self.limits, self.max_model_len, param)
+
+    def encode(self, text: str, **kw) -> list[int]:
+        """The tokenizer's ids for ``text``; a tokenizer that refuses it fails this request only."""
+        try:
+            return list(self.tokenizer.encode(text, **kw))
+        except Exception as e:
+            raise InvalidRequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from None
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages (validated: roles, contents, total length) through the chat template."""
+        msgs = validation.check_messages(messages, self.limits, self.max_model_len)
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat messages need a tokenizer")
+        return render_chat_checked(self.tokenizer, msgs, add_generation_prompt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -37,20 +60,21 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init or none in the "
                                           "checkpoint): give prompts as token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
+            self.check_text(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             return None, self._check_ids(prompt)
         raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, "
                                   f"not {type(prompt).__name__}")
 
     def _check_ids(self, ids) -> list[int]:
-        ids = list(ids)
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InvalidRequestError("prompt token ids must be integers")
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise InvalidRequestError(f"prompt token id {i} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Sequence):
+            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, not {type(ids).__name__}")
+        if len(ids) >= self.max_model_len:  # before looking at each of them
+            raise InvalidRequestError(
+                f"the prompt is {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"it must be shorter to leave room for at least one output token")
+        return validation.check_token_ids(ids, self.vocab_size)
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                      priority: int = 0, cache_salt: str | None = None,
@@ -58,6 +82,8 @@ class InputProcessor:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        # the cheap checks first: a request over a limit costs no tokenization
+        params = validation.check_sampling_params(params, self.limits, self.vocab_size, self.eos_token_ids)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)")
@@ -65,7 +91,6 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the prompt is {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
                 f"it must be shorter to leave room for at least one output token")
-        self._check_sampling_ids(params)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         bad_words = None
@@ -75,18 +100,27 @@ class InputProcessor:
             bad_words = []
             for w in params.bad_words:
                 for variant in (w, " " + w.lstrip()):
-                    toks = self.tokenizer.encode(variant, add_special_tokens=False)
+                    toks = self.encode(variant, add_special_tokens=False)
                     if toks and toks not in bad_words:
                         bad_words.append(toks)
+            validation.check_allowed_tokens(params, self.eos_token_ids, bad_words)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, priority=priority,
                       cache_salt=cache_salt, bad_words_token_ids=bad_words,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         return req, text
 
-    def _check_sampling_ids(self, p: SamplingParams) -> None:
-        for name, ids in (("logit_bias", (p.logit_bias or {}).keys()), ("allowed_token_ids", p.allowed_token_ids or ()),
-                          ("stop_token_ids", p.stop_token_ids or ())):
-            for i in ids:
-                if not 0 <= int(i) < self.vocab_size:
-                    raise InvalidRequestError(f"{name}: token id {i} is outside the vocabulary [0, {self.vocab_size})")
+
+def render_chat_checked(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Already-validated messages through the tokenizer's chat template; a template that refuses
+    them (a jinja error, a raise_exception in the template) is this request's error."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("the tokenizer has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:
+        raise InvalidRequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") \
+            from None
+    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -79,7 +79,7 @@ class RequestStream:
     """``async for out in engine.generate(...)``. Leaving early in any way — break, aclose(),
     cancelling the consuming task, or dropping the iterator — aborts the request in the engine."""
 
-    def __init__(self, slot: RequestSlot, on_abandon: Callable[[str], None]) -> None:
+    def __init__(self, slot: RequestSlot, on_abandon: Callable[[RequestSlot], None]) -> None:
         self._slot = slot
         self._on_abandon = on_abandon
         self._done = False
@@ -109,7 +109,7 @@ class RequestStream:
     def _abandon(self) -> None:
         if not self._done:
             self._done = True
-            self._on_abandon(self._slot.request_id)
+            self._on_abandon(self._slot)  # the slot, not its id: the id may belong to a newer request
 
     async def aclose(self) -> None:
         self._abandon()

@@ -1,6 +1,8 @@
 // The web chat page: talks to /v1/ws/chat (see integrations/openai_server/websocket.py for the
 // protocol). Plain JS, no build step, no external resources. An API key, when the server wants one,
-// is taken from the page's ?api_key=... and passed on to the websocket.
+// comes from the "API key" field or the page's #api_key=... fragment (a fragment never reaches the
+// server), is kept in sessionStorage, and travels as a websocket subprotocol, never in a URL: URLs
+// end up in logs.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -22,11 +24,29 @@
     stop.disabled = !busy;
   }
 
+  const KEY = "asyncengine_api_key";
+  function apiKey() {
+    const fromHash = new URLSearchParams(location.hash.slice(1)).get("api_key");
+    if (fromHash) {
+      sessionStorage.setItem(KEY, fromHash);
+      window.history.replaceState(null, "", location.pathname + location.search);   // out of the address bar
+    }
+    return sessionStorage.getItem(KEY) || "";
+  }
+
+  function b64url(s) {   // UTF-8, base64url without padding: a valid subprotocol token
+    const bytes = new TextEncoder().encode(s);
+    let bin = "";
+    for (const b of bytes) bin += String.fromCharCode(b);
+    return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  }
+
   function connect() {
-    const key = new URLSearchParams(location.search).get("api_key");
-    const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws/chat" +
-      (key ? "?api_key=" + encodeURIComponent(key) : "");
-    ws = new WebSocket(url);
+    const key = apiKey();
+    const protocols = ["asyncengine.v1"];
+    if (key) protocols.push("asyncengine.key." + b64url(key));
+    const url = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws/chat";
+    ws = new WebSocket(url, protocols);
     ws.onopen = () => { status.textContent = "connected"; setBusy(false); };
     ws.onclose = () => {
       status.textContent = "disconnected — reconnecting…";
@@ -98,6 +118,12 @@
     messages.textContent = "";
     status.textContent = "new chat";
     setBusy(false);
+  });
+  const keyInput = $("api-key");
+  keyInput.value = apiKey();
+  keyInput.addEventListener("change", () => {
+    sessionStorage.setItem(KEY, keyInput.value);
+    if (ws) ws.close();   // reconnects with the new key
   });
   connect();
 })();

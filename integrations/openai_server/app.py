@@ -3,18 +3,21 @@
 
 ``build_app(engine, served_model_name=..., api_key=None)`` embeds it around any AsyncLLMEngine; the
 app binds the engine to the server's event loop when it starts.
+
+Hostile input: every body is bounded before it is read (``RequestLimits.max_request_bytes``: 413),
+its JSON nesting before it is decoded, and every field by the engine's own validation module
+(``asyncengine/engine/validation.py``: the same rules as in-process), so a request's cost is known
+before any work; Host, Origin, Content-Type and the API key are checked first (security.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import parse_qs
 
 import msgspec
 from starlette.applications import Starlette
@@ -24,7 +27,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from asyncengine.errors import AsyncEngineError, InvalidRequestError
+from asyncengine.engine import validation
+from asyncengine.errors import AsyncEngineError
 
 from . import openapi
 from .errors import APIError, from_engine
@@ -32,14 +36,25 @@ from .generation import (Submission, TokenBytes, chat_logprobs, completion_logpr
                          sampling_params, submit_n)
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
+from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
-MAX_SAMPLES = 256  # prompts x n of one request
-_OFF_LOOP_CHARS = 4096  # tokenize / render longer inputs on a worker thread
-_ROLES = frozenset({"system", "user", "assistant", "tool"})
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
+
+
+_OFF_LOOP_BYTES = 256 * 1024
+_CLOSE = {"connection": "close"}  # the rest of an oversized body is never read: end the connection
+
+
+def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
+    """JSON bytes -> a validated ``typ``, its nesting checked before it is decoded."""
+    try:
+        validation.check_json_depth(body, limits)
+    except validation.RequestLimitError as e:
+        raise APIError(400, str(e), param="body", code="limit_exceeded") from None
+    return decode(body, typ)
 
 
 def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
@@ -89,10 +104,11 @@ def _token_ids(items: list) -> list[int] | None:
 class ServerState:
     """What every handler needs: the engine, names, limits, metrics."""
 
-    def __init__(self, engine, served_model_name: str, api_key: str | None, web_chat_dir: Path | None) -> None:
+    def __init__(self, engine, served_model_name: str, policy: SecurityPolicy, web_chat_dir: Path | None) -> None:
         self.engine = engine
         self.model_name = served_model_name
-        self.api_key = api_key.encode("utf-8") if api_key else None
+        self.policy = policy
+        self.limits: validation.RequestLimits = engine.limits
         self.metrics = ServerMetrics(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
         self.web_chat_dir = web_chat_dir
@@ -125,17 +141,54 @@ class ServerState:
 
     # ------------------------------------------------------------ inputs
 
-    async def tokenize(self, item) -> tuple[str | None, list[int]]:
-        """A text or a list of token ids -> (text or None, checked ids)."""
-        proc = self.engine.processor
+    async def read_json(self, request: Request, typ: type):
+        """The body as a validated ``typ``: its size bounded before it is read in full (413, for
+        chunked bodies too), its nesting before it is decoded."""
+        limits = self.limits
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                validation.check_body_size(int(length), limits)
+            except validation.RequestLimitError as e:
+                raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
+            except ValueError:
+                raise APIError(400, "invalid Content-Length") from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_request_bytes:
+                raise APIError(413, f"the request body is over the limit max_request_bytes="
+                                    f"{limits.max_request_bytes}", param="body", code="request_too_large",
+                               headers=_CLOSE)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if len(body) > _OFF_LOOP_BYTES:  # scanning and decoding megabytes: not on the event loop
+            return await asyncio.to_thread(decode_checked, body, typ, limits)
+        return decode_checked(body, typ, limits)
+
+    async def encode(self, item, param: str) -> tuple[str | None, list[int]]:
+        """A text, a list of token ids or chat messages -> (text or None, checked ids), by the
+        engine's own rules (long ones tokenized off the event loop)."""
         try:
-            if isinstance(item, str) and len(item) > _OFF_LOOP_CHARS:
-                return await asyncio.to_thread(proc.tokenize, item)
-            return proc.tokenize(item)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            return await self.engine.encode(item)
+        except AsyncEngineError as e:
+            err = from_engine(e, self.engine)
+            err.param = err.param or param
+            raise err from None
+
+    def check_params(self, params, n: int) -> None:
+        """The sampling parameters by the engine's rules, before any prompt is tokenized."""
+        try:
+            self.engine.check_sampling_params(msgspec.structs.replace(params, n=n) if n != params.n else params)
+        except AsyncEngineError as e:
+            raise from_engine(e, self.engine) from None
 
     async def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, list) and len(prompt) > max(self.max_model_len, self.limits.max_prompts):
+            # more items than any prompt list can have: refused before looking at each of them
+            raise APIError(400, f"the prompt list has {len(prompt)} items: at most max_prompts="
+                                f"{self.limits.max_prompts} prompts, or fewer than max_model_len="
+                                f"{self.max_model_len} token ids", param="prompt", code="limit_exceeded")
         if isinstance(prompt, str):
             items = [prompt]
         elif not prompt:
@@ -149,44 +202,21 @@ class ServerState:
         else:
             raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list "
                                 "of lists of token ids", param="prompt")
-        return [await self.tokenize(it) for it in items]
+        if len(items) > self.limits.max_prompts:
+            raise APIError(400, f"the number of prompts is {len(items)}, over the limit max_prompts="
+                                f"{self.limits.max_prompts}", param="prompt", code="limit_exceeded")
+        if sum(len(it) for it in items if isinstance(it, str)) > self.limits.prompt_chars(self.max_model_len):
+            raise APIError(400, f"the prompts' length (characters) is over the limit max_prompt_chars="
+                                f"{self.limits.prompt_chars(self.max_model_len)}", param="prompt",
+                           code="limit_exceeded")
+        return [await self.encode(it, "prompt") for it in items]
 
     async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        from asyncengine.engine.llm import render_chat
-
-        tok = self.engine.tokenizer
-        if tok is None:
+        if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
                                 "token ids", param="messages")
-        msgs = []
-        size = 0
-        for i, m in enumerate(messages):
-            role = "system" if m.role == "developer" else m.role
-            if role not in _ROLES:
-                raise APIError(400, f"messages[{i}].role must be one of system, developer, user, assistant, "
-                                    f"tool; got {m.role!r}", param=f"messages[{i}].role")
-            content = m.content
-            if content is None:
-                content = ""
-            elif isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"only text content parts are supported (messages[{i}].content[{j}] "
-                                            f"is {part.type!r})", param=f"messages[{i}].content[{j}]")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            size += len(content)
-            msgs.append({"role": role, "content": content})
-        try:
-            if size > _OFF_LOOP_CHARS:
-                return await asyncio.to_thread(render_chat, tok, msgs)
-            return render_chat(tok, msgs)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the model's jinja template refused these messages
-            raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        _, ids = await self.encode(msgspec.to_builtins(messages), "messages")
+        return ids
 
     # ------------------------------------------------------------ engine
 
@@ -281,9 +311,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _check_samples(st: ServerState, num_prompts: int, n: int) -> None:
+    if num_prompts * n > st.limits.max_samples:
+        raise APIError(400, f"prompts x n is {num_prompts * n}, over the limit max_samples={st.limits.max_samples}",
+                       param="n", code="limit_exceeded")
+
+
 async def completions(request: Request) -> Response:
     st = _state(request)
-    req: CompletionRequest = decode(await request.body(), CompletionRequest)
+    req: CompletionRequest = await st.read_json(request, CompletionRequest)
     st.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
@@ -293,14 +329,16 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    prompts = await st.completion_prompts(req.prompt)
-    if len(prompts) * req.n > MAX_SAMPLES:
-        raise APIError(400, f"at most {MAX_SAMPLES} completions per request (prompts x n)", param="n")
-    for _, ids in prompts:
-        st.check_length(len(ids), req.max_tokens, "prompt")
+    _check_samples(st, len(req.prompt) if isinstance(req.prompt, list) and req.prompt
+                   and not isinstance(req.prompt[0], (int, float)) else 1, req.n)
     k = req.logprobs
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
+                             limits=st.limits,
                              defaults=st.engine.default_sampling_params)
+    st.check_params(params, req.n)  # before any prompt is tokenized
+    prompts = await st.completion_prompts(req.prompt)
+    for _, ids in prompts:
+        st.check_length(len(ids), req.max_tokens, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -399,18 +437,19 @@ async def _collect_finals(request: Request, st, streams: Submission) -> list:
 
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
-    req: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
+    req: ChatCompletionRequest = await st.read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
+                             defaults=st.engine.default_sampling_params)
+    st.check_params(params, req.n)  # before the messages are rendered
     ids = await st.chat_prompt(req.messages)
     st.check_length(len(ids), max_tokens, "messages")
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream),
-                             defaults=st.engine.default_sampling_params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())
@@ -465,8 +504,8 @@ async def get_model(request: Request) -> Response:
 async def health(request: Request) -> Response:
     st = _state(request)
     engine = st.engine
-    if getattr(engine, "errored", False):
-        return _json({"status": "error", "message": "the engine died"}, status=500)
+    if getattr(engine, "errored", False):  # a model/executor fault: this server cannot serve any more
+        return _json({"status": "error", "message": "the engine died"}, status=503)
     if st.shutting_down or getattr(engine, "is_closing", False):
         return _json({"status": "shutting_down"}, status=503)
     return _json({"status": "ok"})
@@ -511,56 +550,33 @@ async def _on_engine_error(request, exc: AsyncEngineError) -> Response:
 
 
 async def _on_error(request, exc: Exception) -> Response:
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
-class AuthMiddleware:
-    """With an API key, every /v1 route wants ``Authorization: Bearer <key>`` (websockets may pass
-    ``?api_key=<key>`` instead: browsers cannot set headers on them). Compared in constant time."""
-
-    def __init__(self, app, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    def _authorized(self, scope) -> bool:
-        key = self.state.api_key
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    given = token.strip()
-                break
-        if not given and scope["type"] == "websocket":
-            q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            given = (q.get("api_key") or [""])[0].encode("utf-8")
-        return hmac.compare_digest(given, key)
-
-    async def __call__(self, scope, receive, send):
-        if self.state.api_key is not None and scope["type"] in ("http", "websocket") \
-                and scope.get("path", "").startswith("/v1") and not self._authorized(scope):
-            if scope["type"] == "http":
-                return await error_response(APIError(
-                    401, "Incorrect API key provided: send it as 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key"))(scope, receive, send)
-            await receive()  # websocket.connect
-            await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
-            return
-        await self.app(scope, receive, send)
+    if isinstance(exc, RecursionError):  # belt and braces: check_json_depth runs before decoding
+        return error_response(APIError(400, "the request is nested too deeply", code="limit_exceeded"))
+    ref = uuid.uuid4().hex[:12]
+    log.error("unhandled error %s in %s %s: %s: %s", ref, request.method, request.url.path, type(exc).__name__,
+              exc, exc_info=exc)
+    # the client learns that it happened and how to find it in the log, never the traceback
+    return error_response(APIError(500, f"internal error (reference {ref})", code="internal_error"))
 
 
 # ---------------------------------------------------------------- the app
 
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, *,
-              own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None) -> Starlette:
+              own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
+              allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
+              metrics_public: bool = False) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
-    api_key: require ``Authorization: Bearer <api_key>`` on /v1 routes.
+    api_key: require ``Authorization: Bearer <api_key>`` on everything but /health and the chat page
+        (/metrics too unless ``metrics_public``).
     own_engine: shut the engine down when the app stops (what ``serve`` does).
     web_chat_dir: where the web chat page lives (default: the installed page).
+    allowed_hosts: Host names accepted besides the defaults for ``bind_host`` (security.py; "*": all).
+    allowed_origins: browser origins besides the server's own that may post and open websockets;
+        they also get CORS headers (CORS is off without them; "*": every origin).
+    Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
 
@@ -569,8 +585,11 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         from asyncengine.models.default_model import DEFAULT_MODEL
 
         name = DEFAULT_MODEL
-    st = ServerState(engine, str(name), api_key,
+    policy = SecurityPolicy(api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
+                            bind_host=bind_host, metrics_public=metrics_public)
+    st = ServerState(engine, str(name), policy,
                      Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir())
+    install_log_redaction()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -596,10 +615,16 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         Route("/chat.js", _page("chat.js", "text/javascript; charset=utf-8"), methods=["GET"]),
         WebSocketRoute("/v1/ws/chat", ws_chat),
     ]
+    middleware = [Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS)]
+    if allowed_origins:  # CORS only where asked for (a preflight is answered before the key check)
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
+    middleware.append(Middleware(SecurityMiddleware, policy=policy))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS),
-                    Middleware(AuthMiddleware, state=st)],
+        middleware=middleware,
         exception_handlers={APIError: _on_api_error, AsyncEngineError: _on_engine_error, HTTPException: _on_http_error,
                             ClientDisconnect: _on_client_gone, Exception: _on_error},
         lifespan=lifespan)

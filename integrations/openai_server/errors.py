@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
+from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 
@@ -35,8 +36,12 @@ def from_engine(exc: BaseException, engine) -> APIError:
     """The API error for an exception out of ``engine.generate`` (or its stream)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
+    if isinstance(exc, InvalidRequestError):  # RequestLimitError names the field and the limit
+        limit = getattr(exc, "limit", None)
+        return APIError(400, str(exc), param=getattr(exc, "param", None),
+                        code="limit_exceeded" if limit else None)
+    if isinstance(exc, RequestFailedError):  # this request alone failed inside the engine
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, EngineOverloaded):
         return APIError(429, str(exc), code="engine_overloaded", headers={"retry-after": "1"})
     if isinstance(exc, EngineDeadError):
@@ -44,4 +49,4 @@ def from_engine(exc: BaseException, engine) -> APIError:
             return APIError(500, str(exc), code="engine_dead")
         # shut down or shutting down: not a fault, the server is going away
         return APIError(503, str(exc), code="shutting_down")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
+from asyncengine.engine.validation import RequestLimits
 from asyncengine.errors import InvalidRequestError
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
-from .errors import APIError
+from .errors import APIError, from_engine
 from .protocol import SamplingFields
 
 _SEED_MOD = 2**63  # OpenAI's seed is any int64; the engine's is [0, 2**63)
@@ -23,14 +24,19 @@ _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "p
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    stream: bool, defaults: SamplingParams | None = None) -> SamplingParams:
-    """The SamplingParams of one prompt's samples (n is set by submit_n). Fields the request
-    leaves out come from ``defaults`` (the engine's: the model's generation config, else the
-    small-chat defaults of asyncengine/engine/defaults.py) as a set: only when the request sets
-    none of them (a request that picks its temperature gets no penalty it did not ask for)."""
+                    stream: bool, limits: RequestLimits | None = None,
+                    defaults: SamplingParams | None = None) -> SamplingParams:
+    """The SamplingParams of one prompt's samples (n is set by submit_n). The engine validates
+    them (validation.py); ``limits`` only guards the conversions done here. Sampling knobs come
+    from ``defaults`` (the engine's: the model's generation config, else the small-chat defaults
+    of asyncengine/engine/defaults.py) as a set: only when the request sets none of them (a
+    request that picks its temperature gets no penalty it did not ask for)."""
     kw: dict = {}
     if defaults is not None and all(getattr(req, f) is None for f in _DEFAULTED):
         kw.update({f: getattr(defaults, f) for f in _DEFAULTED})
+    if limits is not None and req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
+        raise APIError(400, f"the number of logit_bias entries is {len(req.logit_bias)}, over the limit "
+                            f"max_logit_bias={limits.max_logit_bias}", param="logit_bias", code="limit_exceeded")
     if req.temperature is not None:
         kw["temperature"] = req.temperature
     if req.top_p is not None:
@@ -58,7 +64,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY, **kw)
     except InvalidRequestError as e:
-        raise APIError(400, str(e)) from None
+        raise from_engine(e, None) from None
 
 
 def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> RequestStream:

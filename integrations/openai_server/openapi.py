@@ -17,9 +17,15 @@ def _nullable(schema: dict) -> dict:
 
 
 _ERRORS = {str(code): {"description": desc, "content": {"application/json": {"schema": _ref("Error")}}}
-           for code, desc in ((400, "Invalid request"), (401, "Missing or wrong API key"),
-                              (404, "Unknown model"), (429, "The engine's waiting queue is full"),
-                              (500, "The engine died"), (503, "The server is shutting down"))}
+           for code, desc in ((400, "Invalid request, or over a request limit (the message names it)"),
+                              (401, "Missing or wrong API key"),
+                              (403, "Host or Origin not allowed (DNS rebinding / cross-site protection)"),
+                              (404, "Unknown model"), (413, "The body is over max_request_bytes"),
+                              (415, "Content-Type is not application/json"),
+                              (429, "The engine's waiting queue is full"),
+                              (500, "The engine died, or this request failed inside it"),
+                              (503, "The server is shutting down"))}
+_GET_ERRORS = {k: _ERRORS[k] for k in ("401", "403")}
 
 _SAMPLING = {
     "model": {"type": "string", "description": "the served model name"},
@@ -84,18 +90,30 @@ _DOC = {
             "operationId": "listModels",
             "responses": {"200": {"description": "The served model",
                                   "content": {"application/json": {"schema": _ref("ModelList")}}},
-                          "401": _ERRORS["401"]}}},
+                          **_GET_ERRORS}}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The served model",
+                                  "content": {"application/json": {"schema": {"type": "object",
+                                                                              "required": ["id", "object"]}}}},
+                          "404": _ERRORS["404"], **_GET_ERRORS}}},
         "/health": {"get": {
             "operationId": "health",
             "responses": {"200": {"description": "Ready", "content": {"application/json": {"schema": {"type": "object"}}}},
-                          "500": {"description": "The engine died",
-                                  "content": {"application/json": {"schema": {"type": "object"}}}},
-                          "503": {"description": "Shutting down",
+                          "403": _ERRORS["403"],
+                          "503": {"description": "Shutting down, or the engine died (a model fault)",
                                   "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         "/metrics": {"get": {
             "operationId": "metrics",
             "responses": {"200": {"description": "Prometheus text format",
-                                  "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+                          **_GET_ERRORS}}},
+        "/openapi.json": {"get": {
+            "operationId": "openapi",
+            "responses": {"200": {"description": "This document",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}},
+                          **_GET_ERRORS}}},
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

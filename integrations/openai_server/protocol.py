@@ -69,9 +69,11 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # checked by the engine's own rules (asyncengine/engine/validation.py: check_messages): a
+    # message needs a content (null allowed), so a missing one stays missing here
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None | msgspec.UnsetType = msgspec.UNSET
     name: str | None = None
 
 

@@ -29,11 +29,13 @@ import uuid
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError
 
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
 from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
+from .security import WS_PROTOCOL, ws_protocols
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
@@ -58,8 +60,18 @@ class _Connection:
         await self.send({"type": "error", "id": cid, **e.body()})
 
     async def handle(self, raw: str | bytes) -> None:
+        limits = self.st.limits
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         try:
-            obj = msgspec.json.decode(raw)
+            validation.check_body_size(len(data), limits)
+            if len(data) > 256 * 1024:  # megabytes: scanned off the event loop
+                await asyncio.to_thread(validation.check_json_depth, data, limits)
+            else:
+                validation.check_json_depth(data, limits)
+        except validation.RequestLimitError as e:
+            return await self.send_error(None, APIError(400, str(e), param="frame", code="limit_exceeded"))
+        try:
+            obj = msgspec.json.decode(data)
         except msgspec.DecodeError as e:
             return await self.send_error(None, APIError(400, f"a frame must be a JSON object: {e}"))
         if not isinstance(obj, dict):
@@ -97,10 +109,11 @@ class _Connection:
         st = self.st
         st.check_model(frame.model)
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits,
+                             defaults=st.engine.default_sampling_params)
+        st.check_params(params, 1)
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")
-        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True,
-                                 defaults=st.engine.default_sampling_params)
         rid = f"ws-{uuid.uuid4().hex}"
         try:
             stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
@@ -147,7 +160,10 @@ class _Connection:
 
 
 async def ws_chat(ws: WebSocket) -> None:
-    await ws.accept()
+    # the web page offers asyncengine.v1 (plus its key as a second subprotocol, see security.py):
+    # a browser drops a connection whose server picks none of the offered ones
+    offered = ws_protocols(dict(ws.scope.get("headers", ())))
+    await ws.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     conn = _Connection(ws)
     try:
         while True:

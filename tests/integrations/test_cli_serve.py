@@ -56,7 +56,8 @@ def test_serve_subcommand(tiny_llama_dir, tmp_path):
         with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
-        assert httpx.get(base + "/metrics").status_code == 200
+        assert httpx.get(base + "/metrics").status_code == 401  # the key covers everything but /health
+        assert httpx.get(base + "/metrics", headers={"authorization": "Bearer sk-from-env"}).status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -12,7 +12,7 @@ import pytest
 
 from asyncengine import SamplingParams
 from asyncengine.engine.llm import render_chat
-from live_server import HANG_GUARD_S, MODEL
+from live_server import API_KEY, HANG_GUARD_S, MODEL
 
 NO_EOS = {"ignore_eos": True}
 NO_SPECIALS = {"0": -100, "1": -100, "2": -100}  # <s> </s> <pad> of the tiny tokenizer
@@ -189,7 +189,8 @@ def test_stop_string_and_penalties(client):
 
 def _error_body(server, path: str, body) -> tuple[int, dict]:
     r = httpx.post(server.base_url + path, content=body if isinstance(body, bytes) else None,
-                   json=None if isinstance(body, bytes) else body, timeout=HANG_GUARD_S)
+                   json=None if isinstance(body, bytes) else body, timeout=HANG_GUARD_S,
+                   headers={"content-type": "application/json"})
     return r.status_code, r.json()
 
 
@@ -259,16 +260,23 @@ def test_api_key(strict_server, strict_client):
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
     assert httpx.post(strict_server.base_url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
-    # outside /v1: health and metrics stay open for probes and scrapers
+    # only /health stays open for probes (the metrics count requests and tokens: key needed)
     assert httpx.get(strict_server.base_url + "/health").status_code == 200
-    assert httpx.get(strict_server.base_url + "/metrics").status_code == 200
+    assert httpx.get(strict_server.base_url + "/metrics").status_code == 401
+    assert httpx.get(strict_server.base_url + "/openapi.json").status_code == 401
+    assert httpx.get(strict_server.base_url + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}
+                     ).status_code == 200
 
 
 def test_overloaded_is_429_and_all_or_nothing(strict_server, strict_client):
-    # max_queued_requests=1: an n=2 request needs two waiting slots and is refused at once, whole
+    # max_queued_requests=1: two prompts need two waiting slots: refused at once, whole
     with pytest.raises(openai.RateLimitError) as e:
-        strict_client.completions.create(model=MODEL, prompt="hi", n=2, max_tokens=4)
+        strict_client.completions.create(model=MODEL, prompt=["hi", "ho"], max_tokens=4)
     assert e.value.status_code == 429 and e.value.response.headers.get("retry-after") == "1"
+    # n=2 can never fit in a queue of 1: a bad request (400 naming the limit), not "retry later"
+    with pytest.raises(openai.BadRequestError) as e:
+        strict_client.completions.create(model=MODEL, prompt="hi", n=2, max_tokens=4)
+    assert "max_queued_requests=1" in e.value.message and e.value.code == "limit_exceeded"
     strict_server.wait_clean("the refused request's first sample to be aborted")
     assert strict_client.completions.create(model=MODEL, prompt="hi", max_tokens=4).choices
 
@@ -307,7 +315,7 @@ def test_dead_engine_is_500(make_server):
         with pytest.raises(openai.InternalServerError) as e:  # and every later request
             c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
         assert e.value.status_code == 500
-    assert httpx.get(srv.base_url + "/health").status_code == 500
+    assert httpx.get(srv.base_url + "/health").status_code == 503  # a model fault: the server cannot serve any more
 
 
 # ---------------------------------------------------------------- client disconnects

@@ -107,3 +107,29 @@ def _chat_in_page(server, client, page) -> None:
         runner.execute = fast_execute
     page.close()
     server.wait_clean("the stopped answer's blocks to be freed")
+
+
+@pytest.mark.browser
+def test_page_sends_the_key_as_a_subprotocol_never_in_a_url(strict_server):
+    """With an API key: the page takes it from its #fragment (never sent to the server), drops it from
+    the address bar, and opens the websocket with it as a subprotocol: no URL ever carries it."""
+    from live_server import API_KEY
+
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        urls: list[str] = []
+        page.on("request", lambda r: urls.append(r.url))
+        page.on("websocket", lambda ws: urls.append(ws.url))
+        page.goto(strict_server.base_url + "/#api_key=" + API_KEY)
+        page.wait_for_function("document.getElementById('status').textContent === 'connected'")
+        assert any(u.endswith("/v1/ws/chat") for u in urls), urls
+        assert all(API_KEY not in u for u in urls), urls
+        assert API_KEY not in page.url
+        page.fill("#max-tokens", "3")
+        page.fill("#input", "hi")
+        page.press("#input", "Enter")
+        page.locator(".msg.assistant[data-done='true']").first.wait_for()
+        assert page.text_content("#status").startswith("done (")
+        page.close()
+    strict_server.wait_clean()

@@ -146,14 +146,23 @@ async def test_bad_frames_get_error_frames(server):
 
 
 async def test_ws_api_key(strict_server):
+    import base64
+
+    b64 = base64.urlsafe_b64encode(API_KEY.encode()).decode().rstrip("=")
+    bad = base64.urlsafe_b64encode(b"wrong").decode().rstrip("=")
+    refused = [{}, {"subprotocols": ["asyncengine.v1", "asyncengine.key." + bad]}]
+    for kw in refused:
+        with pytest.raises(websockets.exceptions.InvalidStatus):
+            async with websockets.connect(strict_server.ws_url, **kw):
+                pass
+    # a key in the URL is never accepted (URLs end up in logs)
     with pytest.raises(websockets.exceptions.InvalidStatus):
-        async with websockets.connect(strict_server.ws_url):
+        async with websockets.connect(strict_server.ws_url + f"?api_key={API_KEY}"):
             pass
-    with pytest.raises(websockets.exceptions.InvalidStatus):
-        async with websockets.connect(strict_server.ws_url + "?api_key=wrong"):
-            pass
-    for kw, url in (({}, strict_server.ws_url + f"?api_key={API_KEY}"),
-                    ({"additional_headers": {"Authorization": f"Bearer {API_KEY}"}}, strict_server.ws_url)):
-        async with websockets.connect(url, **kw) as ws:
+    for kw in ({"subprotocols": ["asyncengine.v1", "asyncengine.key." + b64]},
+               {"additional_headers": {"Authorization": f"Bearer {API_KEY}"}}):
+        async with websockets.connect(strict_server.ws_url, **kw) as ws:
+            if "subprotocols" in kw:
+                assert ws.subprotocol == "asyncengine.v1"  # the key is never echoed back
             await ws.send(json.dumps({"type": "ping"}))
             assert (await recv(ws))["type"] == "pong"
