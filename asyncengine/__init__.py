@@ -1,22 +1,37 @@
-"""asyncengine: an asyncio-native, embeddable LLM inference engine."""
-from asyncengine.config import EngineConfig
-from asyncengine.engine.validation import RequestLimitError, RequestLimits
-from asyncengine.errors import (AsyncEngineError, ConfigError, EngineDeadError, EngineOverloaded,
-                                InvalidRequestError, ModelLoadError, RequestFailedError)
-from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.sampling_params import OutputKind, SamplingParams
+"""asyncengine: an asyncio-native, embeddable LLM inference engine.
 
+Everything here is imported on first use: ``import asyncengine`` (and ``asyncengine --help``) must
+not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
            "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError"]
 __version__ = "0.1.0"
 
+_WHERE = {
+    "LLM": "asyncengine.engine.llm",
+    "AsyncLLMEngine": "asyncengine.engine.async_engine",
+    "EngineConfig": "asyncengine.config",
+    "SamplingParams": "asyncengine.sampling_params",
+    "OutputKind": "asyncengine.sampling_params",
+    "RequestOutput": "asyncengine.outputs",
+    "CompletionOutput": "asyncengine.outputs",
+    "RequestLimits": "asyncengine.engine.validation",
+    "RequestLimitError": "asyncengine.engine.validation",
+    **{name: "asyncengine.errors" for name in ("AsyncEngineError", "ConfigError", "EngineDeadError",
+                                                 "EngineOverloaded", "InvalidRequestError", "ModelLoadError",
+                                                 "RequestFailedError")},
+}
 
-def __getattr__(name):  # the engines pull in torch and the model code: import them on first use
-    if name == "LLM":
-        from asyncengine.engine.llm import LLM
-        return LLM
-    if name == "AsyncLLMEngine":
-        from asyncengine.engine.async_engine import AsyncLLMEngine
-        return AsyncLLMEngine
-    raise AttributeError(name)
+
+def __getattr__(name):
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'asyncengine' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

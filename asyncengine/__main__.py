@@ -1,5 +1,3 @@
-import sys
+from asyncengine.cli import entry
 
-from asyncengine.cli import main
-
-sys.exit(main())
+entry()

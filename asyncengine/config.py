@@ -68,8 +68,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 class EngineConfig:
     """How the engine runs. Defaults suit a 2-core CPU serving a small model.
 
-    KV cache size: give ``num_kv_blocks`` or ``kv_cache_bytes``; with neither, the cache takes
-    ``kv_cache_bytes`` = 2 GiB on CPU (bounded by what ``max_num_seqs`` full-length requests need).
+    KV cache size: give ``num_kv_blocks`` or ``kv_cache_bytes``; with neither, the cache is sized by
+    need (``max_num_seqs`` sequences of ``max_model_len`` tokens), capped at
+    ``kv_cache_memory_fraction`` of the memory available at start (``core/kv_sizing.py``). On CPU
+    the cache is reserved, not touched: resident memory grows only with the blocks in use.
     """
 
     model: str | None = None
@@ -79,6 +81,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.25
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -138,6 +141,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give num_kv_blocks or kv_cache_bytes, not both")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -21,7 +21,7 @@ class OutputKind(enum.IntEnum):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """How one request is decoded (vLLM's fields and meanings; see executor/sampler.py for the order
+    """How one request is decoded (vLLM's fields and meanings; see worker/sampler.py for the order
     in which the logits processors apply).
 
     * ``n``: parallel samples of the same prompt, returned as ``RequestOutput.outputs[i]``. They

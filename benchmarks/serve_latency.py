@@ -206,7 +206,7 @@ async def amain(a: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/llama-bench",
-                    help="HF checkpoint folder (make it with shared/bench/make_model.py --size bench)")
+                    help="HF checkpoint folder (make it with benchmarks/make_model.py)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--input-len", type=int, default=256)

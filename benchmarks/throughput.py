@@ -20,7 +20,7 @@ Engines (one ``run_<engine>`` function each, registered in ENGINES):
   asyncengine   our LLM.generate, all requests submitted at once (continuous batching)
   hf-static     transformers generate() on chunks of --hf-batch-size requests in order, left
                 padding, max_new_tokens = the chunk's max, EOS disabled: the naive baseline
-                (method of shared/bench/peers/bench_hf.py --mode static, reimplemented here)
+                (a static-batching baseline with transformers, as in the team's peer benchmark, reimplemented here)
 """
 from __future__ import annotations
 

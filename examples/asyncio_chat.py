@@ -26,6 +26,8 @@ import asyncio
 import signal
 import sys
 
+import msgspec
+
 from asyncengine import AsyncLLMEngine, EngineConfig, OutputKind, SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -66,8 +68,11 @@ class Console:
 async def main(a: argparse.Namespace) -> None:
     config = EngineConfig(model=a.model, dtype=a.dtype)
     engine = AsyncLLMEngine(config)  # loads the model (a few seconds) before the loop gets busy
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            output_kind=OutputKind.DELTA)
+    # the model's sampling defaults (the same set the CLI and the server use), with what was asked
+    given = {k: v for k, v in dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p).items()
+             if v is not None}
+    base = engine.default_sampling_params if not given.keys() - {"max_tokens"} else SamplingParams(max_tokens=None)
+    params = msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -129,9 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 (GGUF: its own types)")
     ap.add_argument("--prompt", default=None, help="ask this one question and exit (no interactive input)")
     ap.add_argument("--system", default="You are a helpful assistant. Answer briefly.")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: until the model stops")
+    ap.add_argument("--temperature", type=float, default=None, help="default: the model's sampling defaults")
+    ap.add_argument("--top-p", type=float, default=None, help="default: the model's sampling defaults")
     return ap.parse_args(argv)
 
 

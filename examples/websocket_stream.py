@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
@@ -48,17 +49,20 @@ from asyncengine import (AsyncLLMEngine, EngineConfig, EngineDeadError, EngineOv
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def params_from(msg: dict) -> SamplingParams:
-    return SamplingParams(max_tokens=int(msg.get("max_tokens", 256)), temperature=float(msg.get("temperature", 0.7)),
-                          top_p=float(msg.get("top_p", 1.0)), stop=msg.get("stop"),
-                          output_kind=OutputKind.DELTA)
+def params_from(msg: dict, defaults: SamplingParams) -> SamplingParams:
+    """The frame's fields over the engine's sampling defaults (used as a set when the frame sets no
+    sampling knob); no max_tokens = until the model stops."""
+    knobs = {k: float(msg[k]) for k in ("temperature", "top_p") if msg.get(k) is not None}
+    base = defaults if not knobs else SamplingParams(max_tokens=None)
+    return msgspec.structs.replace(base, max_tokens=int(msg["max_tokens"]) if msg.get("max_tokens") else None,
+                                   stop=msg.get("stop"), output_kind=OutputKind.DELTA, **knobs)
 
 
 async def stream_one(ws: WebSocket, engine: AsyncLLMEngine, msg: dict) -> None:
     """One request: its deltas as frames. Cancelling this task aborts the request in the engine."""
     try:
         prompt = msg["messages"] if "messages" in msg else msg["prompt"]
-        stream = engine.generate(prompt, params_from(msg))
+        stream = engine.generate(prompt, params_from(msg, engine.default_sampling_params))
     except (KeyError, TypeError, ValueError) as e:  # InvalidRequestError is a ValueError
         await ws.send_json({"type": "error", "error": "invalid_request", "message": str(e) or repr(e)})
         return

@@ -15,36 +15,22 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.kv_sizing import plan_kv_blocks
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
-from asyncengine.errors import ConfigError
 from asyncengine.executor.abstract import Executor
 from asyncengine.models.loader import ModelInfo, load_model_info
 from asyncengine.worker.worker import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30
-
 
 def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> int:
-    """The KV-sizing policy: how many blocks every rank allocates, from what a block costs on a
-    rank (its share of the KV heads) and what memory the ranks reported."""
-    per_block = spec.bytes_per_block
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_bytes or spec.kv_budget_bytes or DEFAULT_KV_CACHE_BYTES
-    n = budget // per_block
-    if config.kv_cache_bytes is None:
-        # never more than every sequence slot at full length could use
-        n = min(n, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
-        # nor more than 90% of the memory a rank has free (CUDA: the profiled budget already says)
-        if spec.available_bytes is not None and spec.kv_budget_bytes is None:
-            n = min(n, max(2, int(spec.available_bytes * 0.9) // per_block))
-    if n < 2:
-        raise ConfigError(f"kv_cache_bytes={budget} holds fewer than 2 blocks of {per_block} bytes")
-    return int(n)
+    """The KV-cache policy (core/kv_sizing.py) applied to what a block costs on a rank (its share
+    of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget."""
+    return plan_kv_blocks(config, spec.bytes_per_block, max_model_len, spec.available_bytes,
+                          spec.kv_budget_bytes).num_blocks
 
 
 class EngineCore:
@@ -58,7 +44,8 @@ class EngineCore:
         if info is None and loaded is not None:
             info = ModelInfo(hf_config=loaded.hf_config, tokenizer=loaded.tokenizer,
                              eos_token_ids=list(loaded.eos_token_ids), max_model_len=loaded.max_model_len,
-                             vocab_size=loaded.hf_config.vocab_size, path=loaded.path)
+                             vocab_size=loaded.hf_config.vocab_size, path=loaded.path,
+                             generation_config=getattr(loaded, "generation_config", None))
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture

@@ -30,6 +30,7 @@ from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.core.request import child_request_id
 from asyncengine.engine import validation
+from asyncengine.engine.defaults import default_sampling_params
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
@@ -86,6 +87,10 @@ class AsyncLLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
                                         self.core.eos_token_ids, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # what generate() uses without params, and front ends for the fields a caller left out: the
+        # checkpoint's generation config, as the front end read it (ModelInfo), else ours
+        info = getattr(self.core, "model_info", None)
+        self.default_sampling_params = default_sampling_params(getattr(info, "generation_config", None))
         if config.freeze_gc_after_load:
             _freeze_gc()
         self._slots: dict[str, RequestSlot] = {}
@@ -212,6 +217,8 @@ class AsyncLLMEngine:
         self._bind_loop()
         if self._closing:
             raise EngineDeadError("the engine is shutting down")
+        if sampling_params is None:  # the model's defaults (engine/defaults.py)
+            sampling_params = self.default_sampling_params
         params = _check_params(sampling_params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex[:16]}"
@@ -352,7 +359,8 @@ class AsyncLLMEngine:
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
         """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(_check_params(sampling_params), output_kind=OutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(_check_params(sampling_params or self.default_sampling_params),
+                                         output_kind=OutputKind.FINAL_ONLY)
         final = None
         async for out in self.generate(prompt, params, request_id, **kw):
             final = out

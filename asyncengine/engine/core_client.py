@@ -307,7 +307,8 @@ class DPEngineCores:
         to_dict = getattr(model_info.hf_config, "to_dict", None)
         info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
                     eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,
-                    vocab_size=model_info.vocab_size, path=model_info.path)
+                    vocab_size=model_info.vocab_size, path=model_info.path,
+                    generation_config=model_info.generation_config)
         self.clients: list[EngineCoreClient] = []
         try:
             for i in range(config.data_parallel_size):  # start them all, then wait: they load in parallel

@@ -56,12 +56,13 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: torch.device | None = None) -> None:
         """(Re)compute the tables; called again after the model is materialised from meta."""
-        inv_freq = compute_inv_freq(self.head_dim, self.params)
-        pos = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device)  # [max_pos, head_dim], fp32 (plain attributes: never cast)
-        self.sin = emb.sin().to(device)
+        with torch.device("cpu"):  # real numbers even under a meta-device context (meta ops import dynamo)
+            inv_freq = compute_inv_freq(self.head_dim, self.params)
+            pos = torch.arange(self.max_positions, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos = emb.cos().to(device)  # [max_pos, head_dim], fp32 (plain attributes: never cast)
+            self.sin = emb.sin().to(device)
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,7 +151,8 @@ class LlamaForCausalLM(nn.Module):
         self.inter_start, _ = even_split(a.intermediate_size, tp, "intermediate size")
         # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad)
         self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
-        self.embed_tokens = nn.Embedding(rows, a.hidden_size)
+        # _weight: no random init (on the meta device, normal_ would import torch._dynamo: seconds)
+        self.embed_tokens = nn.Embedding(rows, a.hidden_size, _weight=torch.empty(rows, a.hidden_size))
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
         windows = a.layer_windows or (None,) * a.num_layers

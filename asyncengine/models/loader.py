@@ -26,6 +26,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     path: str
+    # sampling settings the checkpoint recommends (generation_config.json; GGUF general.sampling.*)
+    generation_config: dict | None = None
 
 
 def resolve_path(name_or_path: str | None) -> str:
@@ -87,6 +89,15 @@ def _safetensors_weights(path: Path, shard_of=None):
             raise ModelLoadError(f"{fp}: cannot read safetensors file ({e})") from None
 
 
+def _generation_config(path: Path) -> dict | None:
+    gc = path / "generation_config.json"
+    try:
+        data = json.loads(gc.read_text()) if gc.exists() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _eos_ids(path: Path, hf_config) -> list[int]:
     ids = None
     gc = path / "generation_config.json"
@@ -139,23 +150,32 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     path: str
+    # sampling settings the checkpoint recommends (generation_config.json; GGUF general.sampling.*):
+    # the front end's defaults (engine/defaults.py)
+    generation_config: dict | None = None
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
-    """Config, tokenizer and limits of the configured model; reads no weight."""
+    """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
-        from asyncengine.models.gguf_loader import load_gguf
+        from asyncengine.engine.defaults import gguf_generation_config
+        from asyncengine.models.gguf_loader import open_gguf
 
-        ckpt = load_gguf(path, tensors=False, tokenizer=not config.skip_tokenizer_init)
-        hf_config, tokenizer, eos = ckpt.config, ckpt.tokenizer, list(ckpt.eos_token_ids)
+        log.info(f"reading {os.path.basename(path)}")
+        # straight into the runtime format: no transformers config, the fast tokenizer where it applies
+        gguf = open_gguf(path, tokenizer=not config.skip_tokenizer_init)
+        hf_config, tokenizer, eos = gguf.config, gguf.tokenizer, list(gguf.eos_token_ids)
+        generation_config = gguf_generation_config(gguf.metadata)
     else:
         hf_config = _hf_config(path)
         tokenizer = _load_tokenizer(path, config)
         eos = _eos_ids(Path(path), hf_config)
+        generation_config = _generation_config(Path(path))
     resolve_architecture(hf_config)  # fail here, before any worker starts, on an unknown model
     return ModelInfo(hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
-                     max_model_len=_max_model_len(hf_config, config), vocab_size=hf_config.vocab_size, path=path)
+                     max_model_len=_max_model_len(hf_config, config), vocab_size=hf_config.vocab_size, path=path,
+                     generation_config=generation_config)
 
 
 def _hf_config(path: str):
@@ -176,25 +196,42 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
     rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
     never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
-    worker process then never imports transformers for a safetensors checkpoint: seconds saved)."""
+    worker process then never imports transformers for a safetensors checkpoint: seconds saved).
+
+    An unsharded GGUF goes straight into the runtime format (config from its metadata, weights
+    decoded lazily, on CPU a memory-mapped weight cache for later starts: models/weight_cache.py);
+    a shard reads only its slices (load_gguf(shard_of=...)). What it is doing is logged at INFO on
+    this module's logger (the CLI shows it as one status line on stderr)."""
     from asyncengine.layers.parallel import SINGLE
 
+    say = log.info
     tp = tp or SINGLE
     path = resolve_path(config.model)
-    cls = None
+    want_tok = tokenizer and not config.skip_tokenizer_init
+    gguf, weights, tok, generation_config = None, None, None, None
     if path.endswith(".gguf"):
-        from asyncengine.models.gguf_loader import gguf_config, load_gguf
+        from asyncengine.engine.defaults import gguf_generation_config
 
-        hf_config = gguf_config(path)
-        cls = resolve_architecture(hf_config)
-        max_len = _max_model_len(hf_config, config)
-        with torch.device("meta"):
-            shape_model = cls(hf_config, max_positions=max_len, tp=tp)
-        ckpt = load_gguf(path, tokenizer=tokenizer and not config.skip_tokenizer_init,
-                         shard_of=shape_model.weight_shard if tp.size > 1 else None)
-        hf_config, weights = ckpt.config, ckpt.tensors.items()
-        tok = ckpt.tokenizer
-        eos = list(ckpt.eos_token_ids)
+        if tp.size > 1:
+            from asyncengine.models.gguf_loader import gguf_config, load_gguf
+
+            hf_config = gguf_config(path)
+            cls = resolve_architecture(hf_config)
+            max_len = _max_model_len(hf_config, config)
+            with torch.device("meta"):
+                shape_model = cls(hf_config, max_positions=max_len, tp=tp)
+            say(f"reading rank {tp.rank}'s shard of {os.path.basename(path)}")
+            ckpt = load_gguf(path, tokenizer=want_tok, shard_of=shape_model.weight_shard)
+            hf_config, weights = ckpt.config, ckpt.tensors.items()
+            tok, eos = ckpt.tokenizer, list(ckpt.eos_token_ids)
+            generation_config = gguf_generation_config(ckpt.metadata)
+        else:
+            from asyncengine.models.gguf_loader import open_gguf
+
+            say(f"reading {os.path.basename(path)}")
+            gguf = open_gguf(path, tokenizer=want_tok)
+            hf_config, tok, eos = gguf.config, gguf.tokenizer, list(gguf.eos_token_ids)
+            generation_config = gguf_generation_config(gguf.metadata)
     else:
         if hf_config is not None:
             import types
@@ -202,22 +239,39 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             hf_config = types.SimpleNamespace(**hf_config)
         else:
             hf_config = _hf_config(path)
-        weights = None
-        tok = None
         eos = _eos_ids(Path(path), hf_config)
-    cls = cls or resolve_architecture(hf_config)
+        generation_config = _generation_config(Path(path))
+    cls = resolve_architecture(hf_config)
     max_len = _max_model_len(hf_config, config)
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len, tp=tp)
-    model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
+    cache, cached = None, False
+    # unsharded CPU loads only: a key without the shard would hand one rank another's weights
+    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1:
+        from asyncengine.models import weight_cache
+
+        if weight_cache.enabled_for(path):
+            cache = weight_cache.cache_file(path, config.torch_dtype, cls)
+            cached = weight_cache.load(model, cache)
+    if not cached:
+        model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
     model.rotary.build(config.torch_device)
-    if weights is None:
-        weights = _safetensors_weights(Path(path), model.weight_shard if tp.size > 1 else None)
-        tok = _load_tokenizer(path, config) if tokenizer else None
-    try:
-        model.load_weights(weights)
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
+    if not cached:
+        if gguf is not None:
+            say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache
+                else f"decoding {os.path.basename(path)}")
+            weights = gguf.weights(config.torch_dtype)
+        elif weights is None:
+            say(f"reading {path}")
+            weights = _safetensors_weights(Path(path), model.weight_shard if tp.size > 1 else None)
+            tok = _load_tokenizer(path, config) if tokenizer else None
+        try:
+            model.load_weights(weights)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
+        if cache is not None:
+            say("writing the weight cache")
+            weight_cache.save(model, cache)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tok, eos_token_ids=eos,
-                       max_model_len=max_len, path=path)
+                       max_model_len=max_len, path=path, generation_config=generation_config)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 import time
 from dataclasses import dataclass
@@ -69,33 +71,30 @@ class RunnerRequestState:
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes on this rank (its share of the KV heads)."""
+    """Bytes one KV block takes on this rank (its share of the KV heads; core/kv_sizing.py)."""
+    from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block
+
     a = model.args
-    return 2 * a.num_layers * block_size * model.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
+    shape = KVModelShape(a.num_layers, model.num_kv_heads, a.head_dim, max_model_len=0)
+    return bytes_per_block(shape, block_size, dtype.itemsize)
 
 
 def kv_cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV-cache tensor. On Linux CPUs its memory is first advised to use transparent huge
-    pages (where THP is in "madvise" mode, the default on many distributions, nothing else asks):
-    decode attention gathers blocks scattered over the whole cache, and 2 MiB pages spare it most
-    TLB misses (about 15% faster gathers, see docs/benchmarks.md)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform.startswith("linux"):
-        _madvise_hugepages(t.data_ptr(), t.numel() * t.element_size())
-    return t.zero_()  # first touch after the advice, so the pages are allocated huge
+    """A zeroed KV-cache tensor whose memory is not touched until used.
 
-
-def _madvise_hugepages(addr: int, nbytes: int) -> None:
-    huge = 2 << 20
-    start = -(-addr // huge) * huge
-    end = (addr + nbytes) // huge * huge
-    if end <= start:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass  # an advice only: without it the cache just uses 4 KiB pages
+    Zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN. On CPU
+    the zeros come from the kernel: fresh anonymous memory reads as zero and each page becomes
+    resident only when first written, so a cache sized for many long sequences costs a one-line
+    chat only the pages its few blocks use (zeroing 2 GiB up front took 6.7 s and 2 GiB of RSS).
+    No huge-page advice (it made decode gathers ~15% faster): the head-major layout spreads a block
+    over every head's region, and each first write would fault in 2 MiB where it needs 4 KiB."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters

@@ -33,17 +33,10 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
 
 
 def _available_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Memory this rank could give the KV cache: the one measure (core/kv_sizing.py)."""
+    from asyncengine.core.kv_sizing import available_memory_bytes
+
+    return available_memory_bytes(device)
 
 
 class Worker:

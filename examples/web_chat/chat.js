@@ -92,11 +92,14 @@
     bubble("user", text);
     history.push({ role: "user", content: text });
     current = { id: nextId++, el: bubble("assistant", ""), text: "" };
-    ws.send(JSON.stringify({
-      type: "chat", id: current.id, messages: history,
-      max_tokens: parseInt($("max-tokens").value, 10) || 256,
-      temperature: parseFloat($("temperature").value) || 0,
-    }));
+    // blank fields are left out: the server then uses the model's defaults (its generation
+    // config, else the engine's small-chat defaults) and answers until the model stops
+    const frame = { type: "chat", id: current.id, messages: history };
+    const maxTokens = parseInt($("max-tokens").value, 10);
+    if (maxTokens > 0) frame.max_tokens = maxTokens;
+    const temperature = parseFloat($("temperature").value);
+    if (!Number.isNaN(temperature)) frame.temperature = temperature;
+    ws.send(JSON.stringify(frame));
     status.textContent = "generating…";
     setBusy(true);
   }

@@ -355,7 +355,8 @@ async def completions(request: Request) -> Response:
                    and not isinstance(req.prompt[0], (int, float)) else 1, req.n)
     k = req.logprobs
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
-                             limits=st.limits)
+                             limits=st.limits,
+                             defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before any prompt is tokenized
     prompts = await st.completion_prompts(req.prompt)
     for _, ids in prompts:
@@ -466,7 +467,8 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
+                             defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before the messages are rendered
     ids = await st.chat_prompt(req.messages)
     st.check_length(len(ids), max_tokens, "messages")

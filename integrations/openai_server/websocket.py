@@ -121,7 +121,8 @@ class _Connection:
         st = self.st
         st.check_model(frame.model)
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
-        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits)
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits,
+                             defaults=st.engine.default_sampling_params)
         st.check_params(params, 1)
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")

@@ -1,0 +1,120 @@
+"""How many KV-cache blocks the engine gets: one policy, a pure function of the configuration, the
+model's shape and the memory available (the workers measure the memory and report a KVCacheSpec;
+this module only decides, in the engine core).
+
+In order of precedence:
+
+1. ``num_kv_blocks``: exactly that many blocks;
+2. ``kv_cache_bytes``: as many blocks as fit in that many bytes;
+3. neither (the default): *by need*, what ``max_num_seqs`` sequences at the model's full context
+   would use, capped at ``kv_cache_memory_fraction`` of the memory available when the engine starts.
+
+The cache is reserved, not touched: on CPU it is lazily zero-filled anonymous memory
+(:func:`asyncengine.worker.model_runner.kv_cache_zeros`), so the process's resident memory grows
+only with the blocks requests actually write to. A generous reservation therefore costs address
+space, not RAM, until it is used; a long-running server with prefix caching on keeps freed blocks'
+contents and so, over time, touches up to the whole reservation (that is what the cap bounds).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from asyncengine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVModelShape:
+    """What of the model the KV-cache size depends on."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int  # the longest sequence the engine will serve
+
+    @classmethod
+    def of(cls, model_args, max_model_len: int) -> "KVModelShape":
+        return cls(model_args.num_layers, model_args.num_kv_heads, model_args.head_dim, max_model_len)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    bytes_per_block: int
+    why: str  # which rule decided, for the log line
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def bytes_per_block(shape: KVModelShape, block_size: int, dtype_bytes: int) -> int:
+    """Keys and values of ``block_size`` tokens in every layer."""
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+def plan_kv_cache(config, shape: KVModelShape, available_bytes: int | None) -> KVPlan:
+    """The number of KV blocks for ``config`` (an :class:`~asyncengine.config.EngineConfig`).
+
+    ``available_bytes``: memory the cache may come out of (CPU: MemAvailable; GPU: free device
+    memory), or None if unknown (then the need alone decides). Raises ConfigError when the result
+    holds fewer than 2 blocks."""
+    per_block = bytes_per_block(shape, config.block_size, config.torch_dtype.itemsize)
+    return plan_kv_blocks(config, per_block, shape.max_model_len, available_bytes)
+
+
+def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: int | None,
+                   budget_bytes: int | None = None) -> KVPlan:
+    """:func:`plan_kv_cache` from what one block costs (``per_block`` bytes: on a tensor-parallel
+    rank, its share of the KV heads) and the memory available (on the rank with the least; None if
+    unknown). ``budget_bytes``: a measured budget that replaces the memory-fraction cap (CUDA: what
+    ``gpu_memory_utilization`` leaves after a profiling run). The engine core applies this to the
+    :class:`~asyncengine.worker.worker.KVCacheSpec` its workers report."""
+    bs = config.block_size
+    if config.num_kv_blocks is not None:
+        return KVPlan(config.num_kv_blocks, per_block, "num_kv_blocks")
+    if config.kv_cache_bytes is not None:
+        n = config.kv_cache_bytes // per_block
+        if n < 2:
+            raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 blocks of "
+                              f"{per_block} bytes")
+        return KVPlan(int(n), per_block, "kv_cache_bytes")
+    # +1: the scheduler may hold one block beyond a full-length sequence's while it grows
+    need = config.max_num_seqs * -(-max_model_len // bs) + 1
+    if budget_bytes is not None:
+        n = budget_bytes // per_block
+        if n < 2:
+            raise ConfigError(f"the profiled KV budget ({budget_bytes >> 20} MiB) holds fewer than 2 blocks of "
+                              f"{per_block} bytes: raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return KVPlan(int(min(need, n)), per_block, "profiled budget (gpu_memory_utilization)")
+    if available_bytes is None:
+        return KVPlan(need, per_block, "max_num_seqs x max_model_len")
+    cap = int(config.kv_cache_memory_fraction * available_bytes) // per_block
+    if cap < 2:
+        raise ConfigError(
+            f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of the {available_bytes >> 20} MiB "
+            f"available holds fewer than 2 KV blocks of {per_block} bytes: free memory, raise the "
+            f"fraction or give kv_cache_bytes")
+    if need <= cap:
+        return KVPlan(need, per_block, "max_num_seqs x max_model_len")
+    return KVPlan(cap, per_block, f"{config.kv_cache_memory_fraction:g} of available memory")
+
+
+def available_memory_bytes(device) -> int | None:
+    """Memory a KV cache on ``device`` (a torch.device) could use now; None if unknown."""
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,111 @@
+"""The runtime-format weight cache: a model's loaded state, written once, memory-mapped after.
+
+Decoding a quantized GGUF into the engine's tensors costs seconds on a small CPU (SmolLM2-135M:
+~3 s of dequantizing and copying on 2 busy cores), every start. After the first load of a GGUF the
+engine writes its parameters, exactly as the model holds them (fused, in the engine's dtype), into
+one flat file in the cache folder; later starts map that file copy-on-write and hand the model
+views of it: no decoding, no copy, and pages are read from the page cache as the first forward pass
+touches them.
+
+The key covers what the content depends on: the GGUF's real path, size and modification time, the
+dtype, the model class and this module's format version. A stale or corrupt entry is ignored (and
+replaced), never trusted: the index must list exactly the model's parameters with their shapes.
+Only files of at least :data:`MIN_FILE_BYTES` are cached (tiny files decode in milliseconds).
+``ASYNCENGINE_WEIGHT_CACHE=0`` turns the cache off.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MIN_FILE_BYTES = 16 << 20
+_ALIGN = 64
+
+
+def enabled_for(path: str) -> bool:
+    if os.environ.get("ASYNCENGINE_WEIGHT_CACHE", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        return os.path.getsize(path) >= MIN_FILE_BYTES
+    except OSError:
+        return False
+
+
+def cache_file(path: str, dtype: torch.dtype, model_cls: type) -> Path:
+    from asyncengine.models.default_model import cache_dir
+
+    st = os.stat(path)
+    key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, str(dtype), model_cls.__name__,
+                      FORMAT_VERSION])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_dir() / "weights" / f"{Path(path).stem}-{digest}.bin"
+
+
+def load(model: torch.nn.Module, file: Path) -> bool:
+    """Point ``model``'s parameters at the cached file (copy-on-write map). False if there is no
+    usable entry; the model is then untouched."""
+    index_file = file.with_suffix(".json")
+    try:
+        index = json.loads(index_file.read_text())
+        params = dict(model.named_parameters())
+        if set(index["tensors"]) != set(params):
+            return False
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != index["nbytes"]:
+                return False
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the map alive
+    views = {}
+    for name, (dtype, shape, offset) in index["tensors"].items():
+        p = params[name]
+        dt = getattr(torch, dtype)
+        if list(p.shape) != shape or dt != p.dtype:
+            return False
+        n = p.numel() * dt.itemsize
+        views[name] = flat[offset:offset + n].view(dt).view(shape)
+    model.load_state_dict(views, strict=True, assign=True)  # works on a meta-device model too
+    return True
+
+
+def save(model: torch.nn.Module, file: Path) -> None:
+    """Write ``model``'s parameters (flat, aligned) and their index; atomic, best effort."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tensors, offset = {}, 0
+        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+        with os.fdopen(fd, "wb") as out:
+            for name, p in model.named_parameters():
+                pad = -offset % _ALIGN
+                out.write(b"\0" * pad)
+                offset += pad
+                data = p.detach().contiguous().view(-1).view(torch.uint8).numpy().data
+                out.write(data)
+                tensors[name] = (str(p.dtype).removeprefix("torch."), list(p.shape), offset)
+                offset += data.nbytes
+        os.replace(tmp, file)
+        index = file.with_suffix(".json")
+        tmp_index = index.with_name(f".{index.name}.tmp{os.getpid()}")
+        tmp_index.write_text(json.dumps({"nbytes": offset, "tensors": tensors}))
+        os.replace(tmp_index, index)
+    except OSError as e:
+        log.warning("could not write the weight cache %s: %s", file, e)
+        try:
+            os.unlink(tmp)
+        except (OSError, UnboundLocalError):
+            pass
