@@ -78,7 +78,7 @@ def test_device_auto(monkeypatch):
 
 def test_kv_blocks_from_the_profiled_budget():
     """The core sizes the cache from the CUDA budget when a rank measured one (not the CPU default,
-    not capped by the 90%-of-free rule), still bounded by what max_num_seqs full requests use."""
+    not capped by the memory-fraction rule), still bounded by what max_num_seqs full requests use."""
     from asyncengine.core.engine_core import num_kv_blocks_for
     from asyncengine.worker.worker import KVCacheSpec
 
@@ -87,7 +87,8 @@ def test_kv_blocks_from_the_profiled_budget():
     assert num_kv_blocks_for(cfg, spec, max_model_len=4096) == 50
     assert num_kv_blocks_for(cfg, spec, max_model_len=64) == 4 * 4 + 1
     cpu = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20)
-    assert num_kv_blocks_for(cfg, cpu, max_model_len=4096) == 90  # the free-memory cap
+    # no profiled budget (CPU): capped at kv_cache_memory_fraction of the memory available
+    assert num_kv_blocks_for(cfg, cpu, max_model_len=4096) == int(cfg.kv_cache_memory_fraction * 100)
     assert num_kv_blocks_for(EngineConfig(device="cpu", kv_cache_bytes=10 << 20), spec, 4096) == 10
 
 
