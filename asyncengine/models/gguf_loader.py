@@ -149,13 +149,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *, te
     path = _resolve_file(path)
     gguf_file = _GGUFFile(path)
     metadata = gguf_file.metadata
-    gguf_arch = metadata.get("general.architecture")
-    if gguf_arch is None:
-        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
-    if gguf_arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}."
-        )
+    gguf_arch = _architecture(metadata, path)
     _check_tensor_types(gguf_file, path)
     config = _build_config(gguf_file, gguf_arch, path)
     if tensors:
@@ -860,6 +854,19 @@ class GGUFModel:
             yield hf, w
 
 
+
+def _architecture(metadata: dict, path) -> str:
+    """The file's ``general.architecture``, refused unless we support it."""
+    gguf_arch = metadata.get("general.architecture")
+    if gguf_arch is None:
+        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
+    if gguf_arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}."
+        )
+    return gguf_arch
+
+
 def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     """Open a GGUF file for the engine: metadata, config and tokenizer now (milliseconds for the
     config, ~0.2 s for a 50k byte-level vocabulary), weights when :meth:`GGUFModel.weights` is
@@ -867,13 +874,7 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     path = _resolve_file(path)
     f = _GGUFFile(path)
     md = f.metadata
-    gguf_arch = md.get("general.architecture")
-    if gguf_arch is None:
-        raise ModelLoadError(f"{path}: the GGUF metadata has no 'general.architecture' key.")
-    if gguf_arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}."
-        )
+    gguf_arch = _architecture(md, path)
     _check_tensor_types(f, path)
     model_type, kwargs = _config_kwargs(f, gguf_arch, path)
     config = GGUFModelConfig(model_type, **kwargs)

@@ -343,13 +343,7 @@ class ModelRunner:
         if sample_rows:
             idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[idx]).float()
-            masked = None
-            if self._grammar is not None:
-                tg = time.perf_counter()
-                masked = self._grammar_bitmask(sample_states)
-                if masked is not None:
-                    self._grammar.apply_bitmask(logits, *masked)
-                self.grammar_time_s += time.perf_counter() - tg
+            self._apply_grammar(logits, sample_states)
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
                 prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -398,6 +392,17 @@ class ModelRunner:
         st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs)
         for t in st.output_ids:
             st.matcher.accept(t)
+
+    def _apply_grammar(self, logits, sample_states, spec_drafts=None) -> None:
+        """Mask ``logits`` (one row per sampled row) to what each request's grammar allows; clocked
+        into grammar_time_s (the structured-output overhead)."""
+        if self._grammar is None:
+            return
+        tg = time.perf_counter()
+        masked = self._grammar_bitmask(sample_states, spec_drafts)
+        if masked is not None:
+            self._grammar.apply_bitmask(logits, *masked)
+        self.grammar_time_s += time.perf_counter() - tg
 
     def _grammar_bitmask(self, sample_states, spec_drafts=None):
         """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
@@ -459,12 +464,7 @@ class ModelRunner:
                 outputs[first + i] = st.output_ids + drafts[:i]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[idx]).float()
-        if self._grammar is not None:
-            tg = time.perf_counter()
-            masked = self._grammar_bitmask(sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
-            if masked is not None:
-                self._grammar.apply_bitmask(logits, *masked)
-            self.grammar_time_s += time.perf_counter() - tg
+        self._apply_grammar(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
