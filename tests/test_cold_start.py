@@ -137,12 +137,14 @@ def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch):
     assert len(files) == 1
     a = first.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     second = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
-    w = second.engine.executor.worker.model.embed_tokens.weight
+    from worker_hooks import runner_of
+
+    first_model, second_model = (llm.engine.collective_rpc(runner_of)[0].model for llm in (first, second))
+    w = second_model.embed_tokens.weight
     assert not w.is_meta and w.untyped_storage().nbytes() == files[0].stat().st_size  # a view of the file
     b = second.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b
-    for (n1, p1), (n2, p2) in zip(first.engine.executor.worker.model.named_parameters(),
-                                  second.engine.executor.worker.model.named_parameters()):
+    for (n1, p1), (n2, p2) in zip(first_model.named_parameters(), second_model.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1
     # a corrupt entry is ignored, not trusted
     files[0].write_bytes(files[0].read_bytes()[:100])

@@ -18,7 +18,9 @@ REGIMES = {
 
 
 def runner(llm):
-    return llm.engine.executor.worker.runner
+    from worker_hooks import runner_of
+
+    return llm.engine.collective_rpc(runner_of)[0]
 
 
 def greedy_run(llm, requests):

@@ -87,7 +87,9 @@ def test_kv_cache_zeros_is_zero_and_untouched():
 def test_engine_touches_only_the_blocks_it_uses(tiny_llama_dir):
     bs = 16
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_bytes=256 << 20, block_size=bs)
-    runner = llm.engine.executor.worker.runner
+    from worker_hooks import runner_of
+
+    [runner] = llm.engine.collective_rpc(runner_of)
     k0, v0 = runner.kv_caches[0]
     total_pages = -(-k0.numel() * k0.element_size() // _PAGE)
     assert all(resident_pages(t) == 0 for kv in runner.kv_caches for t in kv)

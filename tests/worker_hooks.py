@@ -74,6 +74,11 @@ def attention_windows(worker) -> list:
     return [layer.self_attn.sliding_window for layer in worker.model.layers]
 
 
+def runner_of(worker):
+    """The worker's model runner (in-process executors only: the object itself comes back)."""
+    return worker.runner
+
+
 def restore_execute(worker) -> None:
     """Undo fail_after / slow_steps / die_after."""
     worker.runner.__dict__.pop("execute", None)

@@ -73,16 +73,21 @@ class PersistentBuffers:
         if self._copied is not None:
             self._copied[name].synchronize()  # at once unless the copy of the last step is pending
 
+    def _host_rows(self, name: str, n: int):
+        """The host buffer ``name`` as a numpy array, once it holds ``n`` rows and no copy of the
+        previous step still reads it."""
+        h = self.host[name]
+        if n > h.shape[0]:
+            raise ValueError(f"buffer {name!r} holds {h.shape[0]} rows, step needs {n}")
+        self._wait_copies(name)
+        return h.numpy()
+
     def stage(self, name: str, values, n: int | None = None, fill: int | float | None = None) -> torch.Tensor:
         """Write ``values`` (a sequence) at the start of buffer ``name``; if ``n`` > len(values),
         rows up to ``n`` get ``fill`` (padding). Returns the device view of the first n rows."""
         m = len(values)
         n = m if n is None else n
-        h = self.host[name]
-        if n > h.shape[0]:
-            raise ValueError(f"buffer {name!r} holds {h.shape[0]} rows, step needs {n}")
-        self._wait_copies(name)
-        arr = h.numpy()
+        arr = self._host_rows(name, n)
         arr[:m] = values
         if n > m:
             arr[m:n] = 0 if fill is None else fill
@@ -93,11 +98,7 @@ class PersistentBuffers:
         up to ``n`` are all ``fill``. Returns the device view [n, width]."""
         m = len(rows)
         n = m if n is None else n
-        h = self.host[name]
-        if n > h.shape[0]:
-            raise ValueError(f"buffer {name!r} holds {h.shape[0]} rows, step needs {n}")
-        self._wait_copies(name)
-        arr = h.numpy()
+        arr = self._host_rows(name, n)
         arr[:n] = fill
         width = arr.shape[1]
         for i, r in enumerate(rows):

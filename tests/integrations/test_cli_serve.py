@@ -2,6 +2,7 @@
 $ASYNCENGINE_API_KEY, the openai client against it, then Ctrl-C (SIGINT) for a clean exit."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,13 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_subcommand(tiny_llama_dir, tmp_path):
+@contextlib.contextmanager
+def running_serve(model_dir: str, tmp_path, *args: str, env: dict | None = None):
+    """``python -m asyncengine serve MODEL`` on a free 127.0.0.1 port, healthy before the block runs;
+    yields (process, base URL). Afterwards Ctrl-C (SIGINT), which must exit it cleanly (code 0)."""
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "ASYNCENGINE_API_KEY": "sk-from-env", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncengine", "serve", tiny_llama_dir, "--host", "127.0.0.1",
-                             "--port", str(port), "--dtype", "float32", "--max-model-len", "256"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncengine", "serve", model_dir, "--host", "127.0.0.1",
+                             "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(int(HANG_GUARD_S / 0.1)):
@@ -45,7 +48,23 @@ def test_serve_subcommand(tiny_llama_dir, tmp_path):
         if proc.poll() is not None:
             log.seek(0)
             pytest.fail(f"asyncengine serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+        yield proc, base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            log.close()
+    assert proc.returncode == 0
 
+
+def test_serve_subcommand(tiny_llama_dir, tmp_path):
+    with running_serve(tiny_llama_dir, tmp_path, "--dtype", "float32", "--max-model-len", "256",
+                       env={"ASYNCENGINE_API_KEY": "sk-from-env"}) as (_, base):
         with openai.OpenAI(base_url=base + "/v1", api_key="sk-from-env", max_retries=0, timeout=HANG_GUARD_S) as c:
             [model] = c.models.list().data
             assert model.id == tiny_llama_dir  # served under the name it was given
@@ -58,13 +77,3 @@ def test_serve_subcommand(tiny_llama_dir, tmp_path):
                 bad.models.list()
         assert httpx.get(base + "/metrics").status_code == 401  # the key covers everything but /health
         assert httpx.get(base + "/metrics", headers={"authorization": "Bearer sk-from-env"}).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        log.close()
-    assert rc == 0

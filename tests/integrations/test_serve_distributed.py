@@ -4,17 +4,13 @@ in-process TP=1 engine, /metrics labels the cores, and Ctrl-C leaves no process 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from live_server import HANG_GUARD_S
-from test_cli_serve import _free_port
+from test_cli_serve import running_serve
 
 PROMPT = [5, 17, 33, 101, 7, 64]
 
@@ -53,28 +49,8 @@ def reference(tiny_llama_dir):
     (["--data-parallel-size", "2"], 2),
 ], ids=["tp2-mp", "dp2"])
 def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncengine", "serve", tiny_llama_dir, "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "256", "--num-threads", "1", *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(int(HANG_GUARD_S / 0.1)):
-            if proc.poll() is not None:
-                break
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail("the server never became healthy")
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"asyncengine serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+    with running_serve(tiny_llama_dir, tmp_path, "--dtype", "float32", "--max-model-len", "256",
+                       "--num-threads", "1", *flags) as (proc, base):
         below = descendants(proc.pid)
         assert len(below) >= workers, below  # worker / engine-core processes (and their workers)
         with openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
@@ -91,16 +67,6 @@ def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
         metrics = httpx.get(base + "/metrics").text
         if "--data-parallel-size" in flags:
             assert 'asyncengine_core_num_requests_running{core="1"}' in metrics
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        log.close()
-    assert rc == 0
     from test_executor_faults import wait_gone
 
     wait_gone(below)  # no worker or engine-core process left behind
