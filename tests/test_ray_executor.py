@@ -75,6 +75,53 @@ async def test_tp2_one_rank_per_node(ray_cluster, tiny_llama_dir, tiny_reference
     assert placement_group_table(ex.pg)["state"] == "REMOVED"
 
 
+async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_reference):
+    """Data-parallel replicas on Ray: two engine cores as actors, one on each node (STRICT_SPREAD),
+    behind one front end: token-exact, both serve, stats per core; a lost core actor fails every
+    stream with EngineDeadError; shutdown gives the cluster its CPUs back."""
+    import ray
+
+    requests, refs = tiny_reference("llama")
+    requests, refs = requests[:8], refs[:8]
+    eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", data_parallel_size=2,
+                                      distributed_executor_backend="ray", ray_placement_strategy="STRICT_SPREAD",
+                                      num_threads=1, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=32,
+                                      freeze_gc_after_load=False, distributed_timeout_s=60.0))
+    clients = eng.core.clients
+    assert {c.node_id for c in clients} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # one per node
+    assert ray.available_resources().get("CPU", 0) == 0  # each core holds its node's one CPU
+    async with eng:
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for ids, n in requests)), HANG_GUARD_S)
+        c = compare([o.outputs[0].token_ids for o in outs], refs)
+        print(f"[ray] DP=2 core actors over two nodes vs transformers {c}")
+        assert c["exact"] + c["near_tie"] == len(requests)
+        for _ in range(500):  # the cores' last reports arrive after the last outputs
+            s = eng.stats()
+            if s["num_running"] == 0 and s["total_output_tokens"] == sum(n for _, n in requests):
+                break
+            await asyncio.sleep(0.02)
+        assert s["data_parallel_size"] == 2 and all(core["num_steps"] > 0 for core in s["cores"]), s
+
+        # a core actor lost mid-run: every stream fails with EngineDeadError, nobody hangs
+        streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]},
+                                SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)) for i in range(4)]
+
+        async def consume(s):
+            with pytest.raises(EngineDeadError):
+                async for _ in s:
+                    pass
+        await asyncio.wait_for(streams[0].__anext__(), HANG_GUARD_S)
+        clients[1].proc.kill()
+        await asyncio.wait_for(asyncio.gather(*(consume(s) for s in streams)), HANG_GUARD_S)
+    for _ in range(300):  # both cores' CPUs are free again (actors ended, placement group removed)
+        if ray.available_resources().get("CPU", 0) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2, ray.available_resources()
+
+
 def test_clear_error_without_ray(tiny_llama_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     from asyncengine.core.engine_core import EngineCore

@@ -114,12 +114,17 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def engine_core_main(config: EngineConfig, conn, parent_pid: int, info: dict | None = None) -> None:
+def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: dict | None = None) -> None:
     """One engine core's busy loop: take inputs from the pipe, keep up to two steps in flight in
     the executor, send each finished step's outputs back. ``info``: the model info the front end
-    already read (the core then never imports transformers nor loads a tokenizer)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    already read (the core then never imports transformers nor loads a tokenizer). ``conn``: a
+    multiprocessing Connection (a pipe, or a socket for a core that runs as a Ray actor);
+    ``parent_pid`` None: nothing to watch (a Ray actor dies with its owner, and at the
+    connection's end)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import types
 
     from asyncengine.core.engine_core import EngineCore
@@ -202,13 +207,7 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, index: int, sink: Callable, info: dict | None = None) -> None:
         self.index = index
         self._sink = sink
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        # not daemonic: a core may start worker processes of its own (tensor parallel)
-        self.proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid(), info),
-                                name=f"asyncengine-core-{index}", daemon=False)
-        self.proc.start()
-        child.close()
+        self.conn, self.proc = self._launch(config, info)
         self._lock = threading.Lock()
         self._closing = False
         self.num_running = 0
@@ -217,6 +216,18 @@ class EngineCoreClient:
         self.stats: dict = {}
         self.ready: CoreReady | None = None
         self._reader: threading.Thread | None = None
+
+    def _launch(self, config: EngineConfig, info: dict | None):
+        """Start the core; returns (its connection, a handle with multiprocessing.Process's pid,
+        exitcode, is_alive, join and kill)."""
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe(duplex=True)
+        # not daemonic: a core may start worker processes of its own (tensor parallel)
+        proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid(), info),
+                           name=f"asyncengine-core-{self.index}", daemon=False)
+        proc.start()
+        child.close()
+        return conn, proc
 
     def wait_ready(self) -> CoreReady:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -310,9 +321,16 @@ class DPEngineCores:
                     vocab_size=model_info.vocab_size, path=model_info.path,
                     generation_config=model_info.generation_config)
         self.clients: list[EngineCoreClient] = []
+        self._ray = None
+        make = EngineCoreClient
         try:
+            if config.distributed_executor_backend == "ray":  # the cores as Ray actors, on any node
+                from asyncengine.engine.ray_cores import RayEngineCores
+
+                self._ray = RayEngineCores(config)
+                core_cfg, make = self._ray.core_config, self._ray.client
             for i in range(config.data_parallel_size):  # start them all, then wait: they load in parallel
-                self.clients.append(EngineCoreClient(core_cfg, i, self._deliver, info))
+                self.clients.append(make(core_cfg, i, self._deliver, info))
             readies = [c.wait_ready() for c in self.clients]
         except BaseException:
             self.shutdown()
@@ -405,3 +423,5 @@ class DPEngineCores:
     def shutdown(self) -> None:
         for c in self.clients:
             c.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
