@@ -164,6 +164,33 @@ async def test_cancellation_and_overlap(llama_tp2):
     await assert_clean(eng)
 
 
+async def test_two_steps_in_flight(llama_tp2):
+    """The overlap under TP=2, seen at the executor: with the overlapped busy loop each decode step
+    is handed to the workers while the one before is still running there (the workers are slowed
+    so that a step cannot finish before the next is queued); the same core driven without
+    async_scheduling never has two in flight. Both give the same tokens."""
+    import dataclasses
+
+    from worker_hooks import restore_execute, slow_steps
+
+    llama_tp2.collective_rpc(slow_steps, (0.1,))
+    try:
+        toks, overlapped = {}, {}
+        for overlap in (False, True):
+            eng = AsyncLLMEngine(dataclasses.replace(llama_tp2.config, async_scheduling=overlap), core=llama_tp2)
+            before = llama_tp2.stats()["num_overlapped_steps"]
+            out = await guard(eng.complete({"prompt_token_ids": [11, 12, 13, 14]}, greedy(6),
+                                           request_id=f"ov{overlap}"))
+            await eng.shutdown()
+            overlapped[overlap] = llama_tp2.stats()["num_overlapped_steps"] - before
+            toks[overlap] = out.outputs[0].token_ids
+    finally:
+        llama_tp2.collective_rpc(restore_execute)
+    assert overlapped[False] == 0, overlapped
+    assert overlapped[True] >= 4, overlapped  # 6 steps (1 prefill, 5 decodes): all but the first
+    assert toks[True] == toks[False] and len(toks[True]) == 6
+
+
 def test_worker_holds_half_the_weights(llama_tp2, llama_tp1):
     full = llama_tp1.collective_rpc("runner_stats")[0]["weight_bytes"]
     ranks = llama_tp2.collective_rpc("runner_stats")

@@ -9,6 +9,7 @@ executor (a thread, worker processes or Ray actors): the core sees only messages
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -69,6 +70,11 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
+        # the overlap, seen from here: steps handed to the executor while an earlier one was still
+        # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
+        self._steps_in_flight = 0
+        self.num_overlapped_steps = 0
+        self._flight_lock = threading.Lock()
         log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
                  config.block_size, self.max_model_len, config.torch_dtype)
@@ -115,10 +121,19 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def execute_model(self, so: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        return self.executor.execute_model(so)
+        with self._flight_lock:
+            self.num_overlapped_steps += self._steps_in_flight > 0
+            self._steps_in_flight += 1
+        fut = self.executor.execute_model(so)
+        fut.add_done_callback(self._step_done)
+        return fut
+
+    def _step_done(self, _fut) -> None:
+        with self._flight_lock:
+            self._steps_in_flight -= 1
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.executor.execute_model(so).result()
+        return self.execute_model(so).result()
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.execute_time_s += out.execute_time_s
@@ -161,6 +176,7 @@ class EngineCore:
             "prefix_cache_hit_rate": self.kv.prefix_hit_rate,
             "mean_queue_time_s": s.queue_time_s_total / s.num_started if s.num_started else 0.0,
             "executor_busy_s": self.execute_time_s,
+            "num_overlapped_steps": self.num_overlapped_steps,
             # speculative decoding (0 when off): drafts proposed / accepted, and per verify step the
             # mean number of tokens a request got (1 + accepted drafts)
             "spec_num_drafts": s.spec_num_drafts,
