@@ -113,6 +113,10 @@ class EngineConfig:
     # data_parallel_size > 1: that many engine cores, each in its own process with its own
     # scheduler, KV cache and executor, behind one front end that routes each request
     data_parallel_size: int = 1
+    # tensor_parallel_size > 1: embedding and LM head split by vocabulary rows across the ranks
+    # (each holds ~1/N of them; one all-reduce and one gather per step), or, False, replicated on
+    # every rank with rank 0 alone computing the logits (docs/distributed.md has the measurement)
+    tp_vocab_parallel: bool = True
     # a collective that waits this long for a peer rank fails (the engine then dies, never hangs)
     distributed_timeout_s: float = 60.0
     # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,

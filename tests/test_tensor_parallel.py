@@ -218,6 +218,32 @@ async def test_mqa_parity(tiny_model_dir, hf_reference):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
 
 
+async def test_replicated_vocabulary(tiny_llama_dir, tiny_reference, llama_tp1):
+    """tp_vocab_parallel=False (embedding and LM head whole on every rank, rank 0 alone computes
+    the logits): greedy parity with transformers, seeded samples and logprobs equal to TP=1's."""
+    requests, refs = tiny_reference("llama")
+    requests, refs = requests[:10], refs[:10]
+    core = EngineCore(tp_config(tiny_llama_dir, 2, tp_vocab_parallel=False))
+    try:
+        eng = engine(core)
+        outs = await run_all(eng, requests)
+        c = compare([o.outputs[0].token_ids for o in outs], refs)
+        print(f"[tp] llama TP=2, replicated vocabulary, vs transformers {c}")
+        assert c["exact"] + c["near_tie"] == len(requests)
+        seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=99, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+        prompt = {"prompt_token_ids": list(range(30, 50))}
+        a = await guard(engine(llama_tp1).complete(prompt, seeded))
+        b = await guard(eng.complete(prompt, seeded))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for da, db in zip(a.outputs[0].logprobs + a.prompt_logprobs[1:], b.outputs[0].logprobs + b.prompt_logprobs[1:]):
+            assert da.keys() == db.keys() and all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+        vocab_rows = [r["weight_bytes"] for r in core.collective_rpc("runner_stats")]
+        full = llama_tp1.collective_rpc("runner_stats")[0]["weight_bytes"]
+        assert all(0.6 < w / full < 0.9 for w in vocab_rows), (vocab_rows, full)  # vocab whole, the rest halved
+    finally:
+        core.shutdown()
+
+
 def test_shutdown_leaves_no_worker(llama_tp2):
     """Last in this module (the fixture's shutdown is idempotent)."""
     from test_executor_faults import wait_gone

@@ -16,7 +16,7 @@ H, I, V, D = 64, 128, 512, 16  # the tiny llama: hidden, intermediate, vocab, he
 
 
 def expected_local(name: str, full: torch.Tensor, rank: int, n: int, heads=4, kv_heads=2, head_dim=D,
-                   inter=I, vocab=V) -> torch.Tensor:
+                   inter=I, vocab=V, vocab_parallel=True) -> torch.Tensor:
     """This rank's part of the TP=1 parameter, written out by hand (not with the code under test)."""
     hq = heads // n
     kv_per = max(1, kv_heads // n)
@@ -34,32 +34,42 @@ def expected_local(name: str, full: torch.Tensor, rank: int, n: int, heads=4, kv
     if name.endswith("down_proj.weight"):
         per = inter // n
         return full[:, rank * per:(rank + 1) * per]
-    if name in ("embed_tokens.weight", "lm_head.weight"):
+    if name in ("embed_tokens.weight", "lm_head.weight") and vocab_parallel:
         per = -(-vocab // n)
         part = full[rank * per:(rank + 1) * per]
         return torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])])
-    return full  # norms: replicated
+    return full  # norms (and a replicated vocabulary): whole on every rank
 
 
-def check_shards(path: str, n: int, **cfg) -> None:
+def check_shards(path: str, n: int, vocab_parallel: bool = True, **cfg) -> None:
     config = EngineConfig(model=path, dtype="float32", skip_tokenizer_init=True, **cfg)
     full = dict(load_model(config, tokenizer=False).model.named_parameters())
     full_bytes = sum(p.numel() * p.element_size() for p in full.values())
+    vocab_bytes = sum(p.numel() * p.element_size() for k, p in full.items()
+                      if k in ("embed_tokens.weight", "lm_head.weight"))
     for rank in range(n):
-        shard = load_model(config, tp=TPGroup(rank=rank, size=n), tokenizer=False).model
+        shard = load_model(config, tp=TPGroup(rank=rank, size=n, vocab_parallel=vocab_parallel),
+                           tokenizer=False).model
         params = dict(shard.named_parameters())
         assert params.keys() == full.keys()
         for name, p in params.items():
-            torch.testing.assert_close(p.detach(), expected_local(name, full[name].detach(), rank, n),
+            torch.testing.assert_close(p.detach(), expected_local(name, full[name].detach(), rank, n,
+                                                                  vocab_parallel=vocab_parallel),
                                        rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
         nbytes = sum(p.numel() * p.element_size() for p in params.values())
-        # everything but the norms is split: about 1/N of the bytes
-        assert abs(nbytes / full_bytes - 1 / n) < 0.02, (rank, nbytes, full_bytes)
+        # everything but the norms is split: about 1/N of the bytes (the vocabulary whole if replicated)
+        want = 1 / n if vocab_parallel else (vocab_bytes + (full_bytes - vocab_bytes) / n) / full_bytes
+        assert abs(nbytes / full_bytes - want) < 0.02, (rank, nbytes, full_bytes)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_safetensors_shards(tiny_llama_dir, n):
     check_shards(tiny_llama_dir, n)
+
+
+def test_replicated_vocabulary_shards(tiny_llama_dir):
+    """tp_vocab_parallel=False: the embedding and LM head whole on every rank, the rest split."""
+    check_shards(tiny_llama_dir, 2, vocab_parallel=False)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +86,10 @@ def test_gguf_shards(llama_gguf, qtype, n):
     """Row slices straight from the memory map (q/k unpermuted per head), column slices on block
     edges (TP=2: 32 columns) and off them (TP=4: 16 of a Q8_0 block's 32), KV heads replicated at 4."""
     check_shards(llama_gguf[qtype], n)
+
+
+def test_gguf_replicated_vocabulary(llama_gguf):
+    check_shards(llama_gguf["Q8_0"], 2, vocab_parallel=False)
 
 
 def test_refuses_heads_that_do_not_split(tiny_model_dir):

@@ -19,6 +19,13 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+    # embedding and LM head split by vocabulary rows (False: every rank holds them whole, rank 0
+    # alone computes the logits; EngineConfig.tp_vocab_parallel, docs/distributed.md)
+    vocab_parallel: bool = True
+
+    @property
+    def vocab_sharded(self) -> bool:
+        return self.size > 1 and self.vocab_parallel
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's partial result (row-parallel layers), in place."""
@@ -100,7 +107,10 @@ def even_split(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
 
 def vocab_split(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     """(start, stop, padded rows per rank) of this rank's vocabulary slice; the last rank's may be
-    shorter than the padded size (its extra rows stay zero and are cut from the logits)."""
+    shorter than the padded size (its extra rows stay zero and are cut from the logits). The
+    whole vocabulary when it is replicated."""
+    if not tp.vocab_sharded:
+        return 0, vocab_size, vocab_size
     per = -(-vocab_size // tp.size)
     start = min(tp.rank * per, vocab_size)
     return start, min(start + per, vocab_size), per

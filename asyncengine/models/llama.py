@@ -149,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.shard = attention_shard(a.num_heads, a.num_kv_heads, tp)
         self.inter_start, _ = even_split(a.intermediate_size, tp, "intermediate size")
-        # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad)
+        # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad); or
+        # replicated (tp.vocab_parallel False): every rank holds all of them
         self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
         # _weight: no random init (on the meta device, normal_ would import torch._dynamo: seconds)
         self.embed_tokens = nn.Embedding(rows, a.hidden_size, _weight=torch.empty(rows, a.hidden_size))
@@ -184,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
-        if self.tp.size == 1:
+        if not self.tp.vocab_sharded:
             x = self.embed_tokens(input_ids)
         else:  # rows outside this rank's vocabulary slice contribute zeros to the all-reduce
             local = input_ids - self.vocab_start
@@ -199,9 +200,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0; None on the other ranks (a collective under
         tensor parallelism: every rank must call it with the same rows)."""
+        if not self.tp.vocab_sharded and self.tp.rank > 0:
+            return None  # a replicated head: rank 0 computes every logit alone
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, w)
-        if self.tp.size == 1:
+        if not self.tp.vocab_sharded:
             return logits
         full = self.tp.gather_to_first(logits, dim=-1)
         return None if full is None else full[:, :self.args.vocab_size]
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         if kind == "down_proj":
             return 1, self.inter_start, self.inter_start + inter
         if kind in ("embed_tokens", "lm_head"):
-            return 0, self.vocab_start, self.vocab_stop
+            return (0, self.vocab_start, self.vocab_stop) if self.tp.vocab_sharded else None
         return None
 
     # ------------------------------------------------------------------ weights

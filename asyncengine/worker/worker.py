@@ -71,7 +71,8 @@ class Worker:
                 torch.cuda.set_device(self.rank % torch.cuda.device_count())
             dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=c.distributed_timeout_s))
-            self.tp = TPGroup(rank=self.rank, size=self.world_size, group=dist.group.WORLD)
+            self.tp = TPGroup(rank=self.rank, size=self.world_size, group=dist.group.WORLD,
+                              vocab_parallel=c.tp_vocab_parallel)
 
     def load_model(self) -> None:
         from asyncengine.models.loader import load_model
