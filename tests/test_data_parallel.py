@@ -72,6 +72,25 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
         s = await settle(eng)  # both cores freed the cancelled requests' blocks
         assert all(core["num_running"] == 0 for core in s["cores"])
         assert eng.core.owner == {}
+
+        # prefix affinity: a prompt that shares three full blocks with an earlier one goes to the
+        # core that served it, although the other core is idler, and hits its prefix cache there
+        shared = list(range(200, 248))  # 3 blocks of 16 tokens
+        await asyncio.wait_for(eng.complete({"prompt_token_ids": shared + [5, 6]}, greedy(2), request_id="pa"),
+                               HANG_GUARD_S)
+        s = await settle(eng)
+        hits0 = [core["prefix_cache_hits"] for core in s["cores"]]
+        busy = eng.generate({"prompt_token_ids": [3, 4, 5]}, greedy(400), request_id="busy")
+        async for _ in busy:  # it runs on core 0 (both idle: the lowest index), as "pa" did
+            break
+        assert eng.core.owner["busy"] == 0
+        # least-loaded routing would send this one to core 1
+        await asyncio.wait_for(eng.complete({"prompt_token_ids": shared + [7, 8]}, greedy(2), request_id="pb"),
+                               HANG_GUARD_S)
+        await busy.aclose()
+        s = await settle(eng)  # (a core emptied by an abort reports its final load and stats too)
+        assert s["dp_prefix_affinity_routed"] == 1
+        assert s["cores"][0]["prefix_cache_hits"] - hits0[0] >= 48 and s["cores"][1]["prefix_cache_hits"] == hits0[1]
     for c in eng.core.clients:
         c.proc.join(30)
     assert not any(c.proc.is_alive() for c in eng.core.clients), pids

@@ -4,9 +4,11 @@
 loop, scheduler, KV cache and executor, itself possibly tensor parallel) and exchanges msgspec
 messages with it over a pipe: requests and aborts in, each step's ``EngineCoreOutput``s (with the
 core's load) out. ``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it
-routes each new request to the least loaded core (waiting + running, as last reported, plus what
-was sent since), sends each abort to the core that owns the request, and aggregates stats
-(labelled per core). The async engine's event loop stays in the front-end process.
+routes each new request to the core that holds its prompt's prefix unless that one is much busier,
+else to the least loaded core (waiting + running, as last reported, plus what was sent since;
+engine/dp_router.py), sends each abort to the core that owns the request, and aggregates stats
+(labelled per core). The async engine's event loop stays in the front-end process. With the
+``ray`` backend the cores are Ray actors instead of local processes (engine/ray_cores.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput
+from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import EngineDeadError
 from asyncengine.sampling_params import SamplingParams
 
@@ -145,6 +148,7 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: d
     depth = 2 if config.async_scheduling else 1
     inflight: deque = deque()
     last_stats = 0.0
+    reported_idle = True  # the front end has this core's load and stats as of its last idle moment
     try:
         while True:
             # inputs: block only when there is nothing to compute
@@ -162,6 +166,12 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: d
                     conn.close()
                     os._exit(0)
                 idle = False
+            if not inflight and not core.has_unfinished() and not reported_idle:
+                # idle without a last step (an abort emptied it): the front end still needs the
+                # final load and stats
+                send(CoreOutputs(outputs=[], num_running=core.num_running, num_waiting=core.num_waiting,
+                                 stats=core.stats()))
+                reported_idle, last_stats = True, time.monotonic()
             if idle:
                 core.check_health()
                 continue
@@ -185,6 +195,7 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: d
             if now - last_stats >= STATS_EVERY_S or not (inflight or core.has_unfinished()):
                 stats, last_stats = core.stats(), now
             send(CoreOutputs(outputs=outs, num_running=core.num_running, num_waiting=core.num_waiting, stats=stats))
+            reported_idle = stats is not None and not (inflight or core.has_unfinished())
     except (EOFError, OSError):  # the front end is gone
         core.shutdown()
         os._exit(0)
@@ -338,6 +349,10 @@ class DPEngineCores:
         self.num_blocks = min(r.num_blocks for r in readies)
         self.max_model_len = min(r.max_model_len for r in readies)
         self.owner: dict[str, int] = {}  # user request id -> core index
+        # a core may run this many more requests than the least loaded one and still get a
+        # request whose prompt prefix it holds (engine/dp_router.py)
+        self.router = PrefixAffinityRouter(len(self.clients), config.block_size,
+                                           slack=max(2, config.max_num_seqs // 8))
 
     # the same face as EngineCore where the front end needs it
     @property
@@ -368,8 +383,9 @@ class DPEngineCores:
         self._sink(index, msg)
 
     def add_request(self, req: Request) -> int:
-        """Send to the least loaded core; returns its index."""
-        i = min(range(len(self.clients)), key=lambda k: (self.clients[k].load, k))
+        """Send to the core that holds the prompt's prefix if it is not much busier, else to the
+        least loaded core; returns its index."""
+        i = self.router.pick(req.prompt_token_ids, req.cache_salt, [c.load for c in self.clients])
         self.owner[req.request_id] = i
         self.clients[i].add_request(req)
         return i
@@ -417,6 +433,7 @@ class DPEngineCores:
             out["spec_mean_accepted_length"] = 1 + out["spec_num_accepted_tokens"] / out["spec_num_drafts"]
         out["num_kv_blocks"] = sum(s.get("num_kv_blocks", self.num_blocks) for s in per)
         out["data_parallel_size"] = len(per)
+        out["dp_prefix_affinity_routed"] = self.router.num_affinity_routed
         out["cores"] = per
         return out
 
