@@ -6,14 +6,18 @@
     TP=2  mp   1 thread per rank one engine core, two tensor-parallel worker processes
     DP=2  uni  1 thread each     two engine-core processes, each with its own KV cache
 
-    python shared/bench/make_model.py models/llama-bench --size bench
-    python benchmarks/distributed.py --model models/llama-bench --workload offline --limit 64 \
-        --out /tmp/distributed.json
+and then the step transport's cost (benchmarks/tp_transport.py: the ``mp`` executor's pipe with
+msgspec, two ranks, no model; µs per step at 1 and 256 decode requests):
+
+    python benchmarks/make_model.py models/llama-bench --size bench
+    python benchmarks/distributed.py --model models/llama-bench --workload offline \
+        --out /tmp/distributed.json          # --limit N: only the first N requests (a smoke run)
 
 Every configuration gets the same token-id requests (benchmarks/workloads.py), greedy, EOS
 ignored, all submitted at once through AsyncLLMEngine; only generation is timed (after a warm-up).
 Configurations run one after the other in this process (the TP and DP ones in their own worker /
-engine-core processes), and the load average before and after each is recorded.
+engine-core processes), and the load average before and after each is recorded. The end of the
+output is a Markdown table for docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -86,6 +90,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--transport-steps", type=int, default=2000, help="0: skip the transport measurement")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
@@ -103,9 +108,28 @@ def main() -> None:
     base = res["runs"][0]["tokens"]
     for r in res["runs"]:
         r["same_tokens_as_first"] = sum(a == b for a, b in zip(r.pop("tokens"), base))
+    if args.transport_steps:
+        from tp_transport import run as transport
+
+        res["transport_us_per_step"] = {f"B={b}": round(transport("pipe", "msgspec", 2, b, args.transport_steps), 1)
+                                        for b in (1, 256)}
     print(json.dumps(res, indent=1))
+    print(markdown(res))
     if args.out:
         json.dump(res, open(args.out, "w"), indent=1)
+
+
+def markdown(res: dict) -> str:
+    rows = ["| configuration | output tok/s | total tok/s | startup s | load before/after | same tokens |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for r in res["runs"]:
+        rows.append(f"| {r['config']} | {r['output_tok_s']} | {r['total_tok_s']} | {r['startup_s']} | "
+                    f"{r['load_before']} / {r['load_after']} | {r['same_tokens_as_first']}/{res['num_requests']} |")
+    t = res.get("transport_us_per_step")
+    if t:
+        rows += ["", "| transport (mp: pipe + msgspec, 2 ranks) | B=1 µs/step | B=256 µs/step |", "| --- | --- | --- |",
+                 f"| measured | {t['B=1']} | {t['B=256']} |"]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
