@@ -1,14 +1,18 @@
 """Data parallelism: ``data_parallel_size`` engine cores, each in its own process with its own
 busy loop, scheduler, KV cache and executor, behind one AsyncLLMEngine that routes each request
 to the least loaded core. Parity with transformers (DP=2, and DP=2 x TP=2 on the 2-layer tiny
-llama with one thread per worker), abort reaching the owning core, stats aggregated per core."""
+llama with one thread per worker), routing (least loaded, or the core holding the prompt's prefix),
+abort reaching the owning core, stats aggregated per core, a killed core failing every stream and
+leaving no process behind."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
-from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
+from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
 from model_utils import compare
 
 HANG_GUARD_S = 240.0
@@ -96,15 +100,53 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
     assert not any(c.proc.is_alive() for c in eng.core.clients), pids
 
 
-async def test_dp2_x_tp2_correctness(tiny_llama_dir, tiny_reference):
-    """Two engine cores, each with two tensor-parallel worker processes (one thread each)."""
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (by parent pid, via /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if rest[0] != "Z":
+                children.setdefault(int(rest[1]), []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_reference):
+    """Two engine cores, each with two tensor-parallel worker processes (one thread each): parity.
+    Then one core process is SIGKILLed mid-run: every stream (on either core) fails with
+    EngineDeadError, and no process is left, not the other core nor any worker of either."""
+    from test_executor_faults import wait_gone
+
     requests, refs = tiny_reference("llama")
     requests, refs = requests[:10], refs[:10]
     eng = dp_engine(tiny_llama_dir, 2, tp=2)
     async with eng:
         outs = await run_all(eng, requests)
         s = await settle(eng)
-    c = compare([o.outputs[0].token_ids for o in outs], refs)
-    print(f"[dp] DP=2 x TP=2 vs transformers {c}")
-    assert c["exact"] + c["near_tie"] == len(requests)
-    assert all(core["num_steps"] > 0 for core in s["cores"])
+        c = compare([o.outputs[0].token_ids for o in outs], refs)
+        print(f"[dp] DP=2 x TP=2 vs transformers {c}")
+        assert c["exact"] + c["near_tie"] == len(requests)
+        assert all(core["num_steps"] > 0 for core in s["cores"])
+
+        cores = [cl.proc.pid for cl in eng.core.clients]
+        pids = set(cores) | {w for p in cores for w in descendants(p)}
+        assert len(pids) >= 6, pids  # two cores, two workers each
+        streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(400)) for i in range(4)]
+
+        async def consume(st):
+            with pytest.raises(EngineDeadError):
+                async for _ in st:
+                    pass
+        await asyncio.wait_for(streams[0].__anext__(), HANG_GUARD_S)
+        os.kill(cores[1], signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*(consume(st) for st in streams)), HANG_GUARD_S)
+    wait_gone(pids, timeout=60.0)
