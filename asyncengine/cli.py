@@ -59,6 +59,9 @@ def _distributed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                    help="uni: one thread (TP=1 default); mp: worker processes (TP>1 default); ray: Ray actors")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    p.add_argument("--engine-core-process", action="store_true",
+                   help="run the engine core in its own process, so the model step never competes with "
+                        "the server's Python for the GIL (default: in this process)")
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
@@ -364,6 +367,7 @@ def _serve(args) -> int:
                      metrics_public=args.metrics_public, limits=RequestLimits(**limits),
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
+                     engine_core_process=args.engine_core_process,
                      on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
     except BaseException:
         status.done("stopped")

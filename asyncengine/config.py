@@ -25,15 +25,12 @@ _DTYPES = {
 
 
 @lru_cache(maxsize=1)
-def cpu_supports_bf16() -> bool:
-    """True where bf16 matmul is native (AVX-512 BF16 / AMX): there it is ~4x fp32 on our CPUs."""
-    try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-            return ("avx512_bf16" in flags or "amx_bf16" in flags) if flags else True
-    except Exception:
-        pass
-    return False
+def cpu_auto_dtype() -> torch.dtype:
+    """The CPU's fastest GEMM type, by a measured probe cached per machine (worker/dtype_probe.py):
+    a bf16 CPU flag has meant 4x fp32 on one machine of ours and half of it on another."""
+    from asyncengine.worker.dtype_probe import fastest_cpu_dtype
+
+    return fastest_cpu_dtype()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        return cpu_auto_dtype()
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
     return _DTYPES[dtype]
@@ -117,6 +114,11 @@ class EngineConfig:
     # (each holds ~1/N of them; one all-reduce and one gather per step), or, False, replicated on
     # every rank with rank 0 alone computing the logits (docs/distributed.md has the measurement)
     tp_vocab_parallel: bool = True
+    # AsyncLLMEngine: run the one engine core (schedule -> execute -> update) in its own process,
+    # as data_parallel_size > 1 does for each core, so that the model step never waits on the app's
+    # own Python for the GIL (a server's HTTP handling, an app's callbacks). The front end (and its
+    # event loop) stays in this process. Off by default: in-process is the simple embedded mode.
+    engine_core_process: bool = False
     # a collective that waits this long for a peer rank fails (the engine then dies, never hangs)
     distributed_timeout_s: float = 60.0
     # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,

@@ -70,8 +70,32 @@ def _jit(fn: Callable[..., Any]) -> Any:
         import triton.language
 
         fn.__globals__["tl"] = triton.language
+        if triton_interpret():
+            _fix_interpreter_scalars()
         kernel = _JIT_CACHE[key] = triton.jit(fn)
     return kernel
+
+
+def _fix_interpreter_scalars() -> None:
+    """Triton's CPU interpreter before 3.7 holds every scalar as a 1-element array and converts it
+    to a Python int with ``int(array)``, which NumPy >= 2.3 refuses ("only 0-dimensional arrays can
+    be converted to Python scalars"): every data-dependent loop bound in our kernels then fails
+    (it did on a GPU machine with triton 3.6). Triton 3.7 squeezes first; do the same on older ones."""
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_asyncengine_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+                       if self.handle.data.size == 1 else int(self.handle.data))
+
+    patched._asyncengine_fixed = True
+    interpreter._patch_lang_tensor = patched
 
 
 def _next_pow2(n: int) -> int:

@@ -150,3 +150,37 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
         os.kill(cores[1], signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*(consume(st) for st in streams)), HANG_GUARD_S)
     wait_gone(pids, timeout=60.0)
+
+
+async def test_engine_core_process_parity_abort_and_cleanup(tiny_llama_dir, tiny_reference):
+    """engine_core_process=True: the one engine core runs in its own process (the model step never
+    waits on the front end's Python for the GIL); same tokens as transformers, aborts reach it, its
+    blocks come back, and shutdown leaves no process behind."""
+    requests, refs = tiny_reference("llama")
+    requests, refs = requests[:8], refs[:8]
+    eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", engine_core_process=True,
+                                      max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=32,
+                                      freeze_gc_after_load=False))
+    assert len(eng.core.clients) == 1
+    proc = eng.core.clients[0].proc
+    assert proc.pid != os.getpid() and proc.is_alive()
+    async with eng:
+        outs = await run_all(eng, requests)
+        c = compare([o.outputs[0].token_ids for o in outs], refs)
+        assert c["exact"] + c["near_tie"] == len(requests), c
+        stream = eng.generate({"prompt_token_ids": [9, 8, 7]}, greedy(400), request_id="long")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        s = await settle(eng)
+        assert s["num_kv_blocks"] == 32 and s["total_output_tokens"] < sum(n for _, n in requests) + 400
+    proc.join(30)
+    assert not proc.is_alive()
+
+
+def test_llm_refuses_engine_core_process(tiny_llama_dir):
+    from asyncengine import LLM
+    from asyncengine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine_core_process"):
+        LLM(tiny_llama_dir, dtype="float32", engine_core_process=True)

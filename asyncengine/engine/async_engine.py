@@ -73,8 +73,9 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.config = config
         self._owns_core = core is None
-        # data_parallel_size > 1: engine cores in their own processes (engine/core_client.py)
-        self._remote = core is None and config.data_parallel_size > 1
+        # data_parallel_size > 1 or engine_core_process: engine cores in their own processes
+        # (engine/core_client.py)
+        self._remote = core is None and (config.data_parallel_size > 1 or config.engine_core_process)
         if self._remote:
             from asyncengine.engine.core_client import DPEngineCores
             from asyncengine.models.loader import load_model_info

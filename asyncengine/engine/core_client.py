@@ -325,7 +325,7 @@ class DPEngineCores:
         # each core (and each of its TP ranks) gets its share of the cores unless told otherwise
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.data_parallel_size
                                                                           * config.tensor_parallel_size))
-        core_cfg = dataclasses.replace(config, data_parallel_size=1, num_threads=threads)
+        core_cfg = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False, num_threads=threads)
         to_dict = getattr(model_info.hf_config, "to_dict", None)
         info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
                     eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,

@@ -31,10 +31,11 @@ def _is_single_prompt(prompts) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, **engine_options)
-        if self.config.data_parallel_size > 1:
+        if self.config.data_parallel_size > 1 or self.config.engine_core_process:
             from asyncengine.errors import ConfigError
-            raise ConfigError("data_parallel_size > 1 runs engine cores in their own processes behind "
-                              "AsyncLLMEngine (or asyncengine serve); LLM drives one core")
+            raise ConfigError("data_parallel_size > 1 and engine_core_process run engine cores in their own "
+                              "processes behind AsyncLLMEngine (or asyncengine serve); LLM drives one core "
+                              "in this process")
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,

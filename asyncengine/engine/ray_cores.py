@@ -88,11 +88,11 @@ class RayEngineCores:
         tp = config.tensor_parallel_size
         if tp == 1:  # the model runs in the core actor, on its bundle's CPUs (and GPU)
             threads = config.num_threads or 1
-            self.core_config = dataclasses.replace(config, data_parallel_size=1, num_threads=threads,
-                                                   distributed_executor_backend="uni")
+            self.core_config = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False,
+                                                   num_threads=threads, distributed_executor_backend="uni")
             self.bundle = {"CPU": threads, **({"GPU": 1} if cuda else {})}
         else:  # the core only schedules; its ranks are actors placed by its own executor
-            self.core_config = dataclasses.replace(config, data_parallel_size=1)
+            self.core_config = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False)
             self.bundle = None
         self.pg = None
         if self.bundle is not None:

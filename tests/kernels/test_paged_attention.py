@@ -246,3 +246,33 @@ def test_compiles_for_cuda(paged_batch, compile_for_cuda, q_lens, seq_lens, hq, 
     pa_mod.paged_attention(*batch.args(), num_splits=num_splits)
     want = ["_paged_attention_kernel"] + (["_split_reduce_kernel"] if num_splits > 1 else [])
     assert [name for name, _ in log] == want
+
+
+def test_interpreter_scalar_shim(monkeypatch):
+    """Triton < 3.7's interpreter converts scalars with int(1-element array), which NumPy >= 2.3
+    refuses; the shim in asyncengine.kernels makes __index__ take the one element."""
+    import types
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    import asyncengine.kernels as kernels
+
+    class Scope:
+        def __init__(self):
+            self.attrs = {}
+
+        def set_attr(self, obj, name, value):
+            self.attrs[name] = value
+
+    def old_patch(tensor, scope):  # what triton 3.6 does
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", old_patch)
+    kernels._fix_interpreter_scalars()
+    scope = Scope()
+    interpreter._patch_lang_tensor(object, scope)
+    scalar = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7], dtype=np.int32)))
+    assert scope.attrs["__index__"](scalar) == 7
+    kernels._fix_interpreter_scalars()  # idempotent: not wrapped twice
+    assert interpreter._patch_lang_tensor._asyncengine_fixed
