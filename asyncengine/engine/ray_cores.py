@@ -118,7 +118,7 @@ class RayEngineCores:
         if self.bundle is not None:
             cls = ray.remote(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0))(EngineCoreActor)
             cls = cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=index), name=None)
+                placement_group=self.pg, placement_group_bundle_index=index))
         else:
             cls = ray.remote(num_cpus=0)(EngineCoreActor)
         authkey = os.urandom(32)
