@@ -166,6 +166,10 @@ class ChatAsyncEngine(BaseChatModel):
     def _stop_list(cls, values: Any) -> Any:
         if isinstance(values, dict) and isinstance(values.get("stop"), str):
             values = {**values, "stop": [values["stop"]]}
+        # a given engine names the model unless the caller did
+        if isinstance(values, dict) and values.get("engine") is not None and not (
+                values.get("model") or values.get("model_name")):
+            values = {**values, "model": str(values["engine"].config.model)}
         return values
 
     # ------------------------------------------------------------ LangChain's identity
@@ -199,13 +203,20 @@ class ChatAsyncEngine(BaseChatModel):
                                         else shared_engine(self.model, self.engine_options))
         return self._bridge
 
-    def _sampling_params(self, stop: list[str] | None, kwargs: dict, structured) -> SamplingParams:
+    def _model_for(self, kwargs: dict) -> tuple[str, EngineBridge]:
+        """A per-call ``model=`` (LangChain's model override) runs on that model's shared engine."""
+        other = kwargs.get("model")
+        if isinstance(other, str) and other != self.model:
+            return other, EngineBridge(shared_engine(other, self.engine_options))
+        return self.model, self.bridge
+
+    def _sampling_params(self, stop: list[str] | None, kwargs: dict, structured, bridge) -> SamplingParams:
         def pick(name):
             return kwargs[name] if kwargs.get(name) is not None else getattr(self, name)
 
         knobs = {k: v for k in _KNOBS if (v := pick(k)) is not None}
         if not knobs:  # none set: the engine's one set of defaults (the model's, else ours)
-            defaults = self.bridge.engine.default_sampling_params
+            defaults = bridge.engine.default_sampling_params
             knobs = {k: getattr(defaults, k) for k in _KNOBS}
         stop = stop if stop is not None else pick("stop")
         return SamplingParams(
@@ -213,7 +224,8 @@ class ChatAsyncEngine(BaseChatModel):
             stop=list(stop) if stop else None, seed=pick("seed"), logit_bias=pick("logit_bias"),
             structured_outputs=structured, output_kind=OutputKind.DELTA)
 
-    def _prepare(self, messages: list[BaseMessage], stop, kwargs) -> tuple[list[dict], SamplingParams, ToolPlan]:
+    def _prepare(self, messages: list[BaseMessage], stop, kwargs):
+        """(engine messages, SamplingParams, ToolPlan, model name, bridge) of one call."""
         tools = kwargs.get("tools")
         plan = ToolPlan(tools, _lc_tool_choice(kwargs.get("tool_choice"), tools or []),
                         kwargs.get("parallel_tool_calls"))
@@ -222,7 +234,8 @@ class ChatAsyncEngine(BaseChatModel):
         if from_tools is not None and from_format is not None:
             raise ValueError("give response_format or a tool_choice that forces a tool call, not both")
         msgs = with_tools_prompt(to_engine_messages(messages), plan.prompt())
-        return msgs, self._sampling_params(stop, kwargs, from_tools or from_format), plan
+        name, bridge = self._model_for(kwargs)
+        return msgs, self._sampling_params(stop, kwargs, from_tools or from_format, bridge), plan, name, bridge
 
     def _deadline(self, kwargs) -> float | None:
         t = kwargs.get("timeout", self.timeout)
@@ -234,13 +247,13 @@ class ChatAsyncEngine(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        msgs, params, plan = self._prepare(messages, stop, kwargs)
+        msgs, params, plan, name, bridge = self._prepare(messages, stop, kwargs)
         deadline = self._deadline(kwargs)
         attempt = 0
         while True:
             try:
-                outs = self.bridge.stream(msgs, params, deadline=deadline)
-                yield from self._emit(outs, plan, run_manager)
+                outs = bridge.stream(msgs, params, deadline=deadline)
+                yield from self._emit(outs, plan, name, run_manager)
                 return
             except EngineOverloaded:
                 if attempt >= self.max_retries:
@@ -251,14 +264,14 @@ class ChatAsyncEngine(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        msgs, params, plan = self._prepare(messages, stop, kwargs)
+        msgs, params, plan, name, bridge = self._prepare(messages, stop, kwargs)
         deadline = self._deadline(kwargs)
         attempt = 0
         while True:
             try:
-                outs = self.bridge.astream(msgs, params, deadline=deadline)
+                outs = bridge.astream(msgs, params, deadline=deadline)
                 try:
-                    async for chunk in self._aemit(outs, plan, run_manager):
+                    async for chunk in self._aemit(outs, plan, name, run_manager):
                         yield chunk
                 finally:
                     await outs.aclose()
@@ -280,7 +293,7 @@ class ChatAsyncEngine(BaseChatModel):
 
     # the stream of chunks, shared by sync and async: text deltas (or held back), then the last one
 
-    def _emit(self, outs, plan: ToolPlan, run_manager) -> Iterator[ChatGenerationChunk]:
+    def _emit(self, outs, plan: ToolPlan, name: str, run_manager) -> Iterator[ChatGenerationChunk]:
         state = _EmitState(plan)
         last = None
         try:
@@ -292,9 +305,9 @@ class ChatAsyncEngine(BaseChatModel):
                     yield chunk
         finally:
             outs.close()
-        yield self._last_chunk(state, last)
+        yield self._last_chunk(state, last, name)
 
-    async def _aemit(self, outs, plan: ToolPlan, run_manager) -> AsyncIterator[ChatGenerationChunk]:
+    async def _aemit(self, outs, plan: ToolPlan, name: str, run_manager) -> AsyncIterator[ChatGenerationChunk]:
         state = _EmitState(plan)
         last = None
         async for out in outs:
@@ -303,9 +316,9 @@ class ChatAsyncEngine(BaseChatModel):
                 if run_manager:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        yield self._last_chunk(state, last)
+        yield self._last_chunk(state, last, name)
 
-    def _last_chunk(self, state: "_EmitState", out) -> ChatGenerationChunk:
+    def _last_chunk(self, state: "_EmitState", out, name: str) -> ChatGenerationChunk:
         if out is None or not out.finished:
             raise RuntimeError("the engine stream ended without a final output")
         c = out.outputs[0]
@@ -313,7 +326,7 @@ class ChatAsyncEngine(BaseChatModel):
         n_in, n_out = len(out.prompt_token_ids or []), state.num_tokens
         usage = UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        meta = {"model_name": self.model, "model_provider": "asyncengine", "finish_reason": finish}
+        meta = {"model_name": name, "model_provider": "asyncengine", "finish_reason": finish}
         if c.stop_reason is not None:
             meta["stop_reason"] = c.stop_reason
         content = "" if calls else "".join(state.held)
