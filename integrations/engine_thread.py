@@ -5,7 +5,8 @@ from sync code (``invoke``), from the app's loop (``ainvoke``) and from loops th
 (a test runner's loop per test). :class:`EngineBridge` hides that: called on the engine's own loop
 it iterates ``engine.generate`` directly (no thread hop); from anywhere else it runs the request on
 the engine's loop and hands the outputs over. An engine not started yet is started on a private
-background loop thread (one per process, made on first need).
+background loop thread (one per process, made on first need). Engines the adapters build from a
+model name are shared per (model, options) (:func:`shared_engine`).
 
 Leaving a stream early in any way (break, ``aclose``, cancelling the consuming task, closing a
 sync generator) aborts the request in the engine, as leaving ``engine.generate`` does: its KV blocks
@@ -14,10 +15,12 @@ are freed.
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from asyncengine.outputs import RequestOutput
 
@@ -162,4 +165,30 @@ class EngineBridge:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro_fn(self.engine, *args), loop))
 
 
-__all__ = ["EngineBridge", "host_loop"]
+_engines: dict[tuple, Any] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(model: str, engine_options: dict | None = None):
+    """The process's AsyncLLMEngine for (model, options), built on first use and then shared."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine.async_engine import AsyncLLMEngine
+
+    opts = dict(engine_options or {})
+    key = (model, json.dumps(opts, sort_keys=True, default=repr))
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None or eng.errored or eng.is_closing:
+            eng = _engines[key] = AsyncLLMEngine.from_config(EngineConfig(model=model, **opts))
+        return eng
+
+
+def close_shared_engines() -> None:
+    """Shut down the engines :func:`shared_engine` built (they are rebuilt if used again)."""
+    with _engines_lock:
+        engines, _ = list(_engines.values()), _engines.clear()
+    for eng in engines:
+        EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
+
+
+__all__ = ["EngineBridge", "host_loop", "shared_engine", "close_shared_engines"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
@@ -35,41 +34,15 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, PrivateAttr, model_validator
 
+from asyncengine.engine.defaults import SAMPLING_KNOBS, with_defaults
 from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
-from .engine_thread import EngineBridge
+from .engine_thread import EngineBridge, close_shared_engines, shared_engine
 from .tool_calls import ToolPlan, calls_text, response_format_params, with_tools_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# the sampling knobs taken as one set: from the engine's defaults when the caller sets none of them
-_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-_engines: dict[tuple, Any] = {}
-_engines_lock = threading.Lock()
-
-
-def shared_engine(model: str, engine_options: dict | None = None):
-    """The process's AsyncLLMEngine for (model, options), built on first use and then shared."""
-    from asyncengine.config import EngineConfig
-    from asyncengine.engine.async_engine import AsyncLLMEngine
-
-    opts = dict(engine_options or {})
-    key = (model, json.dumps(opts, sort_keys=True, default=repr))
-    with _engines_lock:
-        eng = _engines.get(key)
-        if eng is None or eng.errored or eng.is_closing:
-            eng = _engines[key] = AsyncLLMEngine.from_config(EngineConfig(model=model, **opts))
-        return eng
-
-
-def close_shared_engines() -> None:
-    """Shut down the engines :func:`shared_engine` built (they are rebuilt if used again)."""
-    with _engines_lock:
-        engines, _ = list(_engines.values()), _engines.clear()
-    for eng in engines:
-        EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
-
+_KNOBS = SAMPLING_KNOBS  # taken as one set: from the engine's defaults when the caller sets none of them
 
 def _text(content) -> str:
     """A message's text: a string, or the text parts of a content list (tool-use parts are carried
@@ -214,13 +187,11 @@ class ChatAsyncEngine(BaseChatModel):
         def pick(name):
             return kwargs[name] if kwargs.get(name) is not None else getattr(self, name)
 
-        knobs = {k: v for k in _KNOBS if (v := pick(k)) is not None}
-        if not knobs:  # none set: the engine's one set of defaults (the model's, else ours)
-            defaults = bridge.engine.default_sampling_params
-            knobs = {k: getattr(defaults, k) for k in _KNOBS}
         stop = stop if stop is not None else pick("stop")
-        return SamplingParams(
-            **knobs, max_tokens=pick("max_tokens"), min_tokens=pick("min_tokens") or 0,
+        # none of the knobs set: the engine's one set of defaults (the model's, else ours)
+        return with_defaults(
+            bridge.engine.default_sampling_params, {k: pick(k) for k in _KNOBS},
+            max_tokens=pick("max_tokens"), min_tokens=pick("min_tokens") or 0,
             stop=list(stop) if stop else None, seed=pick("seed"), logit_bias=pick("logit_bias"),
             structured_outputs=structured, output_kind=OutputKind.DELTA)
 
