@@ -19,7 +19,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
-from asyncengine.integrations.engine_thread import EngineBridge  # noqa: E402
+from asyncengine.integrations.engine_thread import EngineBridge, close_shared_engines  # noqa: E402
 from asyncengine.integrations.langchain import ChatAsyncEngine, shared_engine, to_engine_messages  # noqa: E402
 
 # Standard tests whose assertions need a model that reads the prompt, which no random-weight model
@@ -36,6 +36,13 @@ ENGINE_OPTIONS = {"dtype": "float32", "max_model_len": 1024}
 MODEL_DEFAULTS = {"max_tokens": 96, "min_tokens": 1}
 
 _model_dir: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_engines():
+    """The engines these tests built (shared per model) are shut down with the module."""
+    yield
+    close_shared_engines()
 
 
 @pytest.fixture(scope="session")

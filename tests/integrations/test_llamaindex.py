@@ -11,12 +11,19 @@ pytest.importorskip("llama_index.core")
 
 from llama_index.core.llms import ChatMessage  # noqa: E402
 
-from asyncengine.integrations.engine_thread import EngineBridge, shared_engine  # noqa: E402
+from asyncengine.integrations.engine_thread import EngineBridge, close_shared_engines, shared_engine  # noqa: E402
 from asyncengine.integrations.llamaindex import AsyncEngineLLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 OPTIONS = {"dtype": "float32", "max_model_len": 1024}
 MSGS = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="Hello")]
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_engines():
+    """The engines these tests built (shared per model) are shut down with the module."""
+    yield
+    close_shared_engines()
+
 
 
 def _llm(model_dir, **kw) -> AsyncEngineLLM:
