@@ -212,8 +212,6 @@ class ChatAsyncEngine(BaseChatModel):
         t = kwargs.get("timeout", self.timeout)
         return time.monotonic() + t if t else None
 
-    # ------------------------------------------------------------ outputs -> LangChain
-
     # ------------------------------------------------------------ the four entry points
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
