@@ -46,10 +46,11 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_help_and_version_do_not_import_torch():
+    """Nor asyncio: it was half of --help's CPU time."""
     code = ("import sys\nfrom asyncengine.cli import main\n"
             "for argv in (['--help'], ['chat', '--help'], ['serve', '--help'], ['--version']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
-            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy', 'asyncio') if m in sys.modules]\n"
             "print('HEAVY', heavy)\n")
     r = run_py(code)
     assert r.returncode == 0, r.stderr

@@ -599,3 +599,24 @@ def test_engine_greedy_matches_transformers_on_same_gguf(qtype, models, tokenize
                 near_ties += 1
     print(f"GGUF {qtype} engine parity: {len(reqs) - near_ties}/{len(reqs)} exact, {near_ties} near-tie excuses")
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_structured_output_with_the_gguf_tokenizer(llama_f32):
+    """A GGUF's own tokenizer (models/tokenizer.py, no transformers) drives the grammar: xgrammar
+    recognises only transformers' classes by type, so structured/backend.py reads ours itself."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    import jsonschema
+
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.structured import StructuredOutputsParams
+
+    llm = LLM(str(llama_f32), dtype="float32", max_model_len=256)
+    assert not isinstance(llm.tokenizer, transformers.PreTrainedTokenizerBase)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    for out in llm.generate(["hi", "Numbers 2024"], params):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)

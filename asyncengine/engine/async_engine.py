@@ -190,6 +190,15 @@ class AsyncLLMEngine:
         return self._task is not None and not self._task.done()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the busy loop runs on (None until started, or once that loop is gone):
+        other threads and loops reach the engine through it (``run_coroutine_threadsafe``)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not self.is_running:
+            return None
+        return loop
+
+    @property
     def errored(self) -> bool:
         return self._dead is not None
 

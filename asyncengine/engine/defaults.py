@@ -42,6 +42,19 @@ def default_sampling_params(generation_config: dict | None) -> SamplingParams:
     return SamplingParams(**fields)
 
 
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+
+
+def with_defaults(defaults: SamplingParams, knobs: dict[str, Any], **fields: Any) -> SamplingParams:
+    """SamplingParams for a front end's call: the caller's sampling knobs (None = not set), or, when
+    it set none of them, ``defaults``' knobs as a set; ``fields`` (max_tokens, stop, ...) as given."""
+    chosen = {k: v for k, v in knobs.items() if k in SAMPLING_KNOBS and v is not None}
+    if not chosen:
+        chosen = {k: getattr(defaults, k) for k in SAMPLING_KNOBS}
+    return SamplingParams(**chosen, **fields)
+
+
 def gguf_generation_config(metadata: dict) -> dict | None:
     """Sampling settings a GGUF file carries (``general.sampling.*``, written by recent llama.cpp
     converters from the model's generation_config.json), under generation_config.json's names."""

@@ -24,6 +24,28 @@ def _ebnf_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # xgrammar's EBNF string literals use JSON escapes
 
 
+def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary. Our own tokenizer (models/tokenizer.py, built from GGUF
+    metadata without transformers) wraps a ``tokenizers.Tokenizer`` as a fast HF tokenizer does, but
+    xgrammar only recognises transformers' classes by type: read it the way xgrammar reads those."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    from_hf = type(tokenizer).__module__.startswith("transformers")
+    if from_hf or backend is None:
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    vocab = tokenizer.get_vocab()
+    encoded = [""] * vocab_size
+    for token, idx in vocab.items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != meta["vocab_type"]:
+        meta = {"vocab_type": from_vocab,
+                "add_prefix_space": xgr.TokenizerInfo._detect_add_prefix_space_by_encoding(tokenizer, from_vocab)}
+    return xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=stop_token_ids, add_prefix_space=meta["add_prefix_space"])
+
+
 class GrammarCompiler:
     """Compiles and caches the grammars of one tokenizer (thread-safe)."""
 
@@ -35,8 +57,7 @@ class GrammarCompiler:
 
         self.xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(eos_token_ids))
+        self.info = _tokenizer_info(xgr, tokenizer, vocab_size, list(eos_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         # compact JSON never needs a raw control byte (JSON forbids them unescaped inside strings,
         # and there is no free whitespace), but xgrammar's string rule lets them through: JSON

@@ -37,6 +37,7 @@ from .generation import (Submission, TokenBytes, chat_logprobs, completion_logpr
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
+from ..tool_calls import with_tools_prompt
 from .tools import ToolPlan, response_format_params
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
@@ -212,11 +213,11 @@ class ServerState:
                            code="limit_exceeded")
         return [await self.encode(it, "prompt") for it in items]
 
-    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], tools_text: str | None = None) -> list[int]:
         if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
                                 "token ids", param="messages")
-        _, ids = await self.encode(msgspec.to_builtins(messages), "messages")
+        _, ids = await self.encode(with_tools_prompt(msgspec.to_builtins(messages), tools_text), "messages")
         return ids
 
     # ------------------------------------------------------------ engine
@@ -470,9 +471,9 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
                              defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before the messages are rendered
-    ids = await st.chat_prompt(req.messages)
-    st.check_length(len(ids), max_tokens, "messages")
     plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    ids = await st.chat_prompt(req.messages, plan.prompt())  # the tools described in a system message
+    st.check_length(len(ids), max_tokens, "messages")
     params = await st.constrain(params, plan.structured(), response_format_params(req.response_format),
                                 bool(req.stream) and plan.mode in ("required", "named"))
     rid = f"chatcmpl-{uuid.uuid4().hex}"

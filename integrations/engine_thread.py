@@ -1,0 +1,194 @@
+"""One AsyncLLMEngine, used from sync code and from any event loop (the framework adapters' seam).
+
+An ``AsyncLLMEngine`` lives on one event loop. Framework adapters (LangChain, LlamaIndex) are called
+from sync code (``invoke``), from the app's loop (``ainvoke``) and from loops that come and go
+(a test runner's loop per test). :class:`EngineBridge` hides that: called on the engine's own loop
+it iterates ``engine.generate`` directly (no thread hop); from anywhere else it runs the request on
+the engine's loop and hands the outputs over. An engine not started yet is started on a private
+background loop thread (one per process, made on first need). Engines the adapters build from a
+model name are shared per (model, options) (:func:`shared_engine`).
+
+Leaving a stream early in any way (break, ``aclose``, cancelling the consuming task, closing a
+sync generator) aborts the request in the engine, as leaving ``engine.generate`` does: its KV blocks
+are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from asyncengine.outputs import RequestOutput
+
+_END = object()
+_host_lock = threading.Lock()
+_host_loop: asyncio.AbstractEventLoop | None = None
+
+
+def host_loop() -> asyncio.AbstractEventLoop:
+    """The process's background loop for engines nobody else started (a daemon thread)."""
+    global _host_loop
+    with _host_lock:
+        if _host_loop is None or _host_loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="asyncengine-host-loop", daemon=True).start()
+            _host_loop = loop
+        return _host_loop
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (None: no limit); a deadline already passed leaves 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class EngineBridge:
+    """``stream`` / ``astream`` over one engine, from any thread or loop."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._start_lock = threading.Lock()
+
+    def engine_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the engine runs on, starting it on the host loop if it runs nowhere."""
+        loop = self.engine.loop
+        if loop is not None:
+            return loop
+        with self._start_lock:
+            loop = self.engine.loop
+            if loop is None:
+                loop = host_loop()
+                asyncio.run_coroutine_threadsafe(self.engine.start(), loop).result()
+        return loop
+
+    async def _produce(self, prompt, params, request_id, put) -> None:
+        """On the engine's loop: the request's outputs handed to ``put``, then _END (or the error).
+        Cancelled: the engine stream is abandoned, which aborts the request."""
+        try:
+            async for out in self.engine.generate(prompt, params, request_id=request_id):
+                put(out)
+        except BaseException as e:  # noqa: BLE001 - every way out reaches the consumer
+            put(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        put(_END)
+
+    async def astream(self, prompt, params, request_id: str | None = None, *,
+                      deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, on the caller's loop. ``deadline`` (``time.monotonic()``): past
+        it the request is aborted and TimeoutError raised."""
+        here = asyncio.get_running_loop()
+        loop = self.engine_loop()
+        if loop is here:  # the engine's own loop: no hop, cancellation reaches the stream directly
+            stream = self.engine.generate(prompt, params, request_id=request_id)
+            try:
+                while True:
+                    try:
+                        out = await asyncio.wait_for(anext(stream), _left(deadline))
+                    except StopAsyncIteration:
+                        return
+                    yield out
+            finally:
+                await stream.aclose()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                here.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, put), loop)
+        try:
+            while True:
+                item = await asyncio.wait_for(q.get(), _left(deadline))
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):  # cancelled on the engine's side
+                        raise RuntimeError("the engine request was cancelled")
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()  # cancels the producer on the engine's loop: the request is aborted
+
+    def stream(self, prompt, params, request_id: str | None = None, *,
+               deadline: float | None = None) -> Iterator[RequestOutput]:
+        """The request's outputs, blocking (not on the engine's loop); ``deadline`` as in astream."""
+        loop = self.engine_loop()
+        if _running_loop() is loop:
+            raise RuntimeError("a sync call on the engine's own event loop would block it: use the async "
+                               "API (ainvoke / astream) there")
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, q.put), loop)
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=_left(deadline))
+                except queue.Empty:
+                    raise TimeoutError("the request ran past its timeout and was aborted") from None
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        raise RuntimeError("the engine request was cancelled")
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def call(self, coro_fn, *args):
+        """Run ``coro_fn(engine, *args)`` on the engine's loop and wait (sync)."""
+        loop = self.engine_loop()
+        if _running_loop() is loop:
+            raise RuntimeError("a sync call on the engine's own event loop would block it")
+        return asyncio.run_coroutine_threadsafe(coro_fn(self.engine, *args), loop).result()
+
+    async def acall(self, coro_fn, *args):
+        """Run ``coro_fn(engine, *args)`` on the engine's loop from any loop."""
+        loop = self.engine_loop()
+        if loop is asyncio.get_running_loop():
+            return await coro_fn(self.engine, *args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro_fn(self.engine, *args), loop))
+
+
+_engines: dict[tuple, Any] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(model: str, engine_options: dict | None = None):
+    """The process's AsyncLLMEngine for (model, options), built on first use and then shared."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine.async_engine import AsyncLLMEngine
+
+    opts = dict(engine_options or {})
+    key = (model, json.dumps(opts, sort_keys=True, default=repr))
+    with _engines_lock:
+        eng = _engines.get(key)
+        if eng is None or eng.errored or eng.is_closing:
+            eng = _engines[key] = AsyncLLMEngine.from_config(EngineConfig(model=model, **opts))
+        return eng
+
+
+def close_shared_engines() -> None:
+    """Shut down the engines :func:`shared_engine` built (they are rebuilt if used again)."""
+    with _engines_lock:
+        engines, _ = list(_engines.values()), _engines.clear()
+    for eng in engines:
+        EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
+
+
+__all__ = ["EngineBridge", "host_loop", "shared_engine", "close_shared_engines"]
