@@ -107,13 +107,20 @@ static inline __attribute__((always_inline)) void unpack(int type, const uint8_t
             q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))));
         return;
     }
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == AE_Q_Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    /* The 16 bytes in both 128-bit lanes; one byte shuffle spreads bytes 0-7 (8-15) into the low
+     * byte of each 32-bit lane: the low nibble is that & 15, the high nibble that >> 4. Two shuffles
+     * per block instead of six (zero-extends): the shuffle port is what bounds decode here. */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == AE_Q_Q4_1 ? 4 : 2))));
+    const __m256i spread_lo = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i spread_hi = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                               12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256i a = _mm256_shuffle_epi8(v, spread_lo), c = _mm256_shuffle_epi8(v, spread_hi);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
 }
 #endif
 
