@@ -370,6 +370,20 @@ class _GGUFFile:
             )
         return n_elements // block * type_size
 
+    def release(self, t: _TensorInfo) -> None:
+        """Drop this process's mapping of a tensor's pages (they stay in the page cache; a later
+        read faults them back in), so a load's peak RSS does not count the file on top of the
+        weights copied out of it."""
+        import mmap
+
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.offset - t.offset % mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, t.offset + self.nbytes(t) - start)
+        except (OSError, ValueError):
+            pass
+
     def raw(self, t: _TensorInfo) -> np.ndarray:
         """The tensor's bytes as uint8 with shape (*outer dims, bytes per row): what gguf.quants expects."""
         nbytes = self.nbytes(t)
@@ -880,11 +894,12 @@ class GGUFModel:
             if hf in keep_quantized and t.type_name in _BLOCK_FORMATS:
                 w = _quantized_view(f, t)
                 yield hf, (w.index_rows(rows) if permuted else w)  # whole rows of blocks: exact
-                continue
-            w = _dequantize_torch(f, t, self.path, dtype)
-            if permuted:
-                w = w.index_select(0, rows)
-            yield hf, w
+            else:
+                w = _dequantize_torch(f, t, self.path, dtype)
+                if permuted:
+                    w = w.index_select(0, rows)
+                yield hf, w
+            f.release(t)  # the caller has copied it: its file pages need not count in our RSS
 
 
 
