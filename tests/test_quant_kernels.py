@@ -198,7 +198,7 @@ def test_row_parallel_slice_must_fall_on_block_edges():
 
 def test_vocab_embedding_pads_a_short_slice_and_is_the_tied_head():
     table = torch.randn(5, 32)
-    emb = VocabEmbedding(8, 32)  # the last TP rank: 5 real rows of 8
+    emb = VocabEmbedding(8, 32, valid_rows=5)  # the last TP rank: 5 real rows of 8
     emb.quantize_as("Q8_0")
     emb.load(QuantizedTensor("Q8_0", (5, 32), quant.quantize(table, "Q8_0")))
     deq = quant.dequantize_torch(emb.qweight, "Q8_0", 32)
@@ -206,5 +206,7 @@ def test_vocab_embedding_pads_a_short_slice_and_is_the_tied_head():
     assert torch.equal(emb(torch.tensor([4, 0])), deq[[4, 0]])
     h = torch.randn(2, 32)
     assert_matmul_close(emb.logits(h), h, deq)
+    with pytest.raises(ValueError, match="checkpoint shape"):  # any other short table is an error
+        VocabEmbedding(8, 32).load(table)
     emb.to(torch.bfloat16)
     assert emb(torch.tensor([1])).dtype == torch.bfloat16

@@ -161,16 +161,17 @@ class Linear(nn.Module):
 
 class VocabEmbedding(Linear):
     """Token embedding ``[rows, dim]`` (this rank's vocabulary slice); ``logits`` is the tied LM
-    head, the same matmul a :class:`Linear` runs."""
+    head, the same matmul a :class:`Linear` runs. ``valid_rows``: the rows the checkpoint fills
+    (the last tensor-parallel rank's slice is shorter than the padded ``rows``)."""
 
-    def __init__(self, rows: int, dim: int) -> None:
+    def __init__(self, rows: int, dim: int, valid_rows: int | None = None) -> None:
         super().__init__(dim, rows, bias=False)
+        self.valid_rows = rows if valid_rows is None else valid_rows
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, part: int | None = None) -> None:
-        """A vocabulary slice may be shorter than this rank's padded rows (the last TP rank): the
-        extra rows stay zero."""
+        """The padding rows past ``valid_rows`` stay zero."""
         n = tensor.shape[0]
-        if n < self.out_features and part is None and tuple(tensor.shape[1:]) == (self.in_features,):
+        if n == self.valid_rows < self.out_features and part is None:
             with torch.no_grad():
                 (self.qweight if self.quantized else self.weight).zero_()
             self.parts = (n, self.out_features - n)

@@ -153,13 +153,14 @@ class LlamaForCausalLM(nn.Module):
         self.inter_start, _ = even_split(a.intermediate_size, tp, "intermediate size")
         # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad)
         self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
-        self.embed_tokens = VocabEmbedding(rows, a.hidden_size)  # no random init: the loader fills it
+        valid = self.vocab_stop - self.vocab_start
+        self.embed_tokens = VocabEmbedding(rows, a.hidden_size, valid)  # no random init: the loader fills it
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
         windows = a.layer_windows or (None,) * a.num_layers
         self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else VocabEmbedding(rows, a.hidden_size)
+        self.lm_head = None if a.tie_word_embeddings else VocabEmbedding(rows, a.hidden_size, valid)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config, size: int) -> None:
