@@ -44,8 +44,7 @@ class QuantizedTensor:
     data: torch.Tensor
 
     def __post_init__(self) -> None:
-        quant.check(self.data.contiguous() if not self.data.is_contiguous() else self.data, self.qtype,
-                    self.shape[1])
+        quant.check(self.data, self.qtype, self.shape[1])
         if self.data.shape[0] != self.shape[0]:
             raise ValueError(f"{self.qtype} data has {self.data.shape[0]} rows, shape says {self.shape[0]}")
 
@@ -70,7 +69,7 @@ class QuantizedTensor:
         return QuantizedTensor(self.qtype, (self.shape[0], stop - start), data)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return quant.dequantize(self.data.contiguous(), self.qtype, self.shape[1]).to(dtype)
+        return quant.dequantize(self.data, self.qtype, self.shape[1]).to(dtype)
 
     @property
     def nbytes(self) -> int:
