@@ -40,6 +40,10 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
         p.add_argument("--model", default=None, help=what + " (default: smollm2-135m-instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = bfloat16 where the CPU has native bf16 (or on a GPU), else float32")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                   help="weights: by default the checkpoint's own format (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
+                        "quantized and run on CPU kernels; safetensors load dense); int8 / int4 = quantize "
+                        "dense weights at load (Q8_0 / Q4_1 blocks, CPU); none = dequantize everything")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest conversation in tokens (default: the model's context length)")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
@@ -109,7 +113,7 @@ def _config(args, default_max_num_seqs: int):
     from asyncengine import EngineConfig
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs or default_max_num_seqs)
+              max_num_seqs=args.max_num_seqs or default_max_num_seqs, quantization=args.quantization)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     return EngineConfig(**kw)
@@ -358,6 +362,7 @@ def _serve(args) -> int:
     kw = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
                             ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
     kw["max_num_seqs"] = args.max_num_seqs or 256
+    kw["quantization"] = args.quantization
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     status = _Status(args.model or "smollm2-135m-instruct")

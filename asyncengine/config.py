@@ -137,6 +137,11 @@ class EngineConfig:
     # "prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", "model": path,
     # "num_speculative_tokens": 3}; None = off. Parsed into a SpeculativeConfig.
     speculative_config: dict | None = None
+    # weights (docs/quantization.md): None = the checkpoint's own format (a GGUF's Q4_0/Q4_1/Q8_0
+    # tensors stay in their blocks and run on the CPU kernels; safetensors load dense); "int8" /
+    # "int4" = weight-only quantization of dense weights at load into Q8_0 / Q4_1 blocks (CPU);
+    # "none" = dequantize everything at load (the reference the accuracy tests compare with)
+    quantization: Literal["none", "int8", "int4"] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -196,3 +201,12 @@ class EngineConfig:
         from asyncengine.attention.selector import resolve_backend_name
 
         self.attention_backend_name = resolve_backend_name(self.attention_backend, self.torch_device)
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
+                              f"'int4', got {self.quantization!r}")
+        if self.quantization in ("int8", "int4") and self.torch_device.type != "cpu":
+            raise ConfigError(f"quantization={self.quantization!r} runs on the CPU kernels only; on "
+                              f"{self.torch_device.type} load dense weights (quantization=None or 'none')")
+
+
+QUANTIZATION_MODES = (None, "none", "int8", "int4")

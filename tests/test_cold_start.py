@@ -133,11 +133,15 @@ def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
     monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    first = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
+    # the cache holds dequantized weights: quantized layers (the default for Q8_0) need none
+    quantized = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
+    assert not (tmp_path / "weights").exists()
+    quantized.shutdown()
+    first = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
     files = list((tmp_path / "weights").glob("*.bin"))
     assert len(files) == 1
     a = first.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
-    second = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
+    second = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
     from worker_hooks import runner_of
 
     first_model, second_model = (llm.engine.collective_rpc(runner_of)[0].model for llm in (first, second))
@@ -149,7 +153,7 @@ def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch):
         assert n1 == n2 and torch.equal(p1, p2), n1
     # a corrupt entry is ignored, not trusted
     files[0].write_bytes(files[0].read_bytes()[:100])
-    third = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
+    third = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
     assert third.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids == a
 
 

@@ -10,6 +10,8 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import TPGroup, attention_shard
+from asyncengine.kernels.cpu import quant
+from asyncengine.layers.linear import Linear, weight_nbytes
 from asyncengine.models.loader import load_model
 
 H, I, V, D = 64, 128, 512, 16  # the tiny llama: hidden, intermediate, vocab, head_dim (4 heads, 2 KV)
@@ -41,25 +43,33 @@ def expected_local(name: str, full: torch.Tensor, rank: int, n: int, heads=4, kv
     return full  # norms (and a replicated vocabulary): whole on every rank
 
 
-def check_shards(path: str, n: int, vocab_parallel: bool = True, **cfg) -> None:
+def dense_weights(model) -> dict[str, torch.Tensor]:
+    """Every weight by parameter name, dequantized where a layer keeps blocks."""
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.quantized:
+            out[f"{name}.weight"] = quant.dequantize_torch(m.qweight, m.qtype, m.in_features)
+    return out
+
+
+def check_shards(path: str, n: int, vocab_parallel: bool = True, check_bytes: bool = True, **cfg) -> None:
     config = EngineConfig(model=path, dtype="float32", skip_tokenizer_init=True, **cfg)
-    full = dict(load_model(config, tokenizer=False).model.named_parameters())
-    full_bytes = sum(p.numel() * p.element_size() for p in full.values())
-    vocab_bytes = sum(p.numel() * p.element_size() for k, p in full.items()
-                      if k in ("embed_tokens.weight", "lm_head.weight"))
+    full_model = load_model(config, tokenizer=False).model
+    full, full_bytes = dense_weights(full_model), weight_nbytes(full_model)
+    vocab_bytes = weight_nbytes(torch.nn.ModuleList(
+        [m for m in (full_model.embed_tokens, getattr(full_model, "lm_head", None)) if m is not None]))
     for rank in range(n):
         shard = load_model(config, tp=TPGroup(rank=rank, size=n, vocab_parallel=vocab_parallel),
                            tokenizer=False).model
-        params = dict(shard.named_parameters())
+        params = dense_weights(shard)
         assert params.keys() == full.keys()
         for name, p in params.items():
-            torch.testing.assert_close(p.detach(), expected_local(name, full[name].detach(), rank, n,
-                                                                  vocab_parallel=vocab_parallel),
+            torch.testing.assert_close(p, expected_local(name, full[name], rank, n, vocab_parallel=vocab_parallel),
                                        rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
-        nbytes = sum(p.numel() * p.element_size() for p in params.values())
         # everything but the norms is split: about 1/N of the bytes (the vocabulary whole if replicated)
-        want = 1 / n if vocab_parallel else (vocab_bytes + (full_bytes - vocab_bytes) / n) / full_bytes
-        assert abs(nbytes / full_bytes - want) < 0.02, (rank, nbytes, full_bytes)
+        if check_bytes:
+            want = 1 / n if vocab_parallel else (vocab_bytes + (full_bytes - vocab_bytes) / n) / full_bytes
+            assert abs(weight_nbytes(shard) / full_bytes - want) < 0.02, (rank, weight_nbytes(shard), full_bytes)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -83,9 +93,22 @@ def llama_gguf(tmp_path_factory, tiny_llama_dir):
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_gguf_shards(llama_gguf, qtype, n):
-    """Row slices straight from the memory map (q/k unpermuted per head), column slices on block
-    edges (TP=2: 32 columns) and off them (TP=4: 16 of a Q8_0 block's 32), KV heads replicated at 4."""
-    check_shards(llama_gguf[qtype], n)
+    """Dequantized at load: row slices straight from the memory map (q/k unpermuted per head),
+    column slices on block edges (TP=2: 32 columns) and off them (TP=4: 16 of a Q8_0 block's 32),
+    KV heads replicated at 4."""
+    check_shards(llama_gguf[qtype], n, quantization="none")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gguf_shards_stay_quantized(llama_gguf, n):
+    """Kept in Q8_0 blocks: each rank's blocks are its slice of the whole model's. At TP=4 the
+    row-parallel o_proj gets 16 input features, half a block: that layer alone loads dense."""
+    check_shards(llama_gguf["Q8_0"], n, check_bytes=n == 2)
+    shard = load_model(EngineConfig(model=llama_gguf["Q8_0"], dtype="float32", skip_tokenizer_init=True),
+                       tp=TPGroup(rank=1, size=n), tokenizer=False).model
+    formats = {name.rsplit(".", 1)[-1]: m.qtype for name, m in shard.named_modules() if isinstance(m, Linear)}
+    assert formats == {"qkv_proj": "Q8_0", "o_proj": "Q8_0" if n == 2 else None, "gate_up_proj": "Q8_0",
+                       "down_proj": "Q8_0", "embed_tokens": "Q8_0", "lm_head": "Q8_0"}
 
 
 def test_gguf_replicated_vocabulary(llama_gguf):

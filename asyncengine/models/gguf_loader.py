@@ -136,13 +136,15 @@ def gguf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *, tensors: bool = True,
-              tokenizer: bool = True, shard_of=None) -> GGUFCheckpoint:
+              tokenizer: bool = True, shard_of=None, keep_quantized: frozenset = frozenset()) -> GGUFCheckpoint:
     """Read a GGUF file (or a folder holding exactly one) into HF-named, dequantized tensors.
 
     ``dtype`` is what each tensor is cast to right after it is dequantized (float32 by default, which
     is exact for every GGUF type). ``tensors=False`` reads only the config and tokenizer (``tensors``
     is then empty). ``shard_of(hf_name) -> (dim, start, stop) | None``: a tensor-parallel rank's
     slice of each tensor; only those rows (or columns) of the memory map are dequantized.
+    ``keep_quantized``: HF names of block-format tensors (Q4_0, Q4_1, Q8_0) to hand over as a
+    ``QuantizedTensor`` (their slice of the raw blocks), not dequantized.
     Raises :class:`ModelLoadError` for a missing, truncated or corrupt file, an unsupported tensor type
     or an unsupported architecture.
     """
@@ -153,7 +155,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *, te
     _check_tensor_types(gguf_file, path)
     config = _build_config(gguf_file, gguf_arch, path)
     if tensors:
-        weights, extra = _load_tensors(gguf_file, config, gguf_arch, path, dtype, shard_of)
+        weights, extra = _load_tensors(gguf_file, config, gguf_arch, path, dtype, shard_of,
+                                       keep_quantized=keep_quantized)
     else:  # rope_freqs still matter for the config
         weights, extra = {}, _load_tensors(gguf_file, config, gguf_arch, path, dtype, None,
                                            only=_EXTRA_TENSORS)[1]
@@ -367,6 +370,20 @@ class _GGUFFile:
             )
         return n_elements // block * type_size
 
+    def release(self, t: _TensorInfo) -> None:
+        """Drop this process's mapping of a tensor's pages (they stay in the page cache; a later
+        read faults them back in), so a load's peak RSS does not count the file on top of the
+        weights copied out of it."""
+        import mmap
+
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.offset - t.offset % mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, t.offset + self.nbytes(t) - start)
+        except (OSError, ValueError):
+            pass
+
     def raw(self, t: _TensorInfo) -> np.ndarray:
         """The tensor's bytes as uint8 with shape (*outer dims, bytes per row): what gguf.quants expects."""
         nbytes = self.nbytes(t)
@@ -561,7 +578,7 @@ def _slice_raw(f: _GGUFFile, t: _TensorInfo, spec, qtype):
 
 
 def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dtype, shard_of=None,
-                  only=None):
+                  only=None, keep_quantized: frozenset = frozenset()):
     import gguf
     from gguf.quants import dequantize
 
@@ -581,6 +598,9 @@ def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.
         hf = _hf_name(t.name)
         spec = shard_of(hf) if shard_of is not None and hf is not None else None
         qtype = gguf.GGMLQuantizationType(t.type_id)
+        if hf in keep_quantized and t.type_name in _BLOCK_FORMATS:
+            tensors[hf] = _quantized_shard(f, t, hf, spec, permute, n_head, n_kv)
+            continue
         try:
             if spec is None:
                 array = dequantize(f.raw(t), qtype).reshape(t.shape)
@@ -608,6 +628,23 @@ def _load_tensors(f: _GGUFFile, config, gguf_arch: str, path: str, dtype: torch.
         else:
             tensors[hf] = tensor
     return tensors, extra
+
+
+def _quantized_shard(f: _GGUFFile, t: _TensorInfo, hf: str, spec, permute: bool, n_head: int, n_kv: int):
+    """This rank's slice of a block-format tensor, still in blocks: rows are a byte slice, a K slice
+    must fall on block edges (``QuantizedTensor.cols`` raises otherwise); q/k rows un-permuted
+    within this rank's heads."""
+    q = _quantized_view(f, t)
+    if spec is not None:
+        dim, start, stop = spec
+        try:
+            q = q.rows(start, stop) if dim == 0 else q.cols(start, stop)
+        except ValueError as exc:
+            raise ModelLoadError(f"{f.path}: tensor {t.name!r}: {exc}") from None
+    if permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
+        heads = (n_head if ".q_proj." in hf else n_kv) * q.shape[0] // t.shape[0]
+        q = q.index_rows(torch.from_numpy(unpermute_rows(q.shape[0], heads)))
+    return q
 
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -838,21 +875,53 @@ class GGUFModel:
     _file: _GGUFFile = dataclasses.field(repr=False, default=None)
     _permute: bool = False
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, dtype: torch.dtype = torch.float32, keep_quantized: frozenset = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor in ``dtype``) pairs, each dequantized only when it is asked for, so that
-        at most one float copy of one tensor exists beyond what the caller keeps."""
+        at most one float copy of one tensor exists beyond what the caller keeps. Tensors named in
+        ``keep_quantized`` (and stored in a block format the CPU kernels run) come as a
+        ``QuantizedTensor``: a view of the file's bytes (a copy only for permuted q/k rows)."""
         f, cfg = self._file, self.config
         for t in f.tensors:
             hf = _hf_name(t.name)
             if hf is None:
                 continue  # extra tensors (rope_freqs) were read when the file was opened
-            w = _dequantize_torch(f, t, self.path, dtype)
-            if self._permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf):
-                rows = unpermute_rows(t.shape[0], cfg.num_attention_heads if ".q_proj." in hf
-                                      else cfg.num_key_value_heads)
-                w = w.index_select(0, torch.from_numpy(rows))
-            yield hf, w
+            permuted = self._permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf)
+            rows = None
+            if permuted:
+                rows = torch.from_numpy(unpermute_rows(t.shape[0], cfg.num_attention_heads if ".q_proj." in hf
+                                                       else cfg.num_key_value_heads))
+            if hf in keep_quantized and t.type_name in _BLOCK_FORMATS:
+                w = _quantized_view(f, t)
+                yield hf, (w.index_rows(rows) if permuted else w)  # whole rows of blocks: exact
+            else:
+                w = _dequantize_torch(f, t, self.path, dtype)
+                if permuted:
+                    w = w.index_select(0, rows)
+                yield hf, w
+            f.release(t)  # the caller has copied it: its file pages need not count in our RSS
 
+
+
+# GGUF types the CPU kernels run as they are (asyncengine/layers/linear.py, kernels/cpu/quant.c)
+_BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _quantized_view(f: _GGUFFile, t: _TensorInfo):
+    """A 2-D block-format tensor as a ``QuantizedTensor`` over the memory map (no copy)."""
+    from asyncengine.layers.linear import QuantizedTensor
+
+    with warnings.catch_warnings():  # the map is read-only; layers copy out of it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(f._map, dtype=torch.uint8, count=f.nbytes(t), offset=t.offset)
+    rows, cols = t.shape
+    return QuantizedTensor(t.type_name, (rows, cols), raw.view(rows, -1))
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, str]:
+    """HF name -> GGUF type name (F32, Q4_1, ...) of every model tensor, from the header alone."""
+    f = _GGUFFile(_resolve_file(path))
+    return {_hf_name(t.name): t.type_name for t in f.tensors if _hf_name(t.name)}
 
 
 def _architecture(metadata: dict, path) -> str:

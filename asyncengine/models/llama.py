@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.layers.linear import Linear, VocabEmbedding
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import SINGLE, TPGroup, attention_shard, even_split, vocab_split
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -82,8 +83,9 @@ class Attention(nn.Module):
         self.q_size = sh.num_heads * a.head_dim
         self.kv_size = sh.num_kv_heads * a.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = sh.num_heads, sh.num_kv_heads, a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)  # row-parallel
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias,
+                               parts=(self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=False)  # row-parallel
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
@@ -112,8 +114,8 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         _, self.inter = even_split(a.intermediate_size, tp, "intermediate size")
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.inter, bias=False)  # column-parallel
-        self.down_proj = nn.Linear(self.inter, a.hidden_size, bias=False)  # row-parallel
+        self.gate_up_proj = Linear(a.hidden_size, 2 * self.inter, bias=False, parts=(self.inter, self.inter))
+        self.down_proj = Linear(self.inter, a.hidden_size, bias=False)  # row-parallel
         self.act = _ACTS[a.hidden_act]
 
     def forward(self, x):
@@ -152,14 +154,14 @@ class LlamaForCausalLM(nn.Module):
         # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad); or
         # replicated (tp.vocab_parallel False): every rank holds all of them
         self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
-        # _weight: no random init (on the meta device, normal_ would import torch._dynamo: seconds)
-        self.embed_tokens = nn.Embedding(rows, a.hidden_size, _weight=torch.empty(rows, a.hidden_size))
+        valid = self.vocab_stop - self.vocab_start
+        self.embed_tokens = VocabEmbedding(rows, a.hidden_size, valid)  # no random init: the loader fills it
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
         windows = a.layer_windows or (None,) * a.num_layers
         self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, rows, bias=False)
+        self.lm_head = None if a.tie_word_embeddings else VocabEmbedding(rows, a.hidden_size, valid)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config, size: int) -> None:
@@ -202,8 +204,7 @@ class LlamaForCausalLM(nn.Module):
         tensor parallelism: every rank must call it with the same rows)."""
         if not self.tp.vocab_sharded and self.tp.rank > 0:
             return None  # a replicated head: rank 0 computes every logit alone
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, w)
+        logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         if not self.tp.vocab_sharded:
             return logits
         full = self.tp.gather_to_first(logits, dim=-1)
@@ -235,17 +236,27 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
+    def checkpoint_layers(self) -> dict[str, tuple[Linear, list[str]]]:
+        """Every :class:`Linear` (by module name) with the checkpoint weights (HF names without the
+        ``model.`` prefix) that fill it, in part order: the loader picks each layer's storage from
+        them (quantized blocks only where every part is in the same block format)."""
+        parts = {}
+        for src, (dst, i) in _FUSED.items():
+            parts.setdefault(dst, {})[i] = src
+        out = {}
+        for name, m in self.named_modules():
+            if isinstance(m, Linear):
+                prefix, _, leaf = name.rpartition(".")
+                leaves = [parts[leaf][i] for i in sorted(parts[leaf])] if leaf in parts else [leaf]
+                out[name] = (m, [f"{prefix}.{x}.weight" if prefix else f"{x}.weight" for x in leaves])
+        return out
+
     def load_weights(self, weights) -> None:
-        """Take (HF name, tensor) pairs; fuse q/k/v and gate/up; complain about anything missing
-        or unexpected so a wrong checkpoint fails loudly, not with garbage output."""
+        """Take (HF name, tensor) pairs (a tensor may be a ``QuantizedTensor``: GGUF blocks); fuse
+        q/k/v and gate/up; complain about anything missing or unexpected so a wrong checkpoint fails
+        loudly, not with garbage output."""
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        a = self.args
-        sh = self.shard
-        qkv_sizes = [sh.num_heads * a.head_dim, sh.num_kv_heads * a.head_dim, sh.num_kv_heads * a.head_dim]
-        inter = a.intermediate_size // self.tp.size
-        gate_up_sizes = [inter, inter]
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -256,42 +267,46 @@ class LlamaForCausalLM(nn.Module):
             parts = name.split(".")
             target, shard = name, None
             for i, p in enumerate(parts):
-                if p in fused:
-                    fname, shard = fused[p]
-                    parts[i] = fname
+                if p in _FUSED:
+                    parts[i], shard = _FUSED[p]
                     target = ".".join(parts)
                     break
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            p = params[target]
-            with torch.no_grad():
-                if shard is None and self.tp.size > 1 and target in ("embed_tokens.weight", "lm_head.weight") \
-                        and tensor.shape[0] < p.shape[0] and tensor.shape[1:] == p.shape[1:]:
-                    p.zero_()  # the last rank's padding rows of the vocabulary
-                    p.narrow(0, 0, tensor.shape[0]).copy_(tensor)
-                elif shard is None:
+            mod_name, _, leaf = target.rpartition(".")
+            layer = modules.get(mod_name)
+            try:
+                if isinstance(layer, Linear) and leaf in ("weight", "bias"):
+                    if leaf == "weight":
+                        layer.load(tensor, shard)
+                    else:
+                        layer.load_bias(tensor, shard)
+                elif target in params:
+                    p = params[target]
                     if p.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-                    p.copy_(tensor)
+                        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+                    with torch.no_grad():
+                        p.copy_(tensor)
                 else:
-                    sizes = qkv_sizes if fname == "qkv_proj" else gate_up_sizes
-                    off = sum(sizes[:shard])
-                    dst = p.narrow(0, off, sizes[shard])
-                    if dst.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-                    dst.copy_(tensor)
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             loaded.add(f"{target}#{shard}")
         expected = set()
-        for n, _ in self.named_parameters():
-            if n.endswith("qkv_proj.weight") or n.endswith("qkv_proj.bias"):
-                expected |= {f"{n}#0", f"{n}#1", f"{n}#2"}
-            elif n.endswith("gate_up_proj.weight"):
-                expected |= {f"{n}#0", f"{n}#1"}
-            else:
-                expected.add(f"{n}#None")
+        for n, m in modules.items():
+            if isinstance(m, Linear):
+                keys = [None] if len(m.parts) == 1 else range(len(m.parts))
+                expected |= {f"{n}.weight#{k}" for k in keys}
+                if m.bias is not None:
+                    expected |= {f"{n}.bias#{k}" for k in keys}
+        linear_params = {f"{n}.{leaf}" for n, m in modules.items() if isinstance(m, Linear) for leaf in ("weight", "bias")}
+        expected |= {f"{n}#None" for n in params if n not in linear_params}
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# checkpoint projection -> (our fused layer, part index)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

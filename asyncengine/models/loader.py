@@ -208,20 +208,24 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     tp = tp or SINGLE
     path = resolve_path(config.model)
     want_tok = tokenizer and not config.skip_tokenizer_init
-    gguf, weights, tok, generation_config = None, None, None, None
+    gguf, weights, tok, generation_config, file_types = None, None, None, None, None
     if path.endswith(".gguf"):
         from asyncengine.engine.defaults import gguf_generation_config
 
         if tp.size > 1:
             from asyncengine.models.gguf_loader import gguf_config, load_gguf
 
+            from asyncengine.models.gguf_loader import tensor_types
+
             hf_config = gguf_config(path)
             cls = resolve_architecture(hf_config)
             max_len = _max_model_len(hf_config, config)
             with torch.device("meta"):
                 shape_model = cls(hf_config, max_positions=max_len, tp=tp)
+            file_types = tensor_types(path)
+            keep = choose_weight_storage(shape_model, config, file_types, quiet=True)
             say(f"reading rank {tp.rank}'s shard of {os.path.basename(path)}")
-            ckpt = load_gguf(path, tokenizer=want_tok, shard_of=shape_model.weight_shard)
+            ckpt = load_gguf(path, tokenizer=want_tok, shard_of=shape_model.weight_shard, keep_quantized=keep)
             hf_config, weights = ckpt.config, ckpt.tensors.items()
             tok, eos = ckpt.tokenizer, list(ckpt.eos_token_ids)
             generation_config = gguf_generation_config(ckpt.metadata)
@@ -231,6 +235,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             say(f"reading {os.path.basename(path)}")
             gguf = open_gguf(path, tokenizer=want_tok)
             hf_config, tok, eos = gguf.config, gguf.tokenizer, list(gguf.eos_token_ids)
+            file_types = gguf.tensor_types
             generation_config = gguf_generation_config(gguf.metadata)
     else:
         if hf_config is not None:
@@ -245,9 +250,12 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     max_len = _max_model_len(hf_config, config)
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len, tp=tp)
+    keep = choose_weight_storage(model, config, file_types)
+    quantized = any(m.quantized for m, _ in getattr(model, "checkpoint_layers", dict)().values())
     cache, cached = None, False
-    # unsharded CPU loads only: a key without the shard would hand one rank another's weights
-    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1:
+    # unsharded CPU loads only: a key without the shard would hand one rank another's weights.
+    # Quantized layers need no cache: their load is a copy of the file's blocks, nothing decoded.
+    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not quantized:
         from asyncengine.models import weight_cache
 
         if weight_cache.enabled_for(path):
@@ -260,7 +268,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
         if gguf is not None:
             say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache
                 else f"decoding {os.path.basename(path)}")
-            weights = gguf.weights(config.torch_dtype)
+            weights = gguf.weights(config.torch_dtype, keep_quantized=keep)
         elif weights is None:
             say(f"reading {path}")
             weights = _safetensors_weights(Path(path), model.weight_shard if tp.size > 1 else None)
@@ -275,3 +283,64 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tok, eos_token_ids=eos,
                        max_model_len=max_len, path=path, generation_config=generation_config)
+
+
+def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_types: dict[str, str] | None,
+                          quiet: bool = False) -> frozenset[str]:
+    """Pick every linear layer's storage (dense or a GGUF block format) on the not yet allocated
+    model, per ``config.quantization`` (docs/quantization.md), and return the checkpoint names the
+    loader should hand over as blocks. ``file_types``: a GGUF's HF name -> type name (None for
+    safetensors).
+
+    A layer keeps the file's block format when every checkpoint tensor fused into it has that same
+    format (Q4_0, Q4_1 or Q8_0); "int8"/"int4" quantize the dense ones (F32/F16/BF16 or
+    safetensors) into Q8_0 / Q4_1 (embedding and LM head: Q8_0 for both, as llama.cpp keeps its
+    output layer at 8 bits). Dense stays dense on CUDA, with quantization="none", where a layer's
+    input features do not fill whole blocks of 32 (say, a tensor-parallel slice of K), and where the
+    C kernels are unavailable (no compiler, ASYNCENGINE_CPU_KERNELS=0): dequantizing once at load
+    keeps today's speed, where dequantizing per call would cost every step a full decode of the
+    weights."""
+    from asyncengine.layers.linear import BLOCK_FORMATS, VocabEmbedding
+
+    mode = config.quantization
+    if mode == "none" or config.torch_device.type != "cpu" or not hasattr(model, "checkpoint_layers"):
+        return frozenset()
+    if file_types is None and mode is None:
+        return frozenset()  # a dense checkpoint in its own format
+    types = {k.removeprefix("model."): v for k, v in (file_types or {}).items()}
+    plan = {}
+    for name, (layer, ckpt) in model.checkpoint_layers().items():
+        found = {types.get(n) for n in ckpt}
+        qtype = None
+        if len(found) == 1 and next(iter(found)) in BLOCK_FORMATS:
+            qtype = next(iter(found))
+        elif mode in ("int8", "int4") and found <= {None, "F32", "F16", "BF16"}:
+            qtype = "Q8_0" if mode == "int8" or isinstance(layer, VocabEmbedding) else "Q4_1"
+        if qtype is not None and not layer.can_quantize():
+            if not quiet:
+                log.info("%s stays dense: its %d input features are not whole %s blocks of 32", name,
+                         layer.in_features, qtype)
+            qtype = None
+        if qtype is not None:
+            plan[name] = (layer, ckpt, qtype)
+    if not plan:
+        return frozenset()
+    from asyncengine.kernels.cpu import build_error, quant
+
+    if not quant.kernels_available():
+        if not quiet:
+            log.warning("the CPU kernels for quantized weights are unavailable (%s): dequantizing the weights "
+                        "at load instead (same results, more memory)", build_error())
+        return frozenset()
+    keep = set()
+    for layer, ckpt, qtype in plan.values():
+        layer.quantize_as(qtype)
+        keep.update(f"model.{n}" if not n.startswith("lm_head.") else n for n in ckpt if types.get(n) == qtype)
+    if not quiet:
+        counts: dict[str, int] = {}
+        for _, _, q in plan.values():
+            counts[q] = counts.get(q, 0) + 1
+        dense = len(model.checkpoint_layers()) - len(plan)
+        log.info("weights: %s", ", ".join([f"{n} layers in {q}" for q, n in sorted(counts.items())]
+                                          + ([f"{dense} dense"] if dense else [])))
+    return frozenset(keep)

@@ -170,8 +170,10 @@ class Worker:
                 "grammar_time_s": r.grammar_time_s}
 
     def weight_bytes(self) -> int:
-        """Bytes of the parameters this rank holds (its shard)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the weights this rank holds (its shard): dense parameters and quantized blocks."""
+        from asyncengine.layers.linear import weight_nbytes
+
+        return weight_nbytes(self.model)
 
     def reset_requests(self) -> None:
         """Forget every request's state (the core abandoned them all)."""

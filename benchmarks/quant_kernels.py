@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""The quantized-weight kernels against the machine's read bandwidth and against dense fp32.
+
+    python benchmarks/quant_kernels.py [--threads 2] [--repeat 30] [--out result.json]
+
+Figures (best of --repeat, so a busy machine disturbs them less; still say when it was busy):
+
+  read_gb_s      torch.sum over a 1 GiB fp32 tensor: the bandwidth that bounds single-stream decode
+  gemv           per shape of SmolLM2-135M (M = 1): the kernel's time, its effective GB/s of weight
+                 bytes, and dense fp32 F.linear's time on the same (dequantized) weight
+  crossover      per M: the register-blocked kernel vs the tiled path (blocks dequantized into fp32
+                 scratch, then torch.mm); kernels/cpu/quant.py's LARGE_M is where the tiled path wins
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [  # (N, K, format): SmolLM2-135M's projections and its tied Q8_0 head
+    (960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0")]
+
+
+def best(f, repeat: int) -> float:
+    f()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from asyncengine.kernels.cpu import quant
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    res = {"threads": args.threads, "load_avg": os.getloadavg()}
+    big = torch.ones(1 << 28)  # 1 GiB
+    res["read_gb_s"] = big.numel() * 4 / best(lambda: big.sum(), max(3, args.repeat // 5)) / 1e9
+    del big
+    res["gemv"] = []
+    for n, k, q in SHAPES:
+        blocks = quant.quantize(torch.randn(n, k), q)
+        dense = quant.dequantize(blocks, q, k)
+        x = torch.randn(1, k)
+        t = best(lambda: quant.gemm(x, blocks, q, k), args.repeat)
+        td = best(lambda: F.linear(x, dense), args.repeat)
+        res["gemv"].append({"shape": [n, k], "format": q, "us": t * 1e6, "weight_gb_s": blocks.numel() / t / 1e9,
+                            "dense_fp32_us": td * 1e6})
+    res["crossover"] = []
+    for n, k, q in [(3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0")]:
+        blocks = quant.quantize(torch.randn(n, k), q)
+        for m in (8, 16, 32, 48, 64, 128, 256):
+            x = torch.randn(m, k)
+            r = max(3, args.repeat // 5)
+            tk = best(lambda: quant.gemm_small_m(x, blocks, q, k), r)
+            tt = best(lambda: quant._gemm_tiled(quant._lib(), x, blocks, q, k, None), r)
+            res["crossover"].append({"shape": [n, k], "format": q, "m": m, "kernel_us": tk * 1e6,
+                                     "tiled_us": tt * 1e6})
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

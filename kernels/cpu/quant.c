@@ -1,0 +1,249 @@
+/* Weight-only quantized matmul on GGUF block formats (Q4_0, Q4_1, Q8_0), fp32 activations.
+ *
+ * out[M, N] (+)= x[M, K] @ dequant(W)[N, K]^T (+ bias[N])
+ *
+ * W is kept as the file's raw blocks, row-major: row n is K/32 blocks of
+ *   Q8_0: fp16 d, int8 q[32]              -> w = d * q                  (34 bytes)
+ *   Q4_0: fp16 d, u8 qs[16]               -> w = d * (q - 8)            (18 bytes)
+ *   Q4_1: fp16 d, fp16 m, u8 qs[16]       -> w = d * q + m              (20 bytes)
+ * (Q4: element j < 16 is the low nibble of qs[j], element 16 + j its high nibble.)
+ *
+ * Why the math is exact: per block we compute d * sum(q * x) + m * sum(x) (Q4_0: m = -8 d), which
+ * is the dequantized dot product re-associated, so results equal x @ dequant(W)^T up to fp32
+ * summation order (the tests hold it to that). No activation is quantized.
+ *
+ * Why this loop order: decode (M = 1..16) reads every weight once per step and is bound by the
+ * bytes of W; each unpacked block is reused across a tile of up to 4 rows of x held in registers.
+ * The N rows are split over OpenMP threads in chunks whose blocks stay in L1/L2 while every M tile
+ * passes over them, so larger M re-reads W from cache, not memory.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AE_Q_AVX2 1
+#endif
+
+enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8 }; /* GGML type ids */
+
+#define AE_Q_CHUNK 16 /* rows of W per scheduling unit */
+#define AE_Q_MB 4     /* rows of x per register tile */
+
+static inline float fp16_to_fp32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline int block_bytes(int type) {
+    return type == AE_Q_Q8_0 ? 34 : type == AE_Q_Q4_1 ? 20 : type == AE_Q_Q4_0 ? 18 : 0;
+}
+
+/* d, the additive term m (Q4_0: -8 d; Q8_0: 0) and the 32 quants of one block, as floats. */
+static inline void block_scalar(int type, const uint8_t *b, float *d, float *m, float q[32]) {
+    *d = fp16_to_fp32(b);
+    if (type == AE_Q_Q8_0) {
+        *m = 0.0f;
+        for (int j = 0; j < 32; j++) q[j] = (float)(int8_t)b[2 + j];
+        return;
+    }
+    const uint8_t *qs = b + (type == AE_Q_Q4_1 ? 4 : 2);
+    *m = type == AE_Q_Q4_1 ? fp16_to_fp32(b + 2) : -8.0f * *d;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (float)(qs[j] & 0x0F);
+        q[j + 16] = (float)(qs[j] >> 4);
+    }
+}
+
+/* One block dequantized exactly as the reference does it (q * d + m, or (q - 8) * d). */
+static inline void dequant_block(int type, const uint8_t *b, float *out) {
+    float d, m, q[32];
+    block_scalar(type, b, &d, &m, q);
+    if (type == AE_Q_Q4_0) {
+        for (int j = 0; j < 32; j++) out[j] = (q[j] - 8.0f) * d;
+    } else {
+        for (int j = 0; j < 32; j++) out[j] = q[j] * d + m;
+    }
+}
+
+#if AE_Q_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void unpack(int type, const uint8_t *b, __m256 q[4]) {
+    if (type == AE_Q_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))));
+        return;
+    }
+    /* The 16 bytes in both 128-bit lanes; one byte shuffle spreads bytes 0-7 (8-15) into the low
+     * byte of each 32-bit lane: the low nibble is that & 15, the high nibble that >> 4. Two shuffles
+     * per block instead of six (zero-extends): the shuffle port is what bounds decode here. */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == AE_Q_Q4_1 ? 4 : 2))));
+    const __m256i spread_lo = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                               4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i spread_hi = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                               12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256i a = _mm256_shuffle_epi8(v, spread_lo), c = _mm256_shuffle_epi8(v, spread_hi);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
+#endif
+
+/* res[i] = dot(dequant(W row), x row i) for the mb (<= AE_Q_MB) rows of a tile. type and mb are
+ * compile-time constants at every call site, so each (type, mb) pair gets its own unrolled code. */
+static inline __attribute__((always_inline)) void row_tile(const int type, const int mb, const uint8_t *w,
+                                                           int64_t nb, const float *x, int64_t ldx,
+                                                           const float *xs, float *res) {
+    const int bs = block_bytes(type);
+    float macc[AE_Q_MB] = {0};
+#if AE_Q_AVX2
+    __m256 acc[AE_Q_MB];
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        __m256 q[4];
+        unpack(type, blk, q);
+        const float d = fp16_to_fp32(blk);
+        const __m256 dv = _mm256_set1_ps(d);
+        const float m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * d;
+        for (int i = 0; i < mb; i++) {
+            const float *xp = x + i * ldx + b * 32;
+            __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
+            s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp + 8), s);
+            s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp + 16), s);
+            s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp + 24), s);
+            acc[i] = _mm256_fmadd_ps(s, dv, acc[i]);
+            if (type != AE_Q_Q8_0) macc[i] += m * xs[i * nb + b];
+        }
+    }
+    for (int i = 0; i < mb; i++) res[i] = hsum256(acc[i]) + macc[i];
+#else
+    float acc[AE_Q_MB] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        float d, m, q[32];
+        block_scalar(type, w + b * bs, &d, &m, q);
+        for (int i = 0; i < mb; i++) {
+            const float *xp = x + i * ldx + b * 32;
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += q[j] * xp[j];
+            acc[i] += d * s;
+            if (type != AE_Q_Q8_0) macc[i] += m * xs[i * nb + b];
+        }
+    }
+    for (int i = 0; i < mb; i++) res[i] = acc[i] + macc[i];
+#endif
+}
+
+static inline __attribute__((always_inline)) void gemm_typed(const int type, const float *x, int64_t M,
+                                                             int64_t K, const uint8_t *w, int64_t N,
+                                                             const float *bias, float *out, int64_t ldo,
+                                                             int accumulate, int nthreads) {
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    float *xs = NULL; /* per (row of x, block) sums, for the m * sum(x) term */
+    if (type != AE_Q_Q8_0) {
+        xs = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[i * K + b * 32 + j];
+                xs[i * nb + b] = s;
+            }
+    }
+    const int64_t chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * AE_Q_CHUNK, n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB) {
+            const int64_t mb = M - m0 < AE_Q_MB ? M - m0 : AE_Q_MB;
+            const float *xt = x + m0 * K, *xst = xs ? xs + m0 * nb : NULL;
+            for (int64_t n = n0; n < n1; n++) {
+                float res[AE_Q_MB];
+                const uint8_t *wr = w + n * row_bytes;
+                switch (mb) {
+                    case 4: row_tile(type, 4, wr, nb, xt, K, xst, res); break;
+                    case 3: row_tile(type, 3, wr, nb, xt, K, xst, res); break;
+                    case 2: row_tile(type, 2, wr, nb, xt, K, xst, res); break;
+                    default: row_tile(type, 1, wr, nb, xt, K, xst, res); break;
+                }
+                const float bn = bias ? bias[n] : 0.0f;
+                for (int64_t i = 0; i < mb; i++) {
+                    float *o = out + (m0 + i) * ldo + n;
+                    *o = accumulate ? *o + res[i] + bn : res[i] + bn;
+                }
+            }
+        }
+    }
+    free(xs);
+}
+
+/* out[m * ldo + n] (+)= sum_k x[m * K + k] * W[n, k] (+ bias[n]). K must be a multiple of 32.
+ * Returns 0, or -1 for an unknown type. */
+int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+              float *out, int64_t ldo, int accumulate, int nthreads) {
+    if (K % 32) return -1;
+    switch (type) {
+        case AE_Q_Q4_0: gemm_typed(AE_Q_Q4_0, x, M, K, w, N, bias, out, ldo, accumulate, nthreads); return 0;
+        case AE_Q_Q4_1: gemm_typed(AE_Q_Q4_1, x, M, K, w, N, bias, out, ldo, accumulate, nthreads); return 0;
+        case AE_Q_Q8_0: gemm_typed(AE_Q_Q8_0, x, M, K, w, N, bias, out, ldo, accumulate, nthreads); return 0;
+        default: return -1;
+    }
+}
+
+/* Rows [r0, r1) of W dequantized into out[(r - r0) * K + k] (the large-M path's fp32 tile and the
+ * embedding gather's building block). */
+int ae_q_dequant(int type, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, float *out, int nthreads) {
+    const int bs = block_bytes(type);
+    if (!bs || K % 32) return -1;
+    const int64_t nb = K / 32, row_bytes = nb * bs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && r1 - r0 > 64)
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < nb; b++) dequant_block(type, w + r * row_bytes + b * bs, out + (r - r0) * K + b * 32);
+    return 0;
+}
+
+/* out[i, :] = dequant(W)[ids[i], :] for i < n (the quantized token embedding). Ids are checked by
+ * the caller; returns -1 for an unknown type. */
+int ae_q_embed(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out, int nthreads) {
+    const int bs = block_bytes(type);
+    if (!bs || K % 32) return -1;
+    const int64_t nb = K / 32, row_bytes = nb * bs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 64)
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = 0; b < nb; b++) dequant_block(type, w + ids[i] * row_bytes + b * bs, out + i * K + b * 32);
+    return 0;
+}

@@ -1,0 +1,229 @@
+"""GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) on CPU: quant.c through ctypes, torch beside it.
+
+A weight is kept as the file's raw blocks, ``uint8 [N, K // 32 * block_bytes]`` (row n = its K
+values in blocks of 32). :func:`gemm` computes ``x @ dequant(W)^T`` with the C kernel (fp32 math,
+exact up to summation order: see quant.c); without the library (no compiler,
+``ASYNCENGINE_CPU_KERNELS=0``) every function here falls back to torch, which dequantizes per call:
+correct, slower. The torch functions are also the references the tests hold the kernels to.
+
+:func:`quantize` turns dense weights into blocks with gguf-py's (= ggml's reference) rounding, for
+``quantization="int8" | "int4"`` of a dense checkpoint.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from asyncengine.kernels.cpu.build import load
+
+BLOCK = 32
+# name -> (GGML type id, bytes per block of 32)
+QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+
+# At or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
+# and calls torch.mm (the BLAS's register blocking beats ours once W is reused by enough rows).
+# Measured on a 2-core AVX2 EPYC (docs/quantization.md): the kernel wins below ~48 rows.
+LARGE_M = 48
+_TILE_BYTES = 4 << 20  # fp32 scratch of one tile in the large-M path
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    return k // BLOCK * QTYPES[qtype][1]
+
+
+def check(w: torch.Tensor, qtype: str, k: int) -> int:
+    """N, after checking that ``w`` holds N rows of ``k`` values in ``qtype`` blocks."""
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(QTYPES)})")
+    if k % BLOCK:
+        raise ValueError(f"{qtype} rows hold blocks of {BLOCK} values; K={k} is not a multiple of {BLOCK}")
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(qtype, k):
+        raise ValueError(f"{qtype} weight of K={k} must be uint8 [N, {row_bytes(qtype, k)}], "
+                         f"got {w.dtype} {list(w.shape)}")
+    if not w.is_contiguous():
+        raise ValueError("quantized weights must be contiguous")
+    return w.shape[0]
+
+
+def _lib():
+    lib = load()
+    if lib is not None and not hasattr(lib, "_ae_q_ready"):
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.ae_q_gemm.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
+        lib.ae_q_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
+        lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
+        for f in (lib.ae_q_gemm, lib.ae_q_dequant, lib.ae_q_embed):
+            f.restype = c_int
+        lib._ae_q_ready = True
+    return lib
+
+
+def kernels_available() -> bool:
+    return _lib() is not None
+
+
+# --------------------------------------------------------------------------------- torch references
+
+
+def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """fp32 [N, k], exactly as ggml dequantizes (q * d + m; (q - 8) * d; q * d)."""
+    n = w.shape[0]
+    b = w.reshape(-1, QTYPES[qtype][1])
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        out = b[:, 2:].contiguous().view(torch.int8).float() * d
+    else:
+        qs = b[:, 4:] if qtype == "Q4_1" else b[:, 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # elements 0-15, then 16-31
+        if qtype == "Q4_1":
+            out = q * d + b[:, 2:4].contiguous().view(torch.float16).float()
+        else:
+            out = (q - 8.0) * d
+    return out.reshape(n, k)
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """ggml's roundf (half away from zero), in gguf-py's formulation, so bytes match its quantizer."""
+    a = v.abs()
+    f = a.floor()
+    return torch.sign(v) * (f + (2 * (a - f)).floor())
+
+
+def quantize(w: torch.Tensor, qtype: str, rows_per_chunk: int = 4096) -> torch.Tensor:
+    """Dense [N, K] (K a multiple of 32) -> uint8 blocks, byte-identical to gguf-py's quantizer
+    (ggml's reference rounding). Works a chunk of rows at a time to bound the scratch memory."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"{qtype} needs rows of whole blocks of {BLOCK}; K={k} is not a multiple of {BLOCK}")
+    out = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)
+    for r0 in range(0, n, rows_per_chunk):
+        blocks = w[r0:r0 + rows_per_chunk].detach().to(torch.float32).reshape(-1, BLOCK)
+        out[r0:r0 + rows_per_chunk] = _quantize_blocks(blocks, qtype).reshape(-1, out.shape[1])
+    return out
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    q = q.to(torch.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+
+
+def _quantize_blocks(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    if qtype == "Q8_0":
+        d = x.abs().amax(dim=1, keepdim=True) / 127
+        q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+        return torch.cat([_half_bytes(d), q], dim=1)
+    if qtype == "Q4_1":
+        mx, mn = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)
+        d = (mx - mn) / 15
+        q = torch.trunc((x - mn) * _inverse(d) + 0.5).clamp(0, 15)
+        return torch.cat([_half_bytes(d), _half_bytes(mn), _pack_nibbles(q)], dim=1)
+    if qtype == "Q4_0":
+        imax = x.abs().argmax(dim=1, keepdim=True)
+        d = torch.gather(x, 1, imax) / -8
+        q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
+        return torch.cat([_half_bytes(d), _pack_nibbles(q)], dim=1)
+    raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(QTYPES)})")
+
+
+# ------------------------------------------------------------------------------------- the kernels
+
+
+def dequantize(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """fp32 [N, k] (the C kernel, multi-threaded, where available)."""
+    n = check(w, qtype, k)
+    lib = _lib()
+    if lib is None:
+        return dequantize_torch(w, qtype, k)
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib.ae_q_dequant(QTYPES[qtype][0], w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """fp32 rows ``dequant(W)[ids]``, shape ``ids.shape + (k,)``. Ids must be in range (checked)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
+        raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows")
+    lib = _lib()
+    if lib is None:
+        out = dequantize_torch(w.index_select(0, flat), qtype, k)
+    else:
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        lib.ae_q_embed(QTYPES[qtype][0], w.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+                       torch.get_num_threads())
+    return out.view(*ids.shape, k)
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
+    the result is in ``x``'s dtype). ``w`` must have passed :func:`check`."""
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    m = x2.shape[0]
+    lib = _lib()
+    if lib is None:
+        out = gemm_torch(x2, w, qtype, k, bias)
+    elif m >= LARGE_M:
+        out = _gemm_tiled(lib, x2, w, qtype, k, bias)
+    else:
+        out = torch.empty(m, n, dtype=torch.float32)
+        b = None
+        if bias is not None:
+            b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+        lib.ae_q_gemm(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n,
+                      None if b is None else b.data_ptr(), out.data_ptr(), n, 0, torch.get_num_threads())
+    out = out.view(*x.shape[:-1], n)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """The register-blocked kernel for any M (benchmarks compare it with the tiled path)."""
+    lib = _lib()
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
+    lib.ae_q_gemm(QTYPES[qtype][0], x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
+                  out.data_ptr(), w.shape[0], 0, torch.get_num_threads())
+    return out
+
+
+def _gemm_tiled(lib, x2, w, qtype, k, bias):
+    """Large M: W dequantized a tile of rows at a time (C) into fp32 scratch, then torch.mm."""
+    n = w.shape[0]
+    rows = max(1, min(n, _TILE_BYTES // (4 * k)))
+    scratch = torch.empty(rows, k, dtype=torch.float32)
+    tid, nt = QTYPES[qtype][0], torch.get_num_threads()
+    if rows == n:
+        lib.ae_q_dequant(tid, w.data_ptr(), k, 0, n, scratch.data_ptr(), nt)
+        return torch.mm(x2, scratch.t()) if bias is None else torch.addmm(bias.float(), x2, scratch.t())
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        lib.ae_q_dequant(tid, w.data_ptr(), k, n0, n1, scratch.data_ptr(), nt)
+        out[:, n0:n1] = torch.mm(x2, scratch[:n1 - n0].t())
+    if bias is not None:
+        out += bias.float()
+    return out
+
+
+def gemm_torch(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias=None) -> torch.Tensor:
+    """The fallback without the C library: dequantize a tile of rows per call, then torch.mm."""
+    n = w.shape[0]
+    rows = max(1, min(n, _TILE_BYTES // (4 * k)))
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        out[:, n0:n0 + rows] = torch.mm(x2, dequantize_torch(w[n0:n0 + rows], qtype, k).t())
+    if bias is not None:
+        out += bias.float()
+    return out
