@@ -52,6 +52,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                         "used as conversations fill it)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences decoded at once (default: 1 for chat/generate, 256 for serve)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="attention over the KV cache; auto = triton on a GPU, else cpu (C kernels, built once "
+                        "per machine) where a C compiler is found, else torch")
     p.add_argument("--seed", type=int, default=0, help="engine random seed")
 
 
@@ -113,7 +116,8 @@ def _config(args, default_max_num_seqs: int):
     from asyncengine import EngineConfig
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs or default_max_num_seqs, quantization=args.quantization)
+              max_num_seqs=args.max_num_seqs or default_max_num_seqs, quantization=args.quantization,
+              attention_backend=args.attention_backend)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     return EngineConfig(**kw)
@@ -363,6 +367,7 @@ def _serve(args) -> int:
                             ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
     kw["max_num_seqs"] = args.max_num_seqs or 256
     kw["quantization"] = args.quantization
+    kw["attention_backend"] = args.attention_backend
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     status = _Status(args.model or "smollm2-135m-instruct")

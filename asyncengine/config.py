@@ -124,9 +124,11 @@ class EngineConfig:
     # "ray": how the ranks' placement-group bundles go on nodes (PACK, SPREAD, STRICT_PACK,
     # STRICT_SPREAD = one rank per node)
     ray_placement_strategy: str = "PACK"
-    # attention over the paged KV cache: "torch" (the CPU path), "triton" (the kernels/ Triton
-    # kernels: CUDA, or triton's CPU interpreter under TRITON_INTERPRET=1), "auto" = triton on CUDA
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # attention over the paged KV cache: "cpu" (C kernels, compiled once per machine: paged decode
+    # attention with no gather copy), "torch" (plain torch ops), "triton" (the kernels/ Triton
+    # kernels: CUDA, or triton's CPU interpreter under TRITON_INTERPRET=1); "auto" = triton on CUDA,
+    # cpu on CPU where the C kernels build, else torch
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     # CUDA: the share of the GPU's memory the engine may use; the KV cache gets what is left of it
     # after a profiling run of the largest step (vLLM's name). Ignored when kv_cache_bytes or
     # num_kv_blocks is given.

@@ -66,7 +66,7 @@ def test_engine_triton_matches_torch(tiny_llama_dir, interpret):
 
 def test_selector_and_config(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend_name("auto", cpu) == "torch"
+    assert resolve_backend_name("auto", cpu) in ("cpu", "torch")  # cpu where the C kernels build
     assert resolve_backend_name("torch", cuda) == "torch"
     assert resolve_backend_name("triton", cpu) == "triton"
     monkeypatch.setattr("asyncengine.kernels.triton_available", lambda: True)
@@ -77,7 +77,7 @@ def test_selector_and_config(monkeypatch):
         resolve_backend_name("flash", cpu)
     with pytest.raises(ConfigError):
         EngineConfig(attention_backend="flash", device="cpu")
-    assert EngineConfig(device="cpu").attention_backend_name == "torch"
+    assert EngineConfig(device="cpu").attention_backend_name in ("cpu", "torch")
     with pytest.raises(ConfigError):
         EngineConfig(device="cpu", gpu_memory_utilization=1.5)
 

@@ -50,6 +50,7 @@ class AttentionBackend(ABC):
     """Owns the KV-cache layout and the attention math of one engine (this rank's heads)."""
 
     name: str = "abstract"
+    supports_sliding_window: bool = False  # layers with a window refuse a backend without (at start)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device, scale: float | None = None,

@@ -6,11 +6,12 @@ import torch
 from asyncengine.attention.backend import AttentionBackend
 from asyncengine.errors import ConfigError
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """auto: triton on CUDA (where triton imports), torch elsewhere."""
+    """auto: triton on CUDA (where triton imports); on CPU, cpu where its C kernels build (compiled
+    once per machine, cached), torch otherwise."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name != "auto":
@@ -19,7 +20,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         from asyncengine.kernels import triton_available
 
         return "triton" if triton_available() else "torch"
-    return "torch"
+    from asyncengine.kernels.cpu import available
+
+    return "cpu" if available() else "torch"
 
 
 def get_backend(name: str, **kwargs) -> AttentionBackend:
@@ -28,6 +31,10 @@ def get_backend(name: str, **kwargs) -> AttentionBackend:
         from asyncengine.attention.torch_backend import TorchBackend
 
         return TorchBackend(**kwargs)
+    if name == "cpu":
+        from asyncengine.attention.cpu_backend import CpuBackend
+
+        return CpuBackend(**kwargs)
     if name == "triton":
         from asyncengine.attention.triton_backend import TritonBackend
 

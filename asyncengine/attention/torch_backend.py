@@ -19,6 +19,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_sliding_window = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

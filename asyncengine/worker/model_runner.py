@@ -143,10 +143,10 @@ class ModelRunner:
             head_dim=a.head_dim, block_size=self.block_size, num_blocks=num_blocks, dtype=self.dtype,
             device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)))
-        if self.attn_backend.name != "torch" and any(w is not None for w in a.layer_windows):
+        if not self.attn_backend.supports_sliding_window and any(w is not None for w in a.layer_windows):
             raise ConfigError(f"attention_backend={self.attn_backend.name!r} has no sliding-window attention "
                               f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
-                              f"use attention_backend='torch'")
+                              f"use attention_backend='torch' or 'cpu'")
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)

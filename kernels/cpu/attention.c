@@ -1,0 +1,295 @@
+/* Paged attention for CPU: every query row of a step attends over its sequence's K/V read straight
+ * from the paged cache through the block table (no gather copy), with an online softmax.
+ *
+ * Cache layout (shared with the torch backend, so its prefill path reads the same tensors): per
+ * layer, k and v each [num_kv_heads, num_blocks, block_size, head_dim]; a (head, block) pair is one
+ * contiguous block_size x head_dim slab. Values are fp32 or bf16 (converted to fp32 as loaded);
+ * all arithmetic is fp32.
+ *
+ * Work items are (sequence, kv head, tile of query rows): the rows of a tile are the query heads
+ * that share the kv head (GQA/MQA) for up to a few query tokens, so each K/V slab is loaded once per
+ * tile and reused by every row while it sits in L1. Rows are causal (a row at position p sees keys
+ * [0, p]), optionally limited to a sliding window (keys (p - window, p]).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define AE_ATTN_MAX_D 512
+#define AE_ATTN_MAX_BS 256
+#define AE_ATTN_ROW_TILE 16
+
+static inline float attn_bf16_load(const uint16_t *p) {
+    uint32_t u = (uint32_t)(*p) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion. */
+static inline uint16_t attn_bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float attn_load(const void *base, long i, int bf16) {
+    return bf16 ? attn_bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+}
+
+#ifdef __AVX2__
+static inline __m256 attn_load8(const void *base, long i, int bf16) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+/* exp on 8 lanes (Cephes' polynomial: ~1 ulp over the softmax's range x <= 0). */
+static inline __m256 attn_exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 xx = _mm256_mul_ps(x, x);
+    y = _mm256_fmadd_ps(y, xx, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float attn_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* q . k_j for the 8 keys j0..j0+7 of a slab: 8 accumulators over D, then one transposing reduction. */
+static inline __m256 attn_dot8(const float *q, const void *kb, long j0, int D, int bf16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    long o = j0 * D;
+    for (int d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 0L * D + d, bf16), a0);
+        a1 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 1L * D + d, bf16), a1);
+        a2 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 2L * D + d, bf16), a2);
+        a3 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 3L * D + d, bf16), a3);
+        a4 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 4L * D + d, bf16), a4);
+        a5 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 5L * D + d, bf16), a5);
+        a6 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 6L * D + d, bf16), a6);
+        a7 = _mm256_fmadd_ps(qv, attn_load8(kb, o + 7L * D + d, bf16), a7);
+    }
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* One work item: rows [0, nr) (query vectors qf, pre-scaled, at positions qpos) over the cache
+ * slabs of one kv head. Leaves each row's softmax-weighted value sum normalised in acc. */
+static inline __attribute__((always_inline)) void attn_rows(
+        const float *qf, const int *qpos, int nr, const void *kc, const void *vc, const int32_t *table,
+        long head_off, int bs, int D, int bf16, int window, float *acc) {
+    float m[AE_ATTN_ROW_TILE], l[AE_ATTN_ROW_TILE];
+    float s[AE_ATTN_MAX_BS];
+    int pmin = 1 << 30, pmax = -1;
+    for (int r = 0; r < nr; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(acc + (long)r * D, 0, sizeof(float) * D);
+        if (qpos[r] < pmin) pmin = qpos[r];
+        if (qpos[r] > pmax) pmax = qpos[r];
+    }
+    int lo_all = window > 0 ? pmin - window + 1 : 0;
+    if (lo_all < 0) lo_all = 0;
+    for (int b = lo_all / bs; b <= pmax / bs; b++) {
+        long slab = head_off + (long)table[b] * bs * D;
+        const void *kb = bf16 ? (const void *)((const uint16_t *)kc + slab) : (const void *)((const float *)kc + slab);
+        const void *vb = bf16 ? (const void *)((const uint16_t *)vc + slab) : (const void *)((const float *)vc + slab);
+        int kstart = b * bs;
+        for (int r = 0; r < nr; r++) {
+            int hi = qpos[r], lo = window > 0 ? qpos[r] - window + 1 : 0;
+            int j0 = lo - kstart, j1 = hi - kstart + 1;
+            if (j0 < 0) j0 = 0;
+            if (j1 > bs) j1 = bs;
+            if (j0 >= j1) continue;
+            const float *q = qf + (long)r * D;
+            float *a = acc + (long)r * D;
+            float mx = -INFINITY;
+#ifdef __AVX2__
+            if ((D & 7) == 0 && (bs & 7) == 0) {
+                for (int c = j0 & ~7; c < j1; c += 8) {
+                    __m256 sv = attn_dot8(q, kb, c, D, bf16);
+                    _mm256_storeu_ps(s + c, sv);
+                }
+            } else
+#endif
+            {
+                for (int j = j0; j < j1; j++) {
+                    float dot = 0.0f;
+                    for (int d = 0; d < D; d++) dot += q[d] * attn_load(kb, (long)j * D + d, bf16);
+                    s[j] = dot;
+                }
+            }
+            for (int j = j0; j < j1; j++) mx = s[j] > mx ? s[j] : mx;
+            float mnew = mx > m[r] ? mx : m[r];
+            float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            float sum = 0.0f;
+            int j = j0;
+#ifdef __AVX2__
+            __m256 mv = _mm256_set1_ps(mnew);
+            __m256 sumv = _mm256_setzero_ps();
+            for (; j + 8 <= j1; j += 8) {
+                __m256 p = attn_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                _mm256_storeu_ps(s + j, p);
+                sumv = _mm256_add_ps(sumv, p);
+            }
+            sum = attn_hsum8(sumv);
+#endif
+            for (; j < j1; j++) {
+                s[j] = expf(s[j] - mnew);
+                sum += s[j];
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+            if (corr != 1.0f)
+                for (int d = 0; d < D; d++) a[d] *= corr;
+            for (j = j0; j < j1; j++) {
+                float p = s[j];
+                long o = (long)j * D;
+#ifdef __AVX2__
+                if ((D & 7) == 0) {
+                    __m256 pv = _mm256_set1_ps(p);
+                    for (int d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, attn_load8(vb, o + d, bf16), _mm256_loadu_ps(a + d)));
+                    continue;
+                }
+#endif
+                for (int d = 0; d < D; d++) a[d] += p * attn_load(vb, o + d, bf16);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int d = 0; d < D; d++) acc[(long)r * D + d] *= inv;
+    }
+}
+
+/* One (sequence, kv head, row tile): load its query rows, attend, store the outputs. */
+static inline __attribute__((always_inline)) void attn_item(
+        const void *q, long q_stride, void *out, const void *kc, const void *vc, const int32_t *table,
+        int qstart, int ctx, int h, int r0, int r1, int g, int Hkv, int NB, int bs, int D, float scale,
+        int window, int bf16) {
+    float qf[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
+    float acc[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
+    int qpos[AE_ATTN_ROW_TILE];
+    int nr = r1 - r0;
+    int Hq = Hkv * g;
+    for (int r = 0; r < nr; r++) {
+        int row = r0 + r, i = row / g, head = h * g + row % g;  /* rows: (query token, head in group) */
+        long src = (long)(qstart + i) * q_stride + (long)head * D;
+        for (int d = 0; d < D; d++) qf[(long)r * D + d] = attn_load(q, src + d, bf16) * scale;
+        qpos[r] = ctx + i;
+    }
+    attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, acc);
+    for (int r = 0; r < nr; r++) {
+        int row = r0 + r, i = row / g, head = h * g + row % g;
+        long dst = ((long)(qstart + i) * Hq + head) * D;
+        const float *a = acc + (long)r * D;
+        if (bf16)
+            for (int d = 0; d < D; d++) ((uint16_t *)out)[dst + d] = attn_bf16_store(a[d]);
+        else
+            memcpy((float *)out + dst, a, sizeof(float) * D);
+    }
+}
+
+/* Attention of the query rows of num_seqs sequences.
+ *   q: [T, Hq, D] rows q_stride elements apart (head and dim contiguous); out: [T, Hq, D] contiguous
+ *   k_cache, v_cache: [Hkv, NB, bs, D]; block_ids/block_starts: CSR block tables (sequence s owns
+ *   block_ids[block_starts[s] .. block_starts[s+1]))
+ *   query_starts, query_lens, context_lens: per sequence (context = tokens cached before its rows;
+ *   this step's keys are already in the cache)
+ *   window: sliding window (0 = none); bf16: q, out and cache are bfloat16 (else float32)
+ *   parallel: run the items over the OpenMP threads (the caller decides: small steps stay serial)
+ */
+void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache, const void *v_cache,
+                   const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
+                   const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
+                   int D, int NB, int bs, float scale, int window, int bf16, int parallel) {
+    int g = Hq / Hkv;
+    /* items: per sequence, Hkv x ceil(rows / tile); count them, then index through prefix sums */
+    long total = 0;
+    for (int s = 0; s < num_seqs; s++)
+        total += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < total; it++) {
+            long rem = it;
+            int s = 0, tiles = 0;
+            for (; s < num_seqs; s++) {
+                tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
+                if (rem < (long)tiles * Hkv) break;
+                rem -= (long)tiles * Hkv;
+            }
+            int h = (int)(rem / tiles), t = (int)(rem % tiles);
+            int rows = query_lens[s] * g;
+            int r0 = t * AE_ATTN_ROW_TILE, r1 = r0 + AE_ATTN_ROW_TILE < rows ? r0 + AE_ATTN_ROW_TILE : rows;
+            const int32_t *table = block_ids + block_starts[s];
+            if (bf16) {
+                if (D == 64)
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, 64, scale, window, 1);
+                else if (D == 128)
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, 128, scale, window, 1);
+                else
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, D, scale, window, 1);
+            } else {
+                if (D == 64)
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, 64, scale, window, 0);
+                else if (D == 128)
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, 128, scale, window, 0);
+                else
+                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
+                              g, Hkv, NB, bs, D, scale, window, 0);
+            }
+        }
+    }
+}
+
+/* Write this step's keys and values into their cache slots (slot = block * bs + offset; < 0: skip).
+ * k, v: [T, Hkv, D] rows k_stride / v_stride elements apart; caches [Hkv, NB, bs, D]; elem: bytes
+ * per element (the step's tensors have the cache's dtype, so this is a copy). */
+void ae_attn_write_kv(const void *k, long k_stride, const void *v, long v_stride, void *k_cache, void *v_cache,
+                      const int64_t *slots, int T, int Hkv, int D, long NB, int bs, int elem) {
+    long head_stride = NB * bs * D;
+    size_t row = (size_t)D * elem;
+    for (int t = 0; t < T; t++) {
+        long slot = slots[t];
+        if (slot < 0) continue;
+        for (int h = 0; h < Hkv; h++) {
+            long dst = (h * head_stride + slot * D) * elem;
+            memcpy((char *)k_cache + dst, (const char *)k + ((long)t * k_stride + (long)h * D) * elem, row);
+            memcpy((char *)v_cache + dst, (const char *)v + ((long)t * v_stride + (long)h * D) * elem, row);
+        }
+    }
+}
