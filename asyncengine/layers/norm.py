@@ -2,11 +2,14 @@
 
 On CUDA (where triton imports) it is one fused Triton launch (asyncengine.kernels.rms_norm), the
 residual add included when given: same numbers (the sum rounded to the dtype once, the norm in
-fp32), one pass over memory instead of half a dozen elementwise kernels."""
+fp32), one pass over memory instead of half a dozen elementwise kernels. On CPU it is one C call
+(kernels/cpu/ops.c, the same steps), with the torch ops as the fallback."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from asyncengine.kernels.cpu import ops
 
 
 def _triton_on(x: torch.Tensor) -> bool:
@@ -30,6 +33,10 @@ class RMSNorm(nn.Module):
             from asyncengine.kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
+        if x.device.type == "cpu":  # one C call (kernels/cpu/ops.c), or these torch ops where it does not apply
+            if residual is not None:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

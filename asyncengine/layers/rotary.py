@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.kernels.cpu import ops
 
 
 def rope_parameters(config) -> dict:
@@ -88,5 +89,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1): the same numbers as the
-    reference's two multiplies and add, in one op fewer (the sign lives in ``sin_signed``)."""
+    reference's two multiplies and add, in one op fewer (the sign lives in ``sin_signed``). On CPU,
+    one C call (kernels/cpu/ops.c) computing the same roundings: q and k heads of the fused
+    projection in one pass, read in place."""
+    if x.device.type == "cpu":
+        return ops.rotary(x, cos, sin_signed)  # the torch ops below where the kernel does not apply
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed

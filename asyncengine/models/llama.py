@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.linear import Linear, VocabEmbedding
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import SINGLE, TPGroup, attention_shard, even_split, vocab_split
@@ -71,9 +72,6 @@ def sliding_windows(cfg) -> tuple[int | None, ...]:
     return (window,) * n
 
 
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, tp: TPGroup = SINGLE,
                  sliding_window: int | None = None) -> None:
@@ -116,11 +114,10 @@ class MLP(nn.Module):
         _, self.inter = even_split(a.intermediate_size, tp, "intermediate size")
         self.gate_up_proj = Linear(a.hidden_size, 2 * self.inter, bias=False, parts=(self.inter, self.inter))
         self.down_proj = Linear(self.inter, a.hidden_size, bias=False)  # row-parallel
-        self.act = _ACTS[a.hidden_act]
+        self.act_and_mul = ActAndMul(a.hidden_act)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
