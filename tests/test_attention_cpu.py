@@ -94,3 +94,90 @@ def test_plan_decode_groups_bounds_padding_and_size():
     for s, e, mb in groups:
         assert mb == nblocks[s] and all(nblocks[i] >= 0.75 * mb for i in range(s, e))
         assert e - s == 1 or (e - s) * mb * 16 <= 2048
+
+
+# ---------------------------------------------------------------------------- the cpu backend (C kernels)
+
+# small pool and step budget: prompts split into chunks, requests preempted, shared prefixes hit;
+# then a generous budget: prompts longer than the kernel's query limit take torch's prefill path
+CPU_REGIMES = {
+    "pressure": dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=4,
+                     enable_prefix_caching=True),
+    "long_chunks": dict(block_size=8, num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=True),
+}
+
+
+def _workload(vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(9)]  # two full blocks + 1: cacheable
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(3, 30))] for _ in range(4)]
+    prompts.append([rng.randrange(3, vocab) for _ in range(5)])
+    return prompts
+
+
+def _run_engine(model_dir, backend, regime, prompts):
+    from asyncengine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", attention_backend=backend, **CPU_REGIMES[regime])
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    # the second batch hits the prefix blocks the first one cached
+    outs = llm.generate(prompts[:3], sp, use_tqdm=False) + llm.generate(prompts[3:], sp, use_tqdm=False)
+    eng = llm.engine
+    assert eng.kv.num_free_blocks == eng.num_blocks, "KV blocks leaked"
+    return llm, outs, eng.stats()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("regime", list(CPU_REGIMES))
+def test_engine_cpu_backend_matches_torch(tiny_llama_dir, regime):
+    """Same greedy tokens and logprobs as the torch backend, with chunked prefill, prefix-cache hits
+    and (under pressure) preemption in play."""
+    from asyncengine.kernels.cpu import attention as kernel
+
+    assert kernel.available(), "the CPU kernels did not build"
+    prompts = _workload(512)
+    ref_llm, ref, ref_stats = _run_engine(tiny_llama_dir, "torch", regime, prompts)
+    llm, got, stats = _run_engine(tiny_llama_dir, "cpu", regime, prompts)
+    from worker_hooks import runner_of
+
+    backend = llm.engine.collective_rpc(runner_of)[0].attn_backend
+    assert backend.name == "cpu" and backend.kernels
+    assert stats["prefix_cache_hits"] > 0
+    if regime == "pressure":
+        assert stats["num_preemptions"] > 0
+    else:
+        assert max(map(len, prompts)) > 16  # some chunk went through torch's prefill path
+    assert stats["num_steps"] == ref_stats["num_steps"]
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lr.keys() == lg.keys()
+            for tok in lr:
+                assert abs(lr[tok].logprob - lg[tok].logprob) < 1e-4
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_cpu_backend_without_kernels(tiny_llama_dir, monkeypatch):
+    """ASYNCENGINE_CPU_KERNELS=0: auto resolves to torch, and an explicit 'cpu' runs the torch
+    backend's attention (same cache layout) with the same tokens."""
+    from asyncengine.attention import get_backend, resolve_backend_name
+    from asyncengine.kernels.cpu import attention as kernel
+    from asyncengine.kernels.cpu import build, ops
+
+    prompts = _workload(512, seed=1)
+    _, want, _ = _run_engine(tiny_llama_dir, "cpu", "pressure", prompts)
+    monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
+    for mod in (build, ops, kernel):
+        mod._reset_for_tests()
+    try:
+        assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+        be = get_backend("cpu", num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8,
+                         dtype=torch.float32, device=torch.device("cpu"))
+        assert not be.kernels and be.kv_cache_shape() == (2, 8, 4, 16)
+        _, got, _ = _run_engine(tiny_llama_dir, "cpu", "pressure", prompts)
+    finally:
+        monkeypatch.delenv("ASYNCENGINE_CPU_KERNELS")
+        for mod in (build, ops, kernel):
+            mod._reset_for_tests()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"

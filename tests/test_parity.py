@@ -3,7 +3,8 @@
 Every architecture runs the same 18-request workload (prompts 3-60 tokens, outputs 1-24 tokens)
 under three cache regimes that exercise different scheduler paths: (a) a generous cache (plain
 continuous batching), (b) a 16-token step budget (chunked prefill, decodes mixed with prefill
-chunks), (c) a 24-block pool (preemption by recompute). Outputs must equal the reference token for
+chunks), (c) a 24-block pool (preemption by recompute), all on the cpu attention backend (the C
+kernels), and (b) on the torch backend too. Outputs must equal the reference token for
 token, except that a first divergence is excused where the reference's top-2 logit gap is below
 1e-4 (``model_utils.compare``); the number of such excuses is printed (``pytest -s``) and summarised
 at the end of the module.
@@ -118,15 +119,21 @@ def check_no_leak(llm: LLM) -> None:
 # ---------------------------------------------------------------------------- the four architectures
 
 
-@pytest.mark.parametrize("regime", list(REGIMES))
+# every regime on the cpu attention backend (C kernels: the CPU default); the torch backend on the
+# regime that mixes decodes with prefill chunks
+BACKEND_REGIMES = [("cpu", r) for r in REGIMES] + [("torch", "chunked")]
+
+
+@pytest.mark.parametrize("backend,regime", BACKEND_REGIMES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_parity(arch, regime, tiny_model_dir, tiny_reference):
+def test_parity(arch, backend, regime, tiny_model_dir, tiny_reference):
     requests, refs = tiny_reference(arch)
     assert len(requests) >= 16
     opts = REGIMES[regime]
-    llm = LLM(tiny_model_dir(arch), dtype="float32", **opts)
+    llm = LLM(tiny_model_dir(arch), dtype="float32", attention_backend=backend, **opts)
+    assert llm.config.attention_backend_name == backend
     log = StepLog(llm.engine)
-    counts = record(f"{arch}/{regime}", compare(run(llm, requests), refs))
+    counts = record(f"{arch}/{backend}/{regime}", compare(run(llm, requests), refs))
     assert counts["exact"] + counts["near_tie"] == len(requests)
 
     stats = llm.engine.stats()
