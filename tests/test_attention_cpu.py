@@ -129,10 +129,14 @@ def _run_engine(model_dir, backend, regime, prompts):
 
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("regime", list(CPU_REGIMES))
-def test_engine_cpu_backend_matches_torch(tiny_llama_dir, regime):
+def test_engine_cpu_backend_matches_torch(tiny_llama_dir, regime, monkeypatch):
     """Same greedy tokens and logprobs as the torch backend, with chunked prefill, prefix-cache hits
-    and (under pressure) preemption in play."""
+    and (under pressure) preemption in play; with long_chunks, steps mix kernel rows with chunks
+    over the backend's torch prefill path."""
+    from asyncengine.attention import cpu_backend
     from asyncengine.kernels.cpu import attention as kernel
+
+    monkeypatch.setattr(cpu_backend, "KERNEL_MAX_QUERY_LEN", 16)
 
     assert kernel.available(), "the CPU kernels did not build"
     prompts = _workload(512)

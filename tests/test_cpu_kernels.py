@@ -144,6 +144,21 @@ def test_write_kv_through_slot_mapping(dtype):
     assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
 
 
+def test_write_and_attend_is_write_then_attend():
+    """The one-call form a layer uses equals the two calls (the step's keys attended after the write)."""
+    q, k_cache, v_cache, seqs = make_step(9, 3, 64, 16, torch.float32, seed=4)
+    t = q.shape[0]
+    k, v = torch.randn(t, 3, 64), torch.randn(t, 3, 64)
+    slots = torch.tensor([blocks[p // 16] * 16 + p % 16 for _, n, c, blocks in seqs for p in range(c, c + n)])
+    batch = A.PagedBatch.build(seqs, 16)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    one, two = torch.empty(q.shape), torch.empty(q.shape)
+    A.write_and_attend(q, k, v, k_cache, v_cache, slots, batch, 0.125, one, 5)
+    A.write_kv(k, v, kc2, vc2, slots)
+    A.paged_attention(q, kc2, vc2, batch, 0.125, two, 5)
+    assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2) and torch.equal(one, two)
+
+
 # ---------------------------------------------------------------------------- fused ops
 
 

@@ -1,9 +1,9 @@
 """The cpu backend: the C paged attention of ``kernels/cpu/attention.c`` (OpenMP over sequences and
 KV heads, online softmax, K/V read straight from the block table: no gather copy).
 
-Decodes, speculative rows and short chunks (query_len <= ``KERNEL_MAX_QUERY_LEN``) go through one
-kernel call per layer; longer prefill chunks keep the torch backend's matmul path, which is faster
-there (GEMM-speed scores; docs/benchmarks.md has the measurement). The cache layout is the torch
+Decodes, speculative rows and prefill chunks up to ``KERNEL_MAX_QUERY_LEN`` tokens go through one
+kernel call per layer (the K/V write included); longer chunks keep the torch backend's matmul
+path (GEMM-speed scores), which catches up there (docs/benchmarks.md has the measurement). The cache layout is the torch
 backend's (``[num_kv_heads, num_blocks, block_size, head_dim]``), so both paths read the same
 tensors, and the step's K/V are written through the slot mapping in C too.
 
@@ -27,8 +27,9 @@ from asyncengine.layers.attention import PrefillChunk, TorchPagedAttention
 log = logging.getLogger(__name__)
 
 # the longest query run (tokens of one sequence in a step) the C kernel attends; longer chunks take
-# the torch backend's prefill (measured crossover, docs/benchmarks.md "fused CPU decode path")
-KERNEL_MAX_QUERY_LEN = 16
+# the torch backend's prefill. Measured (docs/benchmarks.md, "fused CPU decode path"): the kernel
+# is faster at every chunk length up to 1,024 and ties at 2,048, with or without cached context.
+KERNEL_MAX_QUERY_LEN = 1024
 
 
 @dataclass
@@ -86,9 +87,9 @@ class CpuBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, sliding_window: int | None = None
                 ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
-        kernel.paged_attention(q, k_cache, v_cache, meta.paged, self.scale, out, sliding_window)
+        kernel.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.paged, self.scale, out,
+                                sliding_window)
         if meta.prefills:
             tb = self.torch_backend
             impl = tb.impl if sliding_window is None else tb._windowed(sliding_window)

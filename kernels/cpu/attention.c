@@ -293,3 +293,15 @@ void ae_attn_write_kv(const void *k, long k_stride, const void *v, long v_stride
         }
     }
 }
+
+/* A layer's whole attention in one call: write the step's K/V, then attend (ae_attn_paged). */
+void ae_attn_write_and_attend(const void *k, long k_stride, const void *v, long v_stride, const int64_t *slots,
+                              int T, const void *q, long q_stride, void *out, void *k_cache, void *v_cache,
+                              const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
+                              const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
+                              int D, int NB, int bs, float scale, int window, int bf16, int parallel) {
+    ae_attn_write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, T, Hkv, D, NB, bs, bf16 ? 2 : 4);
+    if (num_seqs > 0)
+        ae_attn_paged(q, q_stride, out, k_cache, v_cache, block_ids, block_starts, query_starts, query_lens,
+                      context_lens, num_seqs, Hq, Hkv, D, NB, bs, scale, window, bf16, parallel);
+}

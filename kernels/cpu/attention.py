@@ -19,6 +19,8 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "ae_attn_paged": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
     "ae_attn_write_kv": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _I, _L, _I, _I],
+    "ae_attn_write_and_attend": [_P, _L, _P, _L, _P, _I, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
+                                 _I, _I, _F, _I, _I, _I],
 }
 MAX_HEAD_DIM = 512  # the kernel's per-thread buffers (attention.c AE_ATTN_MAX_D)
 MAX_BLOCK_SIZE = 256
@@ -132,6 +134,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          batch.query_lens.data_ptr(), batch.context_lens.data_ptr(), batch.num_seqs, hq, hk, d, nb,
                          bs, scale, sliding_window or 0, int(q.dtype == torch.bfloat16),
                          int(batch.work * hq * d >= PARALLEL_MIN_WORK))
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, batch: PagedBatch, scale: float,
+                     out: torch.Tensor, sliding_window: int | None = None) -> None:
+    """:func:`write_kv` then :func:`paged_attention`, in one C call where both apply (a layer's
+    attention costs one crossing into C)."""
+    fns = _lib()
+    hk, nb, bs, d = k_cache.shape
+    hq = q.shape[1]
+    dt = q.dtype
+    ok = (fns and k.dtype == dt and v.dtype == dt and k_cache.dtype == dt and v_cache.dtype == dt
+          and out.dtype == dt and supports(dt, d, bs) and q.stride(2) == 1 and q.stride(1) == d
+          and k.dim() == 3 and k.shape == v.shape and k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1
+          and v.stride(1) == d and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+          and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and hq % hk == 0)
+    if not ok:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        paged_attention(q, k_cache, v_cache, batch, scale, out, sliding_window)
+        return
+    fns["ae_attn_write_and_attend"](
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), k.shape[0],
+        q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        batch.block_ids.data_ptr(), batch.block_starts.data_ptr(), batch.query_starts.data_ptr(),
+        batch.query_lens.data_ptr(), batch.context_lens.data_ptr(), batch.num_seqs, hq, hk, d, nb, bs, scale,
+        sliding_window or 0, int(dt == torch.bfloat16), int(batch.work * hq * d >= PARALLEL_MIN_WORK))
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
