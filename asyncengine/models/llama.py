@@ -129,10 +129,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta):
-        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        h, x = self.post_attention_layernorm(attn, residual=x)  # one fused add + norm on CUDA
-        return x + self.mlp(h)
+    def forward(self, x, rope, kv_cache, meta, residual=None):
+        """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
+        Returns (MLP output, residual): their sum, the stream, is made by the next norm's fused
+        add (the same sums, in one op fewer per layer)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
+        attn = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(attn, residual=residual)  # one fused add + norm
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,9 +199,10 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(local.masked_fill(outside, 0))
             x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, rope, kv, meta, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0; None on the other ranks (a collective under
