@@ -228,6 +228,14 @@ class ModelRunner:
             return self.inputs.stage(name, values)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The hidden states of the sampled rows. Rows are listed in increasing order, so as many
+        rows as the batch has are all of them: then no index tensor and no gather (every decode
+        step of a pure decode batch)."""
+        if len(rows) == hidden.shape[0]:
+            return hidden
+        return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
@@ -329,8 +337,7 @@ class ModelRunner:
         sampled: list[int] = []
         logprobs = None
         if sample_rows and self.tp.rank > 0:  # take part in the head's gather, then learn the ids
-            idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-            self.model.compute_logits(hidden[idx])
+            self.model.compute_logits(self._rows(hidden, sample_rows))
             ids = self.tp.broadcast_from_first(torch.empty(len(sample_rows), dtype=torch.long, device=dev))
             for st, tok in zip(sample_states, ids.tolist()):
                 st.output_ids.append(tok)
@@ -341,8 +348,7 @@ class ModelRunner:
         if sample_rows and specs:
             return self._sample_and_verify(hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0)
         if sample_rows:
-            idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden[idx]).float()
+            logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
             self._apply_grammar(logits, sample_states)
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
@@ -462,8 +468,7 @@ class ModelRunner:
         for (st, drafts), (first, n) in zip(specs, spec_rows):
             for i in range(1, n):
                 outputs[first + i] = st.output_ids + drafts[:i]
-        idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[idx]).float()
+        logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
         self._apply_grammar(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],

@@ -88,9 +88,10 @@ class PagedBatch:
             ql.append(n)
             cl.append(ctx)
             work += n * (ctx + n)
-        i32 = torch.int32
-        return cls(torch.tensor(ids, dtype=i32), torch.tensor(starts, dtype=i32), torch.tensor(qs, dtype=i32),
-                   torch.tensor(ql, dtype=i32), torch.tensor(cl, dtype=i32), work, len(qs))
+        n, m = len(qs), len(ids)
+        flat = torch.tensor(ids + starts + qs + ql + cl, dtype=torch.int32)  # one tensor, five views
+        return cls(flat[:m], flat[m:m + n + 1], flat[m + n + 1:m + 2 * n + 1], flat[m + 2 * n + 1:m + 3 * n + 1],
+                   flat[m + 3 * n + 1:], work, n)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
