@@ -71,7 +71,7 @@ def _cache_root() -> Path:
 
 def _key(cc: str) -> str:
     h = hashlib.sha256()
-    for src in _sources():
+    for src in _sources() + sorted(SOURCE_DIR.glob("*.h")):  # headers too: an edited one must rebuild
         h.update(src.name.encode())
         h.update(src.read_bytes())
     try:
