@@ -35,8 +35,8 @@ def linear_cost(model, torch, passes: int = 5) -> float:
     calls = []
     for layer in model.layers:
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            w = m.weight
-            calls.append((m, torch.randn(1, m.in_features if hasattr(m, "in_features") else w.shape[1]).to(w.dtype)))
+            dtype = m.weight.dtype if m.weight is not None else torch.float32  # quantized: fp32 activations
+            calls.append((m, torch.randn(1, m.in_features, dtype=dtype)))
     times = []
     with torch.inference_mode():
         for _ in range(passes + 1):

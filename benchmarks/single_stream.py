@@ -70,9 +70,11 @@ async def amain(args) -> dict:
     await engine.start()
     try:
         vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 1000
-        prompt_ids = [(7 * i + 11) % min(vocab, 30000) + 100 for i in range(args.prompt_tokens)]
-        await one_run(engine, prompt_ids, 8)  # warm-up: first-use costs (kernels, caches)
-        runs = [await one_run(engine, prompt_ids, args.tokens) for _ in range(args.repeat)]
+        def prompt(run: int) -> list[int]:  # a different prompt each run: no prefix-cache hits
+            return [(7 * i + 11 + 131 * run) % min(vocab, 30000) + 100 for i in range(args.prompt_tokens)]
+
+        await one_run(engine, prompt(0), 8)  # warm-up: first-use costs (kernels, caches)
+        runs = [await one_run(engine, prompt(r + 1), args.tokens) for r in range(args.repeat)]
     finally:
         await engine.shutdown()
     dec = [r["decode_tok_s"] for r in runs]
@@ -82,6 +84,7 @@ async def amain(args) -> dict:
             "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
             "decode_tok_s_best": max(dec), "decode_tok_s_median": statistics.median(dec),
             "prefill_ms_best": min(pre), "prefill_ms_median": statistics.median(pre),
+            "prefill_tok_s_best": args.prompt_tokens / min(pre) * 1e3,
             "cpu": cpu_info(), "runs": runs}
 
 
