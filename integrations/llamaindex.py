@@ -77,8 +77,7 @@ class AsyncEngineLLM(LLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        core = self.bridge.engine.core
-        return LLMMetadata(context_window=core.max_model_len, num_output=self.max_tokens or -1,
+        return LLMMetadata(context_window=self.bridge.engine.max_model_len, num_output=self.max_tokens or -1,
                            is_chat_model=True, model_name=self.model)
 
     def _params(self, kwargs: dict) -> SamplingParams:

@@ -202,6 +202,24 @@ class AsyncLLMEngine:
     def errored(self) -> bool:
         return self._dead is not None
 
+    # what front ends (the server, the adapters) may know of the model, without reaching the core
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for
+        one that cannot compile, before a request is made of it (also warms the compiler cache)."""
+        if params.structured_outputs is None:
+            return
+        from asyncengine.structured.backend import check_compiles
+
+        await asyncio.to_thread(check_compiles, self.config, self.core, params)
+
     @property
     def is_closing(self) -> bool:
         """True from the start of shutdown(): new requests are refused (EngineDeadError)."""

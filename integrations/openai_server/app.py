@@ -120,7 +120,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.max_model_len
+        return self.engine.max_model_len
 
     # ------------------------------------------------------------ checks
 
@@ -234,11 +234,9 @@ class ServerState:
         if streaming_tools:
             raise APIError(400, "streaming with tool_choice 'required' or a named tool is not supported yet",
                            param="stream")
-        from asyncengine.structured.backend import check_compiles
-
         params = msgspec.structs.replace(params, structured_outputs=so)
         try:
-            await asyncio.to_thread(check_compiles, self.engine.config, self.engine.core, params)
+            await self.engine.check_structured_outputs(params)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
         return params
@@ -548,7 +546,7 @@ async def metrics(request: Request) -> Response:
 
 async def openapi_json(request: Request) -> Response:
     st = _state(request)
-    return _json(openapi.document(st.model_name, getattr(st.engine.core, "vocab_size", None)))
+    return _json(openapi.document(st.model_name, getattr(st.engine, "vocab_size", None)))
 
 
 def _page(name: str, media_type: str):

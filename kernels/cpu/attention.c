@@ -15,9 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define AE_ATTN_MAX_D 512
 #define AE_ATTN_MAX_BS 256
@@ -50,26 +48,6 @@ static inline __m256 attn_load8(const void *base, long i, int bf16) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)base + i);
-}
-
-/* exp on 8 lanes (Cephes' polynomial: ~1 ulp over the softmax's range x <= 0). */
-static inline __m256 attn_exp8(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    __m256 xx = _mm256_mul_ps(x, x);
-    y = _mm256_fmadd_ps(y, xx, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 static inline float attn_hsum8(__m256 v) {
@@ -155,7 +133,7 @@ static inline __attribute__((always_inline)) void attn_rows(
             __m256 mv = _mm256_set1_ps(mnew);
             __m256 sumv = _mm256_setzero_ps();
             for (; j + 8 <= j1; j += 8) {
-                __m256 p = attn_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+                __m256 p = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
                 _mm256_storeu_ps(s + j, p);
                 sumv = _mm256_add_ps(sumv, p);
             }

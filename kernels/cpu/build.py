@@ -153,6 +153,20 @@ def available() -> bool:
     return load() is not None
 
 
+def bind(signatures: dict[str, list]) -> dict | bool:
+    """The library's functions named in ``signatures`` (name -> ctypes argtypes; they return
+    nothing), or False where the library is not built: what each kernel module caches."""
+    lib = load()
+    if lib is None:
+        return False
+    fns = {}
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+        fns[name] = fn
+    return fns
+
+
 def build_error() -> str | None:
     return _error
 

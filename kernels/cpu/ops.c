@@ -7,9 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #define OPS_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
@@ -135,27 +133,6 @@ void ae_ops_rotary(const void *x, long x_stride, void *out, long out_stride, int
     }
 }
 
-#ifdef __AVX2__
-/* exp on 8 lanes (Cephes' polynomial, ~1 ulp). */
-static inline __m256 ops_exp8(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    __m256 xx = _mm256_mul_ps(x, x);
-    y = _mm256_fmadd_ps(y, xx, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* out = silu(gate) * up with gate, up the two halves of each row of x: [rows, 2 * inter] (rows
  * x_stride elements apart); out contiguous [rows, inter]. silu(g) = g / (1 + exp(-g)), rounded to
@@ -172,7 +149,7 @@ void ae_ops_silu_mul(const void *x, long x_stride, void *out, int rows, int inte
             __m256 one = _mm256_set1_ps(1.0f);
             for (; d + 8 <= inter; d += 8) {
                 __m256 gv = _mm256_loadu_ps(g + d);
-                __m256 e = ops_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                __m256 e = ae_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
                 __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
                 _mm256_storeu_ps(o + d, _mm256_mul_ps(s, _mm256_loadu_ps(u + d)));
             }

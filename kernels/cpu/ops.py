@@ -13,7 +13,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from asyncengine.kernels.cpu.build import load
+from asyncengine.kernels.cpu.build import bind
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -33,16 +33,7 @@ def _lib():
     """The bound functions, or False where the library is not built (cached either way)."""
     global _fns
     if _fns is None:
-        lib = load()
-        if lib is None:
-            _fns = False
-        else:
-            fns = {}
-            for name, args in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
-                fns[name] = fn
-            _fns = fns
+        _fns = bind(_SIGNATURES)
     return _fns
 
 
