@@ -14,6 +14,7 @@ import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
 from model_utils import compare
+from proc_utils import descendants
 
 HANG_GUARD_S = 240.0
 
@@ -98,26 +99,6 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
     for c in eng.core.clients:
         c.proc.join(30)
     assert not any(c.proc.is_alive() for c in eng.core.clients), pids
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (by parent pid, via /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if rest[0] != "Z":
-                children.setdefault(int(rest[1]), []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_reference):

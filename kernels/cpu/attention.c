@@ -229,27 +229,13 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
             int rows = query_lens[s] * g;
             int r0 = t * AE_ATTN_ROW_TILE, r1 = r0 + AE_ATTN_ROW_TILE < rows ? r0 + AE_ATTN_ROW_TILE : rows;
             const int32_t *table = block_ids + block_starts[s];
-            if (bf16) {
-                if (D == 64)
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, 64, scale, window, 1);
-                else if (D == 128)
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, 128, scale, window, 1);
-                else
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, D, scale, window, 1);
-            } else {
-                if (D == 64)
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, 64, scale, window, 0);
-                else if (D == 128)
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, 128, scale, window, 0);
-                else
-                    attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], context_lens[s], h, r0, r1,
-                              g, Hkv, NB, bs, D, scale, window, 0);
-            }
+            /* constant head dims and cache type, so the compiler specialises attn_item's loops */
+#define AE_ATTN_CALL(DIM, BF16) attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], \
+                                          context_lens[s], h, r0, r1, g, Hkv, NB, bs, DIM, scale, window, BF16)
+            if (D == 64) { if (bf16) AE_ATTN_CALL(64, 1); else AE_ATTN_CALL(64, 0); }
+            else if (D == 128) { if (bf16) AE_ATTN_CALL(128, 1); else AE_ATTN_CALL(128, 0); }
+            else { if (bf16) AE_ATTN_CALL(D, 1); else AE_ATTN_CALL(D, 0); }
+#undef AE_ATTN_CALL
         }
     }
 }

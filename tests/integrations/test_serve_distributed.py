@@ -3,36 +3,16 @@
 in-process TP=1 engine, /metrics labels the cores, and Ctrl-C leaves no process behind."""
 from __future__ import annotations
 
-import os
 
 import httpx
 import openai
 import pytest
 
 from live_server import HANG_GUARD_S
+from proc_utils import descendants
 from test_cli_serve import running_serve
 
 PROMPT = [5, 17, 33, 101, 7, 64]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (by parent pid, via /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if rest[0] != "Z":
-                children.setdefault(int(rest[1]), []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 @pytest.fixture(scope="module")
