@@ -514,6 +514,32 @@ def test_cached_model_is_reused_and_corrupt_one_refetched(tmp_path, monkeypatch)
     assert downloads == [target] and target.read_bytes() == content
 
 
+def test_a_verified_model_is_not_hashed_again_by_the_next_process(tmp_path, monkeypatch):
+    """The sha256 check is remembered in a stamp next to the file, valid while size and mtime hold."""
+    content = b"GGUF pretend model"
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(content).hexdigest())
+    monkeypatch.setattr(default_model, "_verified", {})
+    hashed = []
+    real_hash = default_model._sha256_file
+    monkeypatch.setattr(default_model, "_sha256_file", lambda p: hashed.append(p) or real_hash(p))
+    monkeypatch.setattr(default_model, "_download", lambda target: target.write_bytes(content))
+    target = default_model.default_model_path()
+    target.parent.mkdir(parents=True)
+    target.write_bytes(content)
+    assert default_model.ensure_default_model() == str(target) and len(hashed) == 1
+    default_model._verified.clear()  # a new process
+    assert default_model.ensure_default_model() == str(target) and len(hashed) == 1  # the stamp holds
+    target.write_bytes(b"GGUF corrupted!!!!")  # same size; the mtime moves on
+    os.utime(target, ns=(time.time_ns(), time.time_ns() + 10**9))
+    default_model._verified.clear()
+    assert default_model.ensure_default_model() == str(target) and len(hashed) == 2  # stale stamp: hashed
+    assert target.read_bytes() == content  # and fetched again
+    default_model._stamp_path(target).write_text("garbage")
+    default_model._verified.clear()
+    assert default_model.ensure_default_model() == str(target) and len(hashed) == 3
+
+
 # ------------------------------------------------------------------------------------------ SmolLM2
 
 

@@ -262,7 +262,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             cache = weight_cache.cache_file(path, config.torch_dtype, cls)
             cached = weight_cache.load(model, cache)
     if not cached:
-        model = model.to_empty(device=config.torch_device).to(config.torch_dtype)
+        materialize(model, config.torch_device, config.torch_dtype)
     model.rotary.build(config.torch_device)
     if not cached:
         if gguf is not None:
@@ -283,6 +283,20 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tok, eos_token_ids=eos,
                        max_model_len=max_len, path=path, generation_config=generation_config)
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a meta-device model real, uninitialised storage on ``device``: floating tensors in
+    ``dtype``, the others (quantized blocks) in their own. What ``model.to_empty(device).to(dtype)``
+    does, without its detour: ``empty_like`` on a meta tensor runs torch's Python reference
+    implementation, whose first call imports sympy (0.65 s of a one-line chat's start)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                table[name] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
 
 
 def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_types: dict[str, str] | None,
