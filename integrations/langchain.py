@@ -327,16 +327,16 @@ class ChatAsyncEngine(BaseChatModel):
                                strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, dict | Any]:
         """The answer parsed into ``schema``. ``json_schema`` (default): the output is constrained
         to the schema; ``function_calling``: a forced call of a tool with that schema;
-        ``json_mode``: any JSON object (the prompt should ask for the keys)."""
+        ``json_mode``: a JSON object, which the prompt should describe. Elsewhere JSON mode only
+        promises valid JSON, and an object missing a key fails the parse into ``schema``; here the
+        grammar can promise that schema too, so json_mode constrains to it as json_schema does."""
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw)
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        if method == "json_schema":
+        if method in ("json_schema", "json_mode"):
             fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": convert_to_json_schema(schema)}}
-        elif method == "json_mode":
-            fmt = {"type": "json_object"}
         else:
             raise ValueError(f"method must be json_schema, function_calling or json_mode, not {method!r}")
         llm = self.bind(response_format=fmt, ls_structured_output_format={

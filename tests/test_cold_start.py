@@ -124,7 +124,8 @@ def test_fast_tokenizer_equals_transformers_on_smollm2():
     check_same_tokenizer(ours.tokenizer, _build_tokenizer(path, ours.metadata))
 
 
-def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "none"])  # the file's Q8_0 blocks; dequantized to fp32
+def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch, quantization):
     import torch
 
     from asyncengine import LLM
@@ -133,28 +134,35 @@ def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
     monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    # the cache holds dequantized weights: quantized layers (the default for Q8_0) need none
-    quantized = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32)
-    assert not (tmp_path / "weights").exists()
-    quantized.shutdown()
-    first = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
+    kw = dict(dtype="float32", num_kv_blocks=32, quantization=quantization)
+    first = LLM(tiny_gguf, **kw)
     files = list((tmp_path / "weights").glob("*.bin"))
     assert len(files) == 1
     a = first.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
-    second = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
+    second = LLM(tiny_gguf, **kw)
     from worker_hooks import runner_of
 
     first_model, second_model = (llm.engine.collective_rpc(runner_of)[0].model for llm in (first, second))
-    w = second_model.embed_tokens.weight
+    layer = second_model.layers[0].self_attn.qkv_proj
+    assert layer.quantized == (quantization is None)
+    w = layer.qweight if layer.quantized else layer.weight
     assert not w.is_meta and w.untyped_storage().nbytes() == files[0].stat().st_size  # a view of the file
     b = second.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b
-    for (n1, p1), (n2, p2) in zip(first_model.named_parameters(), second_model.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2), n1
+    s1, s2 = first_model.state_dict(), second_model.state_dict()
+    assert list(s1) == list(s2)
+    for name in s1:
+        assert torch.equal(s1[name], s2[name]), name
+    # the other storage is another entry, never this one's blocks
+    other = LLM(tiny_gguf, **{**kw, "quantization": "none" if quantization is None else None})
+    assert len(list((tmp_path / "weights").glob("*.bin"))) == 2
+    other.shutdown()
     # a corrupt entry is ignored, not trusted
     files[0].write_bytes(files[0].read_bytes()[:100])
-    third = LLM(tiny_gguf, dtype="float32", num_kv_blocks=32, quantization="none")
+    third = LLM(tiny_gguf, **kw)
     assert third.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids == a
+    for llm in (first, second, third):
+        llm.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -251,18 +251,17 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len, tp=tp)
     keep = choose_weight_storage(model, config, file_types)
-    quantized = any(m.quantized for m, _ in getattr(model, "checkpoint_layers", dict)().values())
     cache, cached = None, False
-    # unsharded CPU loads only: a key without the shard would hand one rank another's weights.
-    # Quantized layers need no cache: their load is a copy of the file's blocks, nothing decoded.
-    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not quantized:
+    # unsharded CPU loads only: a key without the shard would hand one rank another's weights
+    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1:
         from asyncengine.models import weight_cache
 
         if weight_cache.enabled_for(path):
-            cache = weight_cache.cache_file(path, config.torch_dtype, cls)
+            storage = sorted((name, m.qtype or "dense") for name, (m, _) in
+                             getattr(model, "checkpoint_layers", dict)().items())
+            cache = weight_cache.cache_file(path, config.torch_dtype, cls, variant=json.dumps(storage))
             cached = weight_cache.load(model, cache)
-    if not cached:
-        materialize(model, config.torch_device, config.torch_dtype)
+    materialize(model, config.torch_device, config.torch_dtype)  # all of it, or what the cache left
     model.rotary.build(config.torch_device)
     if not cached:
         if gguf is not None:

@@ -25,11 +25,28 @@ from asyncengine.integrations.langchain import ChatAsyncEngine, shared_engine, t
 # Standard tests whose assertions need a model that reads the prompt, which no random-weight model
 # does: the exact argument asked for (magic_function(3) -> {"input": 3}), a non-empty string
 # argument, a joke whose strings end within the token budget, choosing to call a tool unforced, and
-# copying Chinese text into an argument. The grammar still makes every call and JSON answer
-# well-formed here (test_forced_tool_call_validates, test_structured_output_validates below), and
-# test_tool_calling_real_model runs the standard tool-calling test on SmolLM2.
-_NEEDS_A_READER = pytest.mark.xfail(strict=True, reason="needs a model that reads the prompt; the tiny "
-                                                         "random-weight model cannot")
+# copying Chinese text into an argument. They run on the default model (SmolLM2-135M-Instruct,
+# TestChatAsyncEngineOnSmolLM2 below); every other standard test runs on the tiny model, whose
+# grammar-constrained calls and JSON are still well-formed (test_forced_tool_call_validates,
+# test_structured_output_validates below).
+NEEDS_A_READER = {"test_tool_calling", "test_tool_calling_async", "test_bind_runnables_as_tools",
+                  "test_structured_output", "test_structured_output_async", "test_structured_output_pydantic_2_v1",
+                  "test_json_mode", "test_agent_loop", "test_unicode_tool_call_integration"}
+
+
+_ON_SMOLLM2 = pytest.mark.xfail(strict=True, reason="needs a model that reads the prompt, which the tiny "
+                                                    "random-weight model cannot; runs on SmolLM2 below")
+
+
+def run_only(cls, names):
+    """Leave only the standard tests ``names`` on ``cls`` (an attribute that is not a function is
+    not collected). Its suite-compliance check goes too: the tiny-model class runs the whole suite,
+    with these tests as xfail overrides, and is the one that check holds for."""
+    for name in dir(ChatModelIntegrationTests):
+        if name.startswith("test_") and name not in names:
+            setattr(cls, name, None)
+    return cls
+
 
 # the tiny model answers in a few tokens; the grammar makes its tool calls and JSON valid
 ENGINE_OPTIONS = {"dtype": "float32", "max_model_len": 1024}
@@ -99,20 +116,20 @@ class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
     def supports_image_urls(self) -> bool:
         return False
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_tool_calling(self, model) -> None:
         super().test_tool_calling(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     async def test_tool_calling_async(self, model) -> None:
         await super().test_tool_calling_async(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     def test_bind_runnables_as_tools(self, model) -> None:
         super().test_bind_runnables_as_tools(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     @pytest.mark.parametrize("schema_type", ["pydantic"])
     def test_structured_output(self, model, schema_type) -> None:
         super().test_structured_output(model, schema_type)
@@ -123,7 +140,7 @@ class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
     def test_structured_output_dict_schemas(self, model, schema_type) -> None:
         ChatModelIntegrationTests.test_structured_output(self, model, schema_type)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     @pytest.mark.parametrize("schema_type", ["pydantic"])
     async def test_structured_output_async(self, model, schema_type) -> None:
         await super().test_structured_output_async(model, schema_type)
@@ -132,22 +149,63 @@ class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
     async def test_structured_output_async_dict_schemas(self, model, schema_type) -> None:
         await ChatModelIntegrationTests.test_structured_output_async(self, model, schema_type)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     def test_json_mode(self, model) -> None:
         super().test_json_mode(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
 
-    @_NEEDS_A_READER
+    @_ON_SMOLLM2
     def test_unicode_tool_call_integration(self, model, *, tool_choice=None, force_tool_call=True) -> None:
         super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+class TestChatAsyncEngineOnSmolLM2(ChatModelIntegrationTests):
+    """The standard tests that need a model which reads the prompt, on the default model: greedy,
+    with a frequency penalty on what it wrote (at 135M parameters it otherwise can loop inside a
+    JSON string until the token budget runs out; a repetition penalty would also penalize the
+    prompt's "3" that test_tool_calling wants copied)."""
+
+    @property
+    def chat_model_class(self):
+        return ChatAsyncEngine
+
+    @property
+    def chat_model_params(self) -> dict:
+        from asyncengine.models.default_model import ensure_default_model
+
+        return {"model": ensure_default_model(), "engine_options": {"dtype": "float32", "max_model_len": 2048},
+                "max_tokens": 256, "temperature": 0.0, "frequency_penalty": 0.5}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_urls(self) -> bool:
+        return False
+
+    @pytest.mark.xfail(strict=True, reason="SmolLM2-135M answers the weather question in text: it never "
+                                           "chooses a tool unforced (tool_choice='auto')")
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
+
+
+run_only(TestChatAsyncEngineOnSmolLM2, NEEDS_A_READER)
 
 
 # ---------------------------------------------------------------- beyond the standard suites
@@ -316,14 +374,3 @@ def test_messages_to_the_engine():
     assert msgs[1]["content"] == "1+2?" and msgs[3]["content"] == "3"
     with pytest.raises(ValueError, match="only text"):
         to_engine_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "x"}}])])
-
-
-@pytest.mark.smollm2
-@pytest.mark.slow
-def test_tool_calling_real_model():
-    """The standard tool-calling test (magic_function(3) -> {"input": 3}) on the default model."""
-    from asyncengine.models.default_model import ensure_default_model
-
-    llm = ChatAsyncEngine(model=ensure_default_model(), engine_options={"dtype": "float32", "max_model_len": 1024},
-                          max_tokens=40, temperature=0.0)
-    ChatModelIntegrationTests.test_tool_calling(TestChatAsyncEngineIntegration(), llm)
