@@ -177,3 +177,40 @@ def with_tools_prompt(messages: list[dict], text: str | None) -> list[dict]:
 def calls_text(calls: list[dict]) -> str:
     """Earlier calls (``{"name", "arguments": dict}``) as the assistant wrote them: the prompt's format."""
     return json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls], ensure_ascii=False)
+
+
+def openai_history(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages with earlier tool use -> the engine's: an assistant turn's
+    ``tool_calls`` (arguments as JSON strings) are appended to its text in the format the model is
+    asked to call in (:func:`calls_text`), so the model sees what it called; ``tool_calls`` and
+    ``tool_call_id`` are dropped (``tool`` turns keep their content). Malformed calls are a
+    :class:`RequestLimitError` naming the field."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not calls:
+            out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+                       if isinstance(m, dict) else m)
+            continue
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            raise RequestLimitError(f"messages[{i}].tool_calls is only allowed on assistant messages, as a list",
+                                    param=f"messages[{i}].tool_calls")
+        parsed = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise RequestLimitError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., "
+                                        "'arguments': '<JSON>'}}}}", param=where)
+            args = fn.get("arguments") or "{}"
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise RequestLimitError(f"{where}.function.arguments is not valid JSON",
+                                        param=f"{where}.function.arguments") from None
+            parsed.append({"name": fn["name"], "arguments": args})
+        text = m.get("content") if isinstance(m.get("content"), str) else ""
+        calls_json = calls_text(parsed)
+        out.append({"role": "assistant", "content": f"{text}\n{calls_json}" if text else calls_json})
+    return out
+

@@ -37,7 +37,7 @@ from .generation import (Submission, TokenBytes, chat_logprobs, completion_logpr
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, decode
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
-from ..tool_calls import with_tools_prompt
+from ..tool_calls import openai_history, with_tools_prompt
 from .tools import ToolPlan, response_format_params
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
@@ -217,7 +217,11 @@ class ServerState:
         if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
                                 "token ids", param="messages")
-        _, ids = await self.encode(with_tools_prompt(msgspec.to_builtins(messages), tools_text), "messages")
+        try:
+            history = openai_history(msgspec.to_builtins(messages))
+        except validation.RequestLimitError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        _, ids = await self.encode(with_tools_prompt(history, tools_text), "messages")
         return ids
 
     # ------------------------------------------------------------ engine

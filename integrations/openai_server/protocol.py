@@ -75,6 +75,10 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | list[ContentPart] | None | msgspec.UnsetType = msgspec.UNSET
     name: str | None = None
+    # earlier tool use: an assistant turn's calls, a tool turn's answer to one (shapes are checked
+    # where they become prompt text: integrations/tool_calls.py, openai_history)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatFields(SamplingFields, kw_only=True):

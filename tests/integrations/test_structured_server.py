@@ -80,3 +80,25 @@ def test_bad_schema_is_400_and_engine_lives(client):
         chat(client, response_format={"type": "xml"})
     r = chat(client, temperature=0.0, max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_earlier_tool_calls_reach_the_model(client):
+    """An assistant turn's tool_calls are rendered into the prompt (as the model is asked to call),
+    not dropped: the prompt is the one written with the calls as text. Bad calls are a 400."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    as_calls = MSG + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    as_text = MSG + [{"role": "assistant", "content": '[{"name": "add", "arguments": {"a": 1, "b": 2}}]'},
+                     {"role": "tool", "content": "3"}]
+    without = MSG + [{"role": "assistant", "content": None}, {"role": "tool", "content": "3"}]
+
+    def prompt_tokens(messages):
+        return client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1,
+                                              temperature=0.0).usage.prompt_tokens
+
+    assert prompt_tokens(as_calls) == prompt_tokens(as_text) > prompt_tokens(without)
+    bad = [dict(call, function={"name": "add", "arguments": "{not json"})]
+    with pytest.raises(openai.BadRequestError, match="arguments is not valid JSON"):
+        prompt_tokens(MSG + [{"role": "assistant", "content": None, "tool_calls": bad}])
+    with pytest.raises(openai.BadRequestError, match="only allowed on assistant"):
+        prompt_tokens(MSG + [{"role": "user", "content": "x", "tool_calls": [call]}])
