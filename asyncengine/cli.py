@@ -66,6 +66,12 @@ def _distributed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                    help="uni: one thread (TP=1 default); mp: worker processes (TP>1 default); ray: Ray actors")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    p.add_argument("--tp-vocab-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="under tensor parallel, split the embedding and LM head by vocabulary (less memory "
+                        "per rank, one more collective per step); --no-tp-vocab-parallel replicates them")
+    p.add_argument("--ray-placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   default="PACK", help="with the ray backend: how the ranks' bundles go on nodes "
+                                        "(STRICT_SPREAD = one rank per node)")
     p.add_argument("--engine-core-process", action="store_true",
                    help="run the engine core in its own process, so the model step never competes with "
                         "the server's Python for the GIL (default: in this process)")
@@ -379,7 +385,8 @@ def _serve(args) -> int:
                      metrics_public=args.metrics_public, limits=RequestLimits(**limits),
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
-                     engine_core_process=args.engine_core_process,
+                     engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,
+                     ray_placement_strategy=args.ray_placement_strategy,
                      on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
     except BaseException:
         status.done("stopped")
