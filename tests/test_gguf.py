@@ -1,4 +1,4 @@
-"""GGUF loading (asyncengine.models.gguf_loader) and default model resolution (default_model).
+"""GGUF loading (asyncengine.models.gguf) and default model resolution (default_model).
 
 Tiny random Llama/Qwen2/Qwen3 models are written as GGUF by tests/gguf_utils.py (llama.cpp's
 conventions, q/k permutation included) and read back; the SmolLM2 test (marker `smollm2`) fetches
@@ -34,7 +34,7 @@ from gguf_utils import (  # noqa: E402
 
 from asyncengine.errors import ModelLoadError  # noqa: E402
 from asyncengine.models import default_model  # noqa: E402
-from asyncengine.models.gguf_loader import GGUFCheckpoint, load_gguf, unpermute_qk  # noqa: E402
+from asyncengine.models.gguf import GGUFCheckpoint, load_gguf, unpermute_qk  # noqa: E402
 
 TEXTS = [
     "Hello world! Hello there, how are you today?",
@@ -165,11 +165,11 @@ def test_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_dir):
     """Our struct-based parser against gguf-py's GGUFReader: metadata, tensor table, tensor bytes."""
-    from asyncengine.models.gguf_loader import _GGUFFile
+    from asyncengine.models.gguf.reader import GGUFFile
 
     path = write_tiny_gguf(gguf_dir / f"parse-{qtype}.gguf", models["qwen3"], tokenizer, qtype=qtype)
     reader = gguf.GGUFReader(path)
-    ours = _GGUFFile(str(path))
+    ours = GGUFFile(str(path))
     expected = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -194,12 +194,13 @@ def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_di
 
 def test_every_supported_type_reads_like_gguf_reader(tmp_path):
     """Byte layout of each supported type (K-quants, i-quants...): our parser + dequantize == gguf-py's."""
-    from asyncengine.models.gguf_loader import SUPPORTED_TENSOR_TYPES, _GGUFFile
+    from asyncengine.models.gguf import SUPPORTED_TENSOR_TYPES
+    from asyncengine.models.gguf.reader import GGUFFile
 
     rng = np.random.default_rng(0)
     path = tmp_path / "types.gguf"
     w = gguf.GGUFWriter(path, "llama")
-    for qt in sorted(SUPPORTED_TENSOR_TYPES):
+    for qt in sorted(gguf.GGMLQuantizationType(int(t)) for t in SUPPORTED_TENSOR_TYPES):
         block, size = gguf.GGML_QUANT_SIZES[qt]
         raw = rng.integers(0, 256, size=(3, 512 // block * size), dtype=np.uint8)
         if qt.name in ("F32", "F16", "BF16"):  # keep floats finite
@@ -213,7 +214,7 @@ def test_every_supported_type_reads_like_gguf_reader(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ours = _GGUFFile(str(path))
+    ours = GGUFFile(str(path))
     theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
     assert len(ours.tensors) == len(SUPPORTED_TENSOR_TYPES) >= 8
     with np.errstate(all="ignore"):
