@@ -226,6 +226,51 @@ def test_every_supported_type_reads_like_gguf_reader(tmp_path):
             np.testing.assert_array_equal(mine, ref, err_msg=t.name)
 
 
+def test_type_table_matches_gguf_py():
+    """Our copy of ggml's type ids and block sizes (asyncengine/models/gguf/types.py), entry by entry,
+    against gguf-py's: a wrong id, name or size fails here."""
+    from asyncengine.models.gguf.types import BLOCK_SIZES, SUPPORTED_TENSOR_TYPES, GGMLType, type_name
+
+    assert set(BLOCK_SIZES) == set(GGMLType) and SUPPORTED_TENSOR_TYPES < set(GGMLType)
+    for t in GGMLType:
+        theirs = gguf.GGMLQuantizationType[t.name]
+        assert int(theirs) == int(t), t.name
+        assert gguf.GGML_QUANT_SIZES[theirs] == BLOCK_SIZES[t], t.name
+    assert len(GGMLType) >= 30
+    assert type_name(3) == "Q4_1" and type_name(200) == "unknown type id 200"
+
+
+def test_open_gguf_decodes_like_gguf_py_without_importing_it(models, tokenizer, gguf_dir):
+    """The engine's path (open_gguf, weights decoded with torch or kept in blocks) imports no gguf
+    package for the types it runs as they are, and decodes them exactly as gguf.quants does."""
+    import subprocess
+
+    qtypes = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"]
+    paths = [str(write_tiny_gguf(gguf_dir / f"nogguf-{q}.gguf", models["llama"], tokenizer, qtype=q)) for q in qtypes]
+    out = gguf_dir / "nogguf.pt"
+    code = (
+        "import sys, torch\n"
+        "from asyncengine.models.gguf import open_gguf\n"
+        "dense = {}\n"
+        f"for path in {paths!r}:\n"
+        "    m = open_gguf(path)\n"
+        "    kept = dict(m.weights(keep_quantized=frozenset(m.tensor_types)))\n"
+        "    assert any(type(w).__name__ == 'QuantizedTensor' for w in kept.values()) == ('-Q' in path), path\n"
+        "    dense[path] = dict(m.weights(torch.float32))\n"
+        f"torch.save(dense, {str(out)!r})\n"
+        "print('GGUF IMPORTED', 'gguf' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "GGUF IMPORTED False" in r.stdout, r.stdout
+    dense = torch.load(out)
+    for path in paths:
+        ref = load_gguf(path, tokenizer=False).tensors  # gguf.quants
+        assert dense[path].keys() == ref.keys(), path
+        for name, t in ref.items():
+            assert torch.equal(dense[path][name], t), (path, name)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_f32_tensors_equal_hf_exactly(arch, models, tokenizer, gguf_dir):
     model = models[arch]
@@ -411,6 +456,28 @@ def test_unsupported_tensor_type(tmp_path, models, tokenizer):
                            tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
     message = _raises(path, "unsupported tensor type", "Q8_1", "blk.0.ffn_up.weight", "Q4_K")
     assert "Traceback" not in message
+
+
+def test_unknown_tensor_type_id(tmp_path, models, tokenizer):
+    """A type id no ggml we know of uses (a corrupt or newer file) is named by its number."""
+    from asyncengine.models.gguf import open_gguf
+
+    qt = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, cols = models["llama"].model.layers[0].mlp.up_proj.weight.shape
+    raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "q81.gguf", models["llama"], tokenizer,
+                           tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    pos = data.index(name) + len(name)  # then: u32 n_dims, n_dims u64 dims, u32 type id
+    pos += 4 + 8 * int.from_bytes(data[pos:pos + 4], "little")
+    assert int.from_bytes(data[pos:pos + 4], "little") == int(qt)
+    data[pos:pos + 4] = (200).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    _raises(path, "unsupported tensor type", "unknown type id 200", "blk.0.ffn_up.weight")
+    with pytest.raises(ModelLoadError, match="unknown type id 200"):
+        open_gguf(path)
 
 
 def test_unsupported_architecture(tmp_path):

@@ -12,7 +12,8 @@ import enum
 
 
 class GGMLType(enum.IntEnum):
-    """A tensor's type id in a GGUF file (ids 4, 5 and 31-33, 36-38 were removed from ggml)."""
+    """A tensor's type id in a GGUF file: every type gguf-py 0.16 (our oldest) knows. Ids 4, 5,
+    31-33 and 36-38 were removed from ggml; newer types (MXFP4 = 39...) read as "unknown type id N"."""
 
     F32 = 0
     F16 = 1
@@ -45,7 +46,6 @@ class GGMLType(enum.IntEnum):
     BF16 = 30
     TQ1_0 = 34
     TQ2_0 = 35
-    MXFP4 = 39
 
 
 # type -> (elements per block, bytes per block); a row's length is a whole number of blocks
@@ -81,7 +81,6 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.BF16: (1, 2),
     GGMLType.TQ1_0: (256, 2 + 4 * 13),
     GGMLType.TQ2_0: (256, 2 + 64),
-    GGMLType.MXFP4: (32, 1 + 16),
 }
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
