@@ -192,6 +192,38 @@ def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_di
         assert np.array_equal(ours.raw(mine).reshape(-1).view(np.uint8), theirs.data.reshape(-1).view(np.uint8))
 
 
+@pytest.mark.parametrize("strings", [
+    ["a", "Ġthe", "héllo wörld — ✓ 😀", "x" * 255, "<|im_end|>", "Ċ"],  # the whole-array path
+    ["a", "x" * 256, "b"], ["a", "", "b"], ["a\0b", "c"], ["x" * 70000, "y"],  # one by one
+])
+def test_read_array_returns_the_strings_written(strings, tmp_path):
+    """Vocabulary strings come back exactly, on the whole-array path (1-255 bytes, no NUL) and
+    on the one-by-one path it hands anything else to; invalid UTF-8 is still an error."""
+    from asyncengine.models.gguf.reader import GGUFFile, _short_strings
+
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("tokenizer.ggml.tokens", strings)
+    w.add_array("tokenizer.ggml.merges", ["a b"] * 3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    f = GGUFFile(str(path))
+    assert f.metadata["tokenizer.ggml.tokens.count"] == len(strings)
+    assert f.read_array("tokenizer.ggml.tokens") == strings
+    assert f.read_array("tokenizer.ggml.merges") == ["a b"] * 3
+    short = all(0 < len(t.encode()) < 256 and "\0" not in t for t in strings)
+    _, count, start, end = f.arrays["tokenizer.ggml.tokens"]
+    assert (_short_strings(f._map, start, end, count) == strings) if short else \
+        (_short_strings(f._map, start, end, count) is None)
+    if short:  # a byte that is never UTF-8, inside the first string: the same error as one by one
+        data = bytearray(path.read_bytes())
+        data[start + 8] = 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(UnicodeDecodeError):
+            GGUFFile(str(path)).read_array("tokenizer.ggml.tokens")
+
+
 def test_every_supported_type_reads_like_gguf_reader(tmp_path):
     """Byte layout of each supported type (K-quants, i-quants...): our parser + dequantize == gguf-py's."""
     from asyncengine.models.gguf import SUPPORTED_TENSOR_TYPES

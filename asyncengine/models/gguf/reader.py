@@ -123,8 +123,9 @@ class GGUFFile:
         if type_id == 9:
             item_type, count = self._take("<I"), self._take("<Q")
             if key in _COUNTED_ARRAYS:
-                self.arrays[key] = (item_type, count, self._pos)
+                start = self._pos
                 self._skip_array(item_type, count)
+                self.arrays[key] = (item_type, count, start, self._pos)
                 return _ArrayCount(count)  # a plain int once stored
             return [self._value(item_type, key) for _ in range(count)]
         raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (key {key!r} has unknown value type {type_id}).")
@@ -147,8 +148,11 @@ class GGUFFile:
         """A vocabulary array the header parse skipped (tokens, merges, token types), or None."""
         if key not in self.arrays:
             return None
-        item_type, count, pos = self.arrays[key]
+        item_type, count, pos, end = self.arrays[key]
         if item_type == 8:
+            strings = _short_strings(self._map, pos, end, count)
+            if strings is not None:
+                return strings
             out, unpack, buf = [], struct.Struct("<Q").unpack_from, self._map
             for _ in range(count):
                 n = unpack(buf, pos)[0]
@@ -161,7 +165,7 @@ class GGUFFile:
         return None
 
     def _parse(self) -> None:
-        self.arrays: dict[str, tuple[int, int, int]] = {}
+        self.arrays: dict[str, tuple[int, int, int, int]] = {}  # key -> (item type, count, start, end)
         self._pos = 4
         version = self._take("<I")
         if version not in (2, 3):
@@ -234,6 +238,40 @@ class GGUFFile:
         nbytes = self.nbytes(t)
         data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=t.offset)
         return data.reshape(*t.shape[:-1], nbytes // max(1, math.prod(t.shape[:-1])))
+
+
+def _short_strings(buf, start: int, end: int, count: int) -> list[str] | None:
+    """The ``count`` length-prefixed strings in ``buf[start:end]``, decoded in a few whole-array
+    steps (~7 ms for SmolLM2's 49k tokens, against ~20 ms one by one), provided each is 1-255 bytes
+    of UTF-8 without NUL, as vocabulary strings are; None otherwise (the caller goes one by one).
+
+    Each string's 8-byte little-endian length is then ``[n, 0, 0, 0, 0, 0, 0, 0]`` with ``n > 0``: the
+    runs of that shape are candidates, and following the chain of lengths from the first byte
+    proves they are the length fields. Each field then becomes one NUL, so that one decode and one
+    split make the strings.
+    """
+    region = np.frombuffer(buf, dtype=np.uint8, count=end - start, offset=start)
+    n = len(region)
+    if count == 0 or n < 9:
+        return None
+    zero = region == 0
+    if np.count_nonzero(zero) != 7 * count:  # a longer or empty string, or one holding a NUL
+        return None
+    field = ~zero[:n - 7]
+    for k in range(1, 8):
+        field &= zero[k:n - 7 + k]
+    starts = np.flatnonzero(field)
+    if len(starts) != count or starts[0] != 0:
+        return None
+    ends = starts + 8 + region[starts]
+    if ends[-1] != n or not np.array_equal(ends[:-1], starts[1:]):
+        return None
+    text = region.copy()
+    text[starts] = 0  # a field's first byte becomes the separator; its 7 zero bytes go
+    try:
+        return text[~zero].tobytes().decode("utf-8").split("\0")[1:]
+    except UnicodeDecodeError:  # the one-by-one path raises it for the string at fault
+        return None
 
 
 class _ArrayCount(int):
