@@ -7,10 +7,12 @@ What llama.cpp's ``convert_hf_to_gguf.py`` changed, and what this module undoes:
   permuted per head, from HF's "rotate half" rope layout to GGML's interleaved pairs
   (``reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2)``). We apply the inverse, with the number of
   KV heads for ``k_proj``. Qwen2/Qwen3 use GGML's NEOX rope, so nothing was permuted there;
-* weights are stored quantized; we turn them back to float32 (torch for F32/F16/BF16, Q8_0, Q4_0,
-  Q4_1; ``gguf.quants``, imported only then, for the others) or hand the CPU kernels' block formats
-  over as they are (``QuantizedTensor``). The permutation is over whole rows and the quantization
-  blocks run along a row, so un-permuting after dequantizing (or on whole rows of blocks) is exact.
+* weights are stored quantized; we turn them back to float32 (the engine's ``dequantize_torch``:
+  torch for F32/F16/BF16, Q8_0, Q4_0 and Q4_1, ``gguf.quants``, imported only then, for the others;
+  ``load_tensors``, for ``load_gguf``: ``gguf.quants`` throughout) or hand the CPU kernels' block
+  formats over as they are (``QuantizedTensor``). The permutation is over whole rows and the
+  quantization blocks run along a row, so un-permuting after dequantizing (or on whole rows of
+  blocks) is exact.
 
 A tensor-parallel rank reads only its slice of each tensor (``shard_of``) from the memory map.
 """
@@ -59,6 +61,8 @@ EXTRA_TENSORS = {"rope_freqs.weight"}
 
 
 def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for a name with no HF
+    counterpart (``rope_freqs.weight``, or a tensor of an architecture we do not know)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
