@@ -2,7 +2,9 @@
 
 * ``asyncengine --help`` / ``--version`` import no torch;
 * a GGUF load builds no transformers object (transformers is not even imported), no
-  torch._dynamo and no sympy (torch's meta-tensor reference code imports it: 0.65 s), and the tokenizer it builds equals transformers' on the same file;
+  torch._dynamo and no sympy (torch's meta-tensor reference code imports it: 0.65 s), no ``gguf``
+  package (0.12 s: our own ggml type table and torch decoding instead), and the tokenizer it builds
+  equals transformers' on the same file;
 * the runtime weight cache maps what it wrote, with the same outputs;
 * the CLI checks its input and port before loading a model; piped /reset and /exit work; a cut
   answer says so;
@@ -65,7 +67,7 @@ def test_gguf_load_builds_no_transformers_objects(tiny_gguf):
             f"out = llm.chat([{{'role': 'user', 'content': 'hi'}}], SamplingParams(max_tokens=4, temperature=0),"
             f" use_tqdm=False)\n"
             f"print('TOKENS', len(out[0].outputs[0].token_ids))\n"
-            f"print('LOADED', sorted(m for m in ('transformers', 'torch._dynamo', 'sympy') if m in sys.modules))\n"
+            f"print('LOADED', sorted(m for m in ('transformers', 'torch._dynamo', 'sympy', 'gguf') if m in sys.modules))\n"
             f"print('TOKENIZER', type(llm.get_tokenizer()).__name__, type(llm.engine.model_info.hf_config).__name__)\n")
     r = run_py(code)
     assert r.returncode == 0, r.stderr
@@ -96,7 +98,7 @@ def check_same_tokenizer(ours, ref):
 
 
 def test_fast_tokenizer_equals_transformers_on_a_tiny_gguf(tiny_gguf):
-    from asyncengine.models.gguf_loader import load_gguf, open_gguf
+    from asyncengine.models.gguf import load_gguf, open_gguf
 
     ours = open_gguf(tiny_gguf)
     ref = load_gguf(tiny_gguf)  # transformers' GGUF tokenizer conversion
@@ -117,11 +119,12 @@ def test_fast_tokenizer_equals_transformers_on_a_tiny_gguf(tiny_gguf):
 @pytest.mark.smollm2
 def test_fast_tokenizer_equals_transformers_on_smollm2():
     from asyncengine.models.default_model import ensure_default_model
-    from asyncengine.models.gguf_loader import _build_tokenizer, open_gguf
+    from asyncengine.models.gguf import open_gguf
+    from asyncengine.models.gguf.vocab import build_tokenizer
 
     path = ensure_default_model()
     ours = open_gguf(path)
-    check_same_tokenizer(ours.tokenizer, _build_tokenizer(path, ours.metadata))
+    check_same_tokenizer(ours.tokenizer, build_tokenizer(path, ours.metadata))
 
 
 @pytest.mark.parametrize("quantization", [None, "none"])  # the file's Q8_0 blocks; dequantized to fp32

@@ -1,4 +1,4 @@
-"""GGUF loading (asyncengine.models.gguf_loader) and default model resolution (default_model).
+"""GGUF loading (asyncengine.models.gguf) and default model resolution (default_model).
 
 Tiny random Llama/Qwen2/Qwen3 models are written as GGUF by tests/gguf_utils.py (llama.cpp's
 conventions, q/k permutation included) and read back; the SmolLM2 test (marker `smollm2`) fetches
@@ -34,7 +34,7 @@ from gguf_utils import (  # noqa: E402
 
 from asyncengine.errors import ModelLoadError  # noqa: E402
 from asyncengine.models import default_model  # noqa: E402
-from asyncengine.models.gguf_loader import GGUFCheckpoint, load_gguf, unpermute_qk  # noqa: E402
+from asyncengine.models.gguf import GGUFCheckpoint, load_gguf, unpermute_qk  # noqa: E402
 
 TEXTS = [
     "Hello world! Hello there, how are you today?",
@@ -165,11 +165,11 @@ def test_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_dir):
     """Our struct-based parser against gguf-py's GGUFReader: metadata, tensor table, tensor bytes."""
-    from asyncengine.models.gguf_loader import _GGUFFile
+    from asyncengine.models.gguf.reader import GGUFFile
 
     path = write_tiny_gguf(gguf_dir / f"parse-{qtype}.gguf", models["qwen3"], tokenizer, qtype=qtype)
     reader = gguf.GGUFReader(path)
-    ours = _GGUFFile(str(path))
+    ours = GGUFFile(str(path))
     expected = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -192,14 +192,47 @@ def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_di
         assert np.array_equal(ours.raw(mine).reshape(-1).view(np.uint8), theirs.data.reshape(-1).view(np.uint8))
 
 
+@pytest.mark.parametrize("strings", [
+    ["a", "Ġthe", "héllo wörld — ✓ 😀", "x" * 255, "<|im_end|>", "Ċ"],  # the whole-array path
+    ["a", "x" * 256, "b"], ["a", "", "b"], ["a\0b", "c"], ["x" * 70000, "y"],  # one by one
+])
+def test_read_array_returns_the_strings_written(strings, tmp_path):
+    """Vocabulary strings come back exactly, on the whole-array path (1-255 bytes, no NUL) and
+    on the one-by-one path it hands anything else to; invalid UTF-8 is still an error."""
+    from asyncengine.models.gguf.reader import GGUFFile, _short_strings
+
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("tokenizer.ggml.tokens", strings)
+    w.add_array("tokenizer.ggml.merges", ["a b"] * 3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    f = GGUFFile(str(path))
+    assert f.metadata["tokenizer.ggml.tokens.count"] == len(strings)
+    assert f.read_array("tokenizer.ggml.tokens") == strings
+    assert f.read_array("tokenizer.ggml.merges") == ["a b"] * 3
+    short = all(0 < len(t.encode()) < 256 and "\0" not in t for t in strings)
+    _, count, start, end = f.arrays["tokenizer.ggml.tokens"]
+    assert (_short_strings(f._map, start, end, count) == strings) if short else \
+        (_short_strings(f._map, start, end, count) is None)
+    if short:  # a byte that is never UTF-8, inside the first string: the same error as one by one
+        data = bytearray(path.read_bytes())
+        data[start + 8] = 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(UnicodeDecodeError):
+            GGUFFile(str(path)).read_array("tokenizer.ggml.tokens")
+
+
 def test_every_supported_type_reads_like_gguf_reader(tmp_path):
     """Byte layout of each supported type (K-quants, i-quants...): our parser + dequantize == gguf-py's."""
-    from asyncengine.models.gguf_loader import SUPPORTED_TENSOR_TYPES, _GGUFFile
+    from asyncengine.models.gguf import SUPPORTED_TENSOR_TYPES
+    from asyncengine.models.gguf.reader import GGUFFile
 
     rng = np.random.default_rng(0)
     path = tmp_path / "types.gguf"
     w = gguf.GGUFWriter(path, "llama")
-    for qt in sorted(SUPPORTED_TENSOR_TYPES):
+    for qt in sorted(gguf.GGMLQuantizationType(int(t)) for t in SUPPORTED_TENSOR_TYPES):
         block, size = gguf.GGML_QUANT_SIZES[qt]
         raw = rng.integers(0, 256, size=(3, 512 // block * size), dtype=np.uint8)
         if qt.name in ("F32", "F16", "BF16"):  # keep floats finite
@@ -213,7 +246,7 @@ def test_every_supported_type_reads_like_gguf_reader(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ours = _GGUFFile(str(path))
+    ours = GGUFFile(str(path))
     theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
     assert len(ours.tensors) == len(SUPPORTED_TENSOR_TYPES) >= 8
     with np.errstate(all="ignore"):
@@ -223,6 +256,51 @@ def test_every_supported_type_reads_like_gguf_reader(tmp_path):
             ref = gguf.quants.dequantize(theirs[t.name].data, qt).reshape(t.shape)
             assert mine.shape == (3, 512) and mine.dtype == np.float32, t.name
             np.testing.assert_array_equal(mine, ref, err_msg=t.name)
+
+
+def test_type_table_matches_gguf_py():
+    """Our copy of ggml's type ids and block sizes (asyncengine/models/gguf/types.py), entry by entry,
+    against gguf-py's: a wrong id, name or size fails here."""
+    from asyncengine.models.gguf.types import BLOCK_SIZES, SUPPORTED_TENSOR_TYPES, GGMLType, type_name
+
+    assert set(BLOCK_SIZES) == set(GGMLType) and SUPPORTED_TENSOR_TYPES < set(GGMLType)
+    for t in GGMLType:
+        theirs = gguf.GGMLQuantizationType[t.name]
+        assert int(theirs) == int(t), t.name
+        assert gguf.GGML_QUANT_SIZES[theirs] == BLOCK_SIZES[t], t.name
+    assert len(GGMLType) >= 30
+    assert type_name(3) == "Q4_1" and type_name(200) == "unknown type id 200"
+
+
+def test_open_gguf_decodes_like_gguf_py_without_importing_it(models, tokenizer, gguf_dir):
+    """The engine's path (open_gguf, weights decoded with torch or kept in blocks) imports no gguf
+    package for the types it runs as they are, and decodes them exactly as gguf.quants does."""
+    import subprocess
+
+    qtypes = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"]
+    paths = [str(write_tiny_gguf(gguf_dir / f"nogguf-{q}.gguf", models["llama"], tokenizer, qtype=q)) for q in qtypes]
+    out = gguf_dir / "nogguf.pt"
+    code = (
+        "import sys, torch\n"
+        "from asyncengine.models.gguf import open_gguf\n"
+        "dense = {}\n"
+        f"for path in {paths!r}:\n"
+        "    m = open_gguf(path)\n"
+        "    kept = dict(m.weights(keep_quantized=frozenset(m.tensor_types)))\n"
+        "    assert any(type(w).__name__ == 'QuantizedTensor' for w in kept.values()) == ('-Q' in path), path\n"
+        "    dense[path] = dict(m.weights(torch.float32))\n"
+        f"torch.save(dense, {str(out)!r})\n"
+        "print('GGUF IMPORTED', 'gguf' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "GGUF IMPORTED False" in r.stdout, r.stdout
+    dense = torch.load(out)
+    for path in paths:
+        ref = load_gguf(path, tokenizer=False).tensors  # gguf.quants
+        assert dense[path].keys() == ref.keys(), path
+        for name, t in ref.items():
+            assert torch.equal(dense[path][name], t), (path, name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -410,6 +488,28 @@ def test_unsupported_tensor_type(tmp_path, models, tokenizer):
                            tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
     message = _raises(path, "unsupported tensor type", "Q8_1", "blk.0.ffn_up.weight", "Q4_K")
     assert "Traceback" not in message
+
+
+def test_unknown_tensor_type_id(tmp_path, models, tokenizer):
+    """A type id no ggml we know of uses (a corrupt or newer file) is named by its number."""
+    from asyncengine.models.gguf import open_gguf
+
+    qt = gguf.GGMLQuantizationType.Q8_1
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, cols = models["llama"].model.layers[0].mlp.up_proj.weight.shape
+    raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "q81.gguf", models["llama"], tokenizer,
+                           tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    pos = data.index(name) + len(name)  # then: u32 n_dims, n_dims u64 dims, u32 type id
+    pos += 4 + 8 * int.from_bytes(data[pos:pos + 4], "little")
+    assert int.from_bytes(data[pos:pos + 4], "little") == int(qt)
+    data[pos:pos + 4] = (200).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    _raises(path, "unsupported tensor type", "unknown type id 200", "blk.0.ffn_up.weight")
+    with pytest.raises(ModelLoadError, match="unknown type id 200"):
+        open_gguf(path)
 
 
 def test_unsupported_architecture(tmp_path):

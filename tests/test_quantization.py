@@ -77,7 +77,7 @@ def ggufs(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gguf_refs(models, ggufs, tmp_path_factory, hf_reference):
     """transformers' greedy outputs on the dequantized weights of each GGUF."""
-    from asyncengine.models.gguf_loader import load_gguf
+    from asyncengine.models.gguf import load_gguf
 
     refs = {}
     for (arch, q), path in ggufs.items():
@@ -103,15 +103,16 @@ def test_gguf_runs_quantized_and_matches_the_dequantized_reference(arch, qtype, 
 def test_quantized_load_never_builds_dense_weights(ggufs, monkeypatch):
     """Every block-format tensor goes from the file's bytes to the layer's blocks: nothing is
     dequantized (the spy), and the model holds what the file holds (+ nothing dense but norms)."""
-    from asyncengine.models import gguf_loader
+    from asyncengine.models.gguf import model as gguf_model
+    from asyncengine.models.gguf.reader import GGUFFile
 
     path = ggufs[("llama", "Q4_1")]
     decoded = []
-    real = gguf_loader._dequantize_torch
-    monkeypatch.setattr(gguf_loader, "_dequantize_torch", lambda f, t, *a: decoded.append(t.name) or real(f, t, *a))
+    real = gguf_model.dequantize_torch
+    monkeypatch.setattr(gguf_model, "dequantize_torch", lambda f, t, *a: decoded.append(t.name) or real(f, t, *a))
     model = load_model(EngineConfig(model=path, **COMMON), tokenizer=False).model
     assert decoded and all(name.endswith("norm.weight") for name in decoded), decoded
-    f = gguf_loader._GGUFFile(path)
+    f = GGUFFile(path)
     file_bytes = sum(f.nbytes(t) for t in f.tensors)
     norm_bytes = sum(f.nbytes(t) for t in f.tensors if t.name.endswith("norm.weight"))
     assert weight_nbytes(model) == file_bytes

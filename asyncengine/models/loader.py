@@ -160,7 +160,7 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
         from asyncengine.engine.defaults import gguf_generation_config
-        from asyncengine.models.gguf_loader import open_gguf
+        from asyncengine.models.gguf import open_gguf
 
         log.info(f"reading {os.path.basename(path)}")
         # straight into the runtime format: no transformers config, the fast tokenizer where it applies
@@ -213,9 +213,9 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
         from asyncengine.engine.defaults import gguf_generation_config
 
         if tp.size > 1:
-            from asyncengine.models.gguf_loader import gguf_config, load_gguf
+            from asyncengine.models.gguf import gguf_config, load_gguf
 
-            from asyncengine.models.gguf_loader import tensor_types
+            from asyncengine.models.gguf import tensor_types
 
             hf_config = gguf_config(path)
             cls = resolve_architecture(hf_config)
@@ -230,7 +230,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             tok, eos = ckpt.tokenizer, list(ckpt.eos_token_ids)
             generation_config = gguf_generation_config(ckpt.metadata)
         else:
-            from asyncengine.models.gguf_loader import open_gguf
+            from asyncengine.models.gguf import open_gguf
 
             say(f"reading {os.path.basename(path)}")
             gguf = open_gguf(path, tokenizer=want_tok)
