@@ -1,0 +1,205 @@
+"""What every handler of the server needs, and the request steps they share: the engine and its
+names and limits, reading a body within its size limit (413) and decoding it within its nesting
+limit, turning prompts and chat messages into token ids, compiling a request's structured output
+off the loop, and submitting every sample of a request or none."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgspec
+from starlette.requests import Request
+
+from asyncengine.engine import validation
+from asyncengine.errors import AsyncEngineError, InvalidRequestError
+
+from .errors import APIError, from_engine
+from .generation import Submission, TokenBytes, submit_n
+from .metrics import ServerMetrics
+from .protocol import ChatMessage, decode
+from .security import SecurityPolicy
+from ..tool_calls import openai_history, with_tools_prompt
+
+_OFF_LOOP_BYTES = 256 * 1024
+_CLOSE = {"connection": "close"}  # the rest of an oversized body is never read: end the connection
+
+
+def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
+    """JSON bytes -> a validated ``typ``, its nesting checked before it is decoded."""
+    try:
+        validation.check_json_depth(body, limits)
+    except validation.RequestLimitError as e:
+        raise APIError(400, str(e), param="body", code="limit_exceeded") from None
+    return decode(body, typ)
+
+
+def token_ids(items: list) -> list[int] | None:
+    """A JSON list of token ids (integral floats such as 7.0 count: JSON has one number type)."""
+    out = []
+    for t in items:
+        if type(t) is int:
+            out.append(t)
+        elif type(t) is float and t.is_integer() and abs(t) < 2**53:
+            out.append(int(t))
+        else:
+            return None
+    return out
+
+
+class ServerState:
+    """What every handler needs: the engine, names, limits, metrics."""
+
+    def __init__(self, engine, served_model_name: str, policy: SecurityPolicy, web_chat_dir: Path | None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.policy = policy
+        self.limits: validation.RequestLimits = engine.limits
+        self.metrics = ServerMetrics(engine)
+        self.token_bytes = TokenBytes(engine.tokenizer)
+        self.web_chat_dir = web_chat_dir
+        self.created = int(time.time())
+        self.shutting_down = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once started
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ------------------------------------------------------------ checks
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+                           param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                f"{what} has {num_prompt} tokens, leaving no room for the completion. "
+                                f"Please shorten the {what}.", param=what, code="context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in "
+                                f"the completion). Please reduce the length of the {what} or completion.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    # ------------------------------------------------------------ inputs
+
+    async def read_json(self, request: Request, typ: type):
+        """The body as a validated ``typ``: its size bounded before it is read in full (413, for
+        chunked bodies too), its nesting before it is decoded."""
+        limits = self.limits
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                validation.check_body_size(int(length), limits)
+            except validation.RequestLimitError as e:
+                raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
+            except ValueError:
+                raise APIError(400, "invalid Content-Length") from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_request_bytes:
+                raise APIError(413, f"the request body is over the limit max_request_bytes="
+                                    f"{limits.max_request_bytes}", param="body", code="request_too_large",
+                               headers=_CLOSE)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if len(body) > _OFF_LOOP_BYTES:  # scanning and decoding megabytes: not on the event loop
+            return await asyncio.to_thread(decode_checked, body, typ, limits)
+        return decode_checked(body, typ, limits)
+
+    async def encode(self, item, param: str) -> tuple[str | None, list[int]]:
+        """A text, a list of token ids or chat messages -> (text or None, checked ids), by the
+        engine's own rules (long ones tokenized off the event loop)."""
+        try:
+            return await self.engine.encode(item)
+        except AsyncEngineError as e:
+            err = from_engine(e, self.engine)
+            err.param = err.param or param
+            raise err from None
+
+    def check_params(self, params, n: int) -> None:
+        """The sampling parameters by the engine's rules, before any prompt is tokenized."""
+        try:
+            self.engine.check_sampling_params(msgspec.structs.replace(params, n=n) if n != params.n else params)
+        except AsyncEngineError as e:
+            raise from_engine(e, self.engine) from None
+
+    async def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, list) and len(prompt) > max(self.max_model_len, self.limits.max_prompts):
+            # more items than any prompt list can have: refused before looking at each of them
+            raise APIError(400, f"the prompt list has {len(prompt)} items: at most max_prompts="
+                                f"{self.limits.max_prompts} prompts, or fewer than max_model_len="
+                                f"{self.max_model_len} token ids", param="prompt", code="limit_exceeded")
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        elif all(isinstance(p, str) for p in prompt):
+            items = list(prompt)
+        elif (ids := token_ids(prompt)) is not None:
+            items = [ids]
+        elif all(isinstance(p, list) for p in prompt) and None not in (lists := [token_ids(p) for p in prompt]):
+            items = lists
+        else:
+            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list "
+                                "of lists of token ids", param="prompt")
+        if len(items) > self.limits.max_prompts:
+            raise APIError(400, f"the number of prompts is {len(items)}, over the limit max_prompts="
+                                f"{self.limits.max_prompts}", param="prompt", code="limit_exceeded")
+        if sum(len(it) for it in items if isinstance(it, str)) > self.limits.prompt_chars(self.max_model_len):
+            raise APIError(400, f"the prompts' length (characters) is over the limit max_prompt_chars="
+                                f"{self.limits.prompt_chars(self.max_model_len)}", param="prompt",
+                           code="limit_exceeded")
+        return [await self.encode(it, "prompt") for it in items]
+
+    async def chat_prompt(self, messages: list[ChatMessage], tools_text: str | None = None) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
+                                "token ids", param="messages")
+        try:
+            history = openai_history(msgspec.to_builtins(messages))
+        except validation.RequestLimitError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        _, ids = await self.encode(with_tools_prompt(history, tools_text), "messages")
+        return ids
+
+    # ------------------------------------------------------------ engine
+
+    async def constrain(self, params, from_tools, from_format, streaming_tools: bool):
+        """``params`` with the request's structured output, compiled off the loop first: a grammar
+        that cannot compile is a 400 with the compiler's message."""
+        if from_tools is not None and from_format is not None:
+            raise APIError(400, "give response_format or a tool_choice that forces a tool call, not both",
+                           param="response_format")
+        so = from_tools or from_format
+        if so is None:
+            return params
+        if streaming_tools:
+            raise APIError(400, "streaming with tool_choice 'required' or a named tool is not supported yet",
+                           param="stream")
+        params = msgspec.structs.replace(params, structured_outputs=so)
+        try:
+            await self.engine.check_structured_outputs(params)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
+        return params
+
+    async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,
+                     request_id: str) -> Submission:
+        """Every sample of every prompt (choice index = prompt index * n + sample), or none."""
+        streams: list = []
+        try:
+            for p, (text, ids) in enumerate(prompts):
+                prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
+                streams.append(submit_n(self.engine, prompt, params, n, f"{request_id}-{p}"))
+        except BaseException as e:
+            await Submission(streams, n).aclose()
+            if isinstance(e, (AsyncEngineError, APIError)):
+                raise from_engine(e, self.engine) from None
+            raise
+        return Submission(streams, n)
