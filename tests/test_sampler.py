@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    gather_logprobs,
-    process_logits,
-    seeded_uniform,
-    validate_token_ids,
-)
+from asyncengine.worker.sampler import Sampler, gather_logprobs, process_logits
+from asyncengine.worker.sampling_metadata import SamplingMetadata, seeded_uniform, validate_token_ids
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
 

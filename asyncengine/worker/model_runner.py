@@ -35,7 +35,8 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
+from asyncengine.worker.sampler import Sampler, gather_logprobs
+from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
 from asyncengine.worker.cuda_utils import PersistentBuffers
