@@ -247,3 +247,195 @@ int ae_q_embed(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_
         for (int64_t b = 0; b < nb; b++) dequant_block(type, w + ids[i] * row_bytes + b * bs, out + i * K + b * 32);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * int8 activations (llama.cpp's trick): each row of x is quantized once per call to blocks of 32,
+ *   d = max|x| / 127, q = rint(x / d) in [-127, 127], s = d * sum(q),
+ * and each (weight block, activation block) pair is an integer dot product:
+ *   dot = dw * d * sum(qw * q) + m * s        (Q4_1: m the block's min; Q4_0: m = -8 dw; Q8_0: m = 0)
+ * which is x's int8 rounding (q * d) times dequant(W) re-associated. Why: AVX2 does 32 u8 x s8
+ * products in one maddubs where the fp32 path needs four FMAs plus four int->float conversions per
+ * block, so the small-M kernel stops being bound by the FMA port. The cost: each x element moves by
+ * at most d / 2 = max|x_block| / 254 (docs/quantization.md, "int8 activations").
+ * ------------------------------------------------------------------------------------------------ */
+
+#define AE_Q_MB8 4 /* rows of int8 x per register tile */
+
+/* Row-major [M, K] fp32 -> q [M, K] int8, d and s [M, K / 32]. The rounding is rint (ties to even,
+ * the default mode) of x * (1 / d) in fp32, which the torch reference reproduces bit for bit. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    const int64_t nb = K / 32;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xp = x + i * K + b * 32;
+            int8_t *qp = q + i * K + b * 32;
+#if AE_Q_AVX2
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xp + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float dd = _mm_cvtss_f32(h) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i qi[4];
+            for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv)); /* rint */
+            /* pack 32 x int32 -> 32 x int8; packs interleave the 128-bit lanes, a permute restores order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)qp, p);
+            const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), p);
+            const __m256i sum32 = _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+            d[i * nb + b] = dd;
+            s[i * nb + b] = dd * (float)_mm_cvtsi128_si32(t);
+#else
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xp[j]));
+            const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                qp[j] = (int8_t)lrintf(xp[j] * id);
+                sum += qp[j];
+            }
+            d[i * nb + b] = dd;
+            s[i * nb + b] = dd * (float)sum;
+#endif
+        }
+}
+
+#if AE_Q_AVX2
+/* The weight block as 32 bytes in element order: Q4 nibbles as u8 0..15, Q8_0 as s8. */
+static inline __attribute__((always_inline)) __m256i weight_bytes(int type, const uint8_t *b) {
+    if (type == AE_Q_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == AE_Q_Q4_1 ? 4 : 2)));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+/* res[i] = dot(dequant(W row), int8 x row i) for the mb rows of a tile (see row_tile). */
+static inline __attribute__((always_inline)) void row_tile_i8(const int type, const int mb, const uint8_t *w,
+                                                              int64_t nb, const int8_t *q, int64_t ldq,
+                                                              const float *d, const float *s, float *res) {
+    const int bs = block_bytes(type);
+    float macc[AE_Q_MB8] = {0};
+#if AE_Q_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AE_Q_MB8];
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        const __m256i wb = weight_bytes(type, blk);
+        /* maddubs takes u8 x s8: Q8_0 moves w's sign onto x (|w| * sign(w) x) */
+        const __m256i wu = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb, wb) : wb;
+        const float dw = fp16_to_fp32(blk);
+        const float m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * dw;
+        for (int i = 0; i < mb; i++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)(q + i * ldq + b * 32));
+            if (type == AE_Q_Q8_0) xq = _mm256_sign_epi8(xq, wb);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xq), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[i * nb + b]), acc[i]);
+            if (type != AE_Q_Q8_0) macc[i] += m * s[i * nb + b];
+        }
+    }
+    for (int i = 0; i < mb; i++) res[i] = hsum256(acc[i]) + macc[i];
+#else
+    float acc[AE_Q_MB8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        int wq[32];
+        const float dw = fp16_to_fp32(blk);
+        float m = 0.0f;
+        if (type == AE_Q_Q8_0) {
+            for (int j = 0; j < 32; j++) wq[j] = (int8_t)blk[2 + j];
+        } else {
+            const uint8_t *qs = blk + (type == AE_Q_Q4_1 ? 4 : 2);
+            m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * dw;
+            for (int j = 0; j < 16; j++) {
+                wq[j] = qs[j] & 0x0F;
+                wq[j + 16] = qs[j] >> 4;
+            }
+        }
+        for (int i = 0; i < mb; i++) {
+            const int8_t *xp = q + i * ldq + b * 32;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += wq[j] * xp[j];
+            acc[i] += (float)sum * (dw * d[i * nb + b]);
+            if (type != AE_Q_Q8_0) macc[i] += m * s[i * nb + b];
+        }
+    }
+    for (int i = 0; i < mb; i++) res[i] = acc[i] + macc[i];
+#endif
+}
+
+static inline __attribute__((always_inline)) void gemm_i8_typed(const int type, const int8_t *q, const float *d,
+                                                                const float *s, int64_t M, int64_t K,
+                                                                const uint8_t *w, int64_t N, const float *bias,
+                                                                float *out, int64_t ldo, int accumulate,
+                                                                int nthreads) {
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    const int64_t chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * AE_Q_CHUNK, n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB8) {
+            const int64_t mb = M - m0 < AE_Q_MB8 ? M - m0 : AE_Q_MB8;
+            const int8_t *qt = q + m0 * K;
+            const float *dt = d + m0 * nb, *st = s + m0 * nb;
+            for (int64_t n = n0; n < n1; n++) {
+                float res[AE_Q_MB8];
+                const uint8_t *wr = w + n * row_bytes;
+                switch (mb) {
+                    case 4: row_tile_i8(type, 4, wr, nb, qt, K, dt, st, res); break;
+                    case 3: row_tile_i8(type, 3, wr, nb, qt, K, dt, st, res); break;
+                    case 2: row_tile_i8(type, 2, wr, nb, qt, K, dt, st, res); break;
+                    default: row_tile_i8(type, 1, wr, nb, qt, K, dt, st, res); break;
+                }
+                const float bn = bias ? bias[n] : 0.0f;
+                for (int64_t i = 0; i < mb; i++) {
+                    float *o = out + (m0 + i) * ldo + n;
+                    *o = accumulate ? *o + res[i] + bn : res[i] + bn;
+                }
+            }
+        }
+    }
+}
+
+/* x [M, K] fp32 -> its int8 blocks: q [M, K], d [M, K / 32], s [M, K / 32] (what ae_q_gemm_i8 uses;
+ * exported so the tests can hold the Python reference to it). Returns -1 unless K % 32 == 0. */
+int ae_q_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    if (K % 32) return -1;
+    quantize_rows(x, M, K, q, d, s);
+    return 0;
+}
+
+/* As ae_q_gemm, with x quantized to int8 blocks first (see above). Returns 0, or -1 for an unknown
+ * type, K not a multiple of 32, or no memory for the int8 copy of x. */
+int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
+                 float *out, int64_t ldo, int accumulate, int nthreads) {
+    if (K % 32 || !block_bytes(type)) return -1;
+    const int64_t nb = K / 32;
+    const size_t n = (size_t)(M * nb > 0 ? M * nb : 1);
+    int8_t *q = (int8_t *)malloc(n * 32);
+    float *ds = (float *)malloc(n * 2 * sizeof(float));
+    if (!q || !ds) {
+        free(q);
+        free(ds);
+        return -1;
+    }
+    quantize_rows(x, M, K, q, ds, ds + n);
+    switch (type) {
+        case AE_Q_Q4_0: gemm_i8_typed(AE_Q_Q4_0, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+        case AE_Q_Q4_1: gemm_i8_typed(AE_Q_Q4_1, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+        default: gemm_i8_typed(AE_Q_Q8_0, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+    }
+    free(q);
+    free(ds);
+    return 0;
+}
