@@ -10,7 +10,8 @@
  *
  * Why the math is exact: per block we compute d * sum(q * x) + m * sum(x) (Q4_0: m = -8 d), which
  * is the dequantized dot product re-associated, so results equal x @ dequant(W)^T up to fp32
- * summation order (the tests hold it to that). No activation is quantized.
+ * summation order (the tests hold it to that). ae_q_gemm quantizes no activation; ae_q_gemm_i8 (at the
+ * end of this file, opt-in) does, to int8 blocks, for integer dot products.
  *
  * Why this loop order: decode (M = 1..16) reads every weight once per step and is bound by the
  * bytes of W; each unpacked block is reused across a tile of up to 4 rows of x held in registers.
