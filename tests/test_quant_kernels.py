@@ -130,7 +130,8 @@ def _i8_cases():
     out = []
     for qtype in FORMATS:
         for m in (1, 3, 8, 37):  # 3, 37: not multiples of the 4-row register tile
-            out.append((qtype, m, 67, 224, m % 2 == 1))  # N = 67: not a multiple of the 16-row chunk
+            # N = 67, 75: tiles of 8 rows of W, then 3 rows one by one, in a last chunk of 3 or 11 rows
+            out.append((qtype, m, 67 if m < 8 else 75, 224, m % 2 == 1))
     return out
 
 
@@ -147,6 +148,23 @@ def test_int8_path_is_exact_on_the_int8_rounded_input(qtype, m, n, k, bias):
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert_matmul_close(y, int8_rounded(x), w, b)
     assert_matmul_close(quant.gemm_small_m(x, blocks, qtype, k, activations="int8"), int8_rounded(x), w)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_int8_kernel_beyond_one_row_chunk(qtype):
+    """M = 70 (gemm itself would take the tiled path): the kernel's 64-row chunks of x, in turn."""
+    torch.manual_seed(5)
+    blocks = quant.quantize(torch.randn(24, 96), qtype)
+    x = torch.randn(70, 96)
+    y = quant.gemm_small_m(x, blocks, qtype, 96, activations="int8")
+    w = quant.dequantize_torch(blocks, qtype, 96)
+    assert_matmul_close(y, int8_rounded(x), w)
+    out, b = torch.ones(70, 24), torch.randn(24)  # accumulate=1 onto the ones, with a bias
+    assert quant._lib().ae_q_gemm_i8(quant.QTYPES[qtype][0], x.data_ptr(), 70, 96, blocks.data_ptr(), 24,
+                                     b.data_ptr(), out.data_ptr(), 24, 1, 2) == 0
+    assert_matmul_close(out - 1.0, int8_rounded(x), w, b)
+    assert quant._lib().ae_q_gemm_i8(5, x.data_ptr(), 70, 96, blocks.data_ptr(), 24, None, out.data_ptr(),
+                                     24, 0, 1) == -1  # an unknown type
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
