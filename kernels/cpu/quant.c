@@ -379,11 +379,25 @@ static inline __attribute__((always_inline)) void row_tile_i8(const int type, co
 #define AE_Q_NR 8  /* rows of W per int8 tile: one 8-lane float vector of results per row of x */
 #define AE_Q_MC 64 /* rows of x whose accumulators a tile keeps (on the stack) */
 
-/* 8 fp16 values at p, p + stride, ... as 8 floats. */
-static inline __m256 fp16x8(const uint8_t *p, int64_t stride) {
-    uint16_t h[8];
-    for (int r = 0; r < 8; r++) memcpy(&h[r], p + r * stride, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+static inline int32_t load32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The fp16 pairs at the start of 8 blocks (p, p + stride, ...) as floats: *d = bytes 0-1 of each,
+ * *m = bytes 2-3 (Q4_1's min; unused otherwise). One dword load per block, no store/reload. */
+static inline __attribute__((always_inline)) void fp16x8_pairs(const uint8_t *p, int64_t stride, __m256 *d,
+                                                              __m256 *m) {
+    const __m256i v = _mm256_setr_epi32(load32(p), load32(p + stride), load32(p + 2 * stride),
+                                        load32(p + 3 * stride), load32(p + 4 * stride), load32(p + 5 * stride),
+                                        load32(p + 6 * stride), load32(p + 7 * stride));
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    /* per lane: 4 d then 4 m; the permute puts the 8 d in the low half, the 8 m in the high half */
+    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), _MM_SHUFFLE(3, 1, 2, 0));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
 }
 
 /* Lane r = the sum of the 8 int32 lanes of p[r] (an 8x8 transpose-and-add). */
@@ -419,10 +433,9 @@ static inline __attribute__((always_inline)) void tile8_i8(const int type, const
             wb[r] = weight_bytes(type, blk + r * row_bytes);
             wu[r] = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb[r], wb[r]) : wb[r];
         }
-        const __m256 dw = fp16x8(blk, row_bytes);
-        const __m256 m = type == AE_Q_Q4_1   ? fp16x8(blk + 2, row_bytes)
-                         : type == AE_Q_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
-                                             : _mm256_setzero_ps();
+        __m256 dw, m;
+        fp16x8_pairs(blk, row_bytes, &dw, &m);
+        if (type == AE_Q_Q4_0) m = _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
         for (int64_t i = 0; i < mc; i++) {
             const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + i * K + b * 32));
             __m256i p[AE_Q_NR];
