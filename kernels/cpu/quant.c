@@ -412,41 +412,65 @@ static inline __m256i reduce8(const __m256i p[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
+/* Block b of 8 rows of W (blk = row 0's block, rows row_bytes apart): the weight bytes (wu: as
+ * maddubs's unsigned operand), the 8 scales and the 8 min terms; and the next tile's bytes fetched:
+ * 8 row streams at once defeat the hardware prefetcher on a W bigger than the caches (the Q8_0 LM
+ * head ran 1.5x slower than row by row without it). */
+static inline __attribute__((always_inline)) void load8(const int type, const uint8_t *blk, int64_t row_bytes,
+                                                        const uint8_t *prefetch, int64_t pf_bytes, __m256i wb[8],
+                                                        __m256i wu[8], __m256 *dw, __m256 *m) {
+    for (int64_t off = 0; off < pf_bytes; off += 64) _mm_prefetch((const char *)(prefetch + off), _MM_HINT_T0);
+    for (int r = 0; r < AE_Q_NR; r++) {
+        wb[r] = weight_bytes(type, blk + r * row_bytes);
+        wu[r] = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb[r], wb[r]) : wb[r];
+    }
+    fp16x8_pairs(blk, row_bytes, dw, m);
+    if (type == AE_Q_Q4_0) *m = _mm256_mul_ps(*dw, _mm256_set1_ps(-8.0f));
+}
+
+/* acc (8 outputs: the 8 rows of W) += this block's dot products with one int8 block of x. */
+static inline __attribute__((always_inline)) __m256 dot8(const int type, const __m256i wb[8], const __m256i wu[8],
+                                                         __m256 dw, __m256 m, const int8_t *xq8, float dx, float sx,
+                                                         __m256 acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)xq8);
+    __m256i p[AE_Q_NR];
+    for (int r = 0; r < AE_Q_NR; r++)
+        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], type == AE_Q_Q8_0 ? _mm256_sign_epi8(xq, wb[r]) : xq),
+                                 ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+    return type == AE_Q_Q8_0 ? acc : _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc);
+}
+
 /* out rows [m0, m0 + mc) x cols [n, n + 8): 8 rows of W at once, so the per-block float work (int
  * -> float, the two scales, the min term) is one vector op per 8 outputs instead of one per output,
- * and each unpacked weight block serves all mc rows of x. */
-static inline __attribute__((always_inline)) void tile8_i8(const int type, const uint8_t *w, int64_t row_bytes,
-                                                           int64_t nb, const int8_t *q, int64_t K, const float *d,
-                                                           const float *s, int64_t mc, float *acc) {
+ * and each unpacked weight block serves all mc rows of x. fixed (1-4, a compile-time constant) keeps
+ * the accumulators in registers: through memory, a store-to-load round trip per block would chain
+ * the blocks of a decode row; 0 = mc rows (<= AE_Q_MC) accumulated in acc. */
+static inline __attribute__((always_inline)) void tile8_i8(const int type, const int fixed, const uint8_t *w,
+                                                           int64_t row_bytes, int64_t nb, const int8_t *q, int64_t K,
+                                                           const float *d, const float *s, int64_t mc, float *acc) {
     const int bs = block_bytes(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t i = 0; i < mc; i++) _mm256_store_ps(acc + 8 * i, _mm256_setzero_ps());
     const int64_t pf_step = (AE_Q_NR * row_bytes / nb + 63) / 64 * 64;
+    __m256i wb[AE_Q_NR], wu[AE_Q_NR];
+    __m256 dw, m;
+    if (fixed) {
+        __m256 av[4];
+        for (int i = 0; i < fixed; i++) av[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            load8(type, w + b * bs, row_bytes, w + AE_Q_NR * row_bytes + b * pf_step, pf_step, wb, wu, &dw, &m);
+            for (int i = 0; i < fixed; i++)
+                av[i] = dot8(type, wb, wu, dw, m, q + i * K + b * 32, d[i * nb + b], s[i * nb + b], av[i]);
+        }
+        for (int i = 0; i < fixed; i++) _mm256_store_ps(acc + 8 * i, av[i]);
+        return;
+    }
+    for (int64_t i = 0; i < mc; i++) _mm256_store_ps(acc + 8 * i, _mm256_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bs;
-        __m256i wb[AE_Q_NR], wu[AE_Q_NR];
-        /* 8 row streams at once defeat the hardware prefetcher on a W bigger than the caches (the
-         * Q8_0 LM head ran 1.5x slower than row by row): fetch the next tile's bytes, in order */
-        for (int64_t off = b * pf_step; off < (b + 1) * pf_step; off += 64)
-            _mm_prefetch((const char *)(w + AE_Q_NR * row_bytes + off), _MM_HINT_T0);
-        for (int r = 0; r < AE_Q_NR; r++) {
-            wb[r] = weight_bytes(type, blk + r * row_bytes);
-            wu[r] = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb[r], wb[r]) : wb[r];
-        }
-        __m256 dw, m;
-        fp16x8_pairs(blk, row_bytes, &dw, &m);
-        if (type == AE_Q_Q4_0) m = _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-        for (int64_t i = 0; i < mc; i++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + i * K + b * 32));
-            __m256i p[AE_Q_NR];
-            for (int r = 0; r < AE_Q_NR; r++)
-                p[r] = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(wu[r], type == AE_Q_Q8_0 ? _mm256_sign_epi8(xq, wb[r]) : xq), ones);
-            __m256 a = _mm256_load_ps(acc + 8 * i);
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dw, _mm256_set1_ps(d[i * nb + b])), a);
-            if (type != AE_Q_Q8_0) a = _mm256_fmadd_ps(m, _mm256_set1_ps(s[i * nb + b]), a);
-            _mm256_store_ps(acc + 8 * i, a);
-        }
+        load8(type, w + b * bs, row_bytes, w + AE_Q_NR * row_bytes + b * pf_step, pf_step, wb, wu, &dw, &m);
+        for (int64_t i = 0; i < mc; i++)
+            _mm256_store_ps(acc + 8 * i, dot8(type, wb, wu, dw, m, q + i * K + b * 32, d[i * nb + b], s[i * nb + b],
+                                              _mm256_load_ps(acc + 8 * i)));
     }
 }
 #endif
@@ -467,7 +491,16 @@ static inline __attribute__((always_inline)) void gemm_i8_typed(const int type, 
             for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MC) {
                 const int64_t mc = M - m0 < AE_Q_MC ? M - m0 : AE_Q_MC;
                 float acc[AE_Q_MC * AE_Q_NR] __attribute__((aligned(32)));
-                tile8_i8(type, w + n0 * row_bytes, row_bytes, nb, q + m0 * K, K, d + m0 * nb, s + m0 * nb, mc, acc);
+                const uint8_t *wt = w + n0 * row_bytes;
+                const int8_t *qt = q + m0 * K;
+                const float *dt = d + m0 * nb, *st = s + m0 * nb;
+                switch (mc) {
+                    case 1: tile8_i8(type, 1, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                    case 2: tile8_i8(type, 2, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                    case 3: tile8_i8(type, 3, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                    case 4: tile8_i8(type, 4, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                    default: tile8_i8(type, 0, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                }
                 for (int64_t i = 0; i < mc; i++)
                     for (int r = 0; r < AE_Q_NR; r++) {
                         float *o = out + (m0 + i) * ldo + n0 + r;
