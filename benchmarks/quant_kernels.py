@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The quantized-weight kernels against the machine's read bandwidth and against dense fp32.
 
-    python benchmarks/quant_kernels.py [--threads 2] [--repeat 30] [--out result.json]
+    python benchmarks/quant_kernels.py [--threads 2] [--repeat 30] [--only SECTION] [--out result.json]
 
 Figures (best of --repeat, so a busy machine disturbs them less; still say when it was busy):
 
@@ -10,6 +10,8 @@ Figures (best of --repeat, so a busy machine disturbs them less; still say when 
                  bytes, and dense fp32 F.linear's time on the same (dequantized) weight
   crossover      per M: the register-blocked kernel vs the tiled path (blocks dequantized into fp32
                  scratch, then torch.mm); kernels/cpu/quant.py's LARGE_M is where the tiled path wins
+  activations    per shape, M = 1 (decode) and 37 (a chat prompt's prefill): the small-M kernel with
+                 fp32 activations vs int8 activations (ASYNCENGINE_QUANT_ACTIVATIONS), and the ratio
 """
 from __future__ import annotations
 
@@ -39,8 +41,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--only", default=None, choices=["read_gb_s", "gemv", "crossover", "activations"],
+                    help="run one section of the figures below (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    want = lambda section: args.only in (None, section)  # noqa: E731
     import torch
     import torch.nn.functional as F
 
@@ -49,28 +54,39 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     res = {"threads": args.threads, "load_avg": os.getloadavg()}
-    big = torch.ones(1 << 28)  # 1 GiB
-    res["read_gb_s"] = big.numel() * 4 / best(lambda: big.sum(), max(3, args.repeat // 5)) / 1e9
-    del big
+    if want("read_gb_s"):
+        big = torch.ones(1 << 28)  # 1 GiB
+        res["read_gb_s"] = big.numel() * 4 / best(lambda: big.sum(), max(3, args.repeat // 5)) / 1e9
+        del big
     res["gemv"] = []
-    for n, k, q in SHAPES:
+    for n, k, q in SHAPES if want("gemv") else []:
         blocks = quant.quantize(torch.randn(n, k), q)
         dense = quant.dequantize(blocks, q, k)
         x = torch.randn(1, k)
-        t = best(lambda: quant.gemm(x, blocks, q, k), args.repeat)
+        t = best(lambda: quant.gemm(x, blocks, q, k, activations="fp32"), args.repeat)
         td = best(lambda: F.linear(x, dense), args.repeat)
         res["gemv"].append({"shape": [n, k], "format": q, "us": t * 1e6, "weight_gb_s": blocks.numel() / t / 1e9,
                             "dense_fp32_us": td * 1e6})
     res["crossover"] = []
-    for n, k, q in [(3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0")]:
+    for n, k, q in [(3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0")] if want("crossover") else []:
         blocks = quant.quantize(torch.randn(n, k), q)
         for m in (8, 16, 32, 48, 64, 128, 256):
             x = torch.randn(m, k)
             r = max(3, args.repeat // 5)
-            tk = best(lambda: quant.gemm_small_m(x, blocks, q, k), r)
+            tk = best(lambda: quant.gemm_small_m(x, blocks, q, k, activations="fp32"), r)
             tt = best(lambda: quant._gemm_tiled(quant._lib(), x, blocks, q, k, None), r)
             res["crossover"].append({"shape": [n, k], "format": q, "m": m, "kernel_us": tk * 1e6,
                                      "tiled_us": tt * 1e6})
+    res["activations"] = []
+    for n, k, q in SHAPES if want("activations") else []:
+        blocks = quant.quantize(torch.randn(n, k), q)
+        for m in (1, 37):
+            x = torch.randn(m, k)
+            r = max(3, args.repeat // (5 if n * m > 1 << 20 else 1))
+            tf = best(lambda: quant.gemm_small_m(x, blocks, q, k, activations="fp32"), r)
+            ti = best(lambda: quant.gemm_small_m(x, blocks, q, k, activations="int8"), r)
+            res["activations"].append({"shape": [n, k], "format": q, "m": m, "fp32_us": tf * 1e6,
+                                       "int8_us": ti * 1e6, "speedup": tf / ti})
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,12 @@
 
 The kernels compute d * sum(q * x) + m * sum(x) per block in fp32, i.e. the dequantized dot product
 re-associated: results must equal a float64 matmul on the dequantized weight to within fp32
-summation error, which we bound per output by ``REL * sum_k |x_k| |w_nk|`` (not a loose rtol)."""
+summation error, which we bound per output by ``REL * sum_k |x_k| |w_nk|`` (not a loose rtol).
+
+The int8-activation path (``activations="int8"``) multiplies the same weights with x rounded to int8
+blocks: it is held to the same bound against "dequantized W times the int8-rounded x" (a check of
+the integer math), and to the rounding's own worst case against the plain fp32 product. The fp32
+path is called explicitly where it is the one under test."""
 from __future__ import annotations
 
 import ctypes
@@ -87,11 +92,102 @@ def test_gemm_matches_dequantized_reference(qtype, m, n, k, bias):
     w = quant.dequantize_torch(blocks, qtype, k)
     x = torch.randn(m, k)
     b = torch.randn(n) if bias else None
-    y = quant.gemm(x, blocks, qtype, k, b)
+    y = quant.gemm(x, blocks, qtype, k, b, activations="fp32")
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert_matmul_close(y, x, w, b)
     if m < quant.LARGE_M:  # the register-blocked kernel itself (gemm would tile above LARGE_M)
-        assert_matmul_close(quant.gemm_small_m(x, blocks, qtype, k), x, w)
+        assert_matmul_close(quant.gemm_small_m(x, blocks, qtype, k, activations="fp32"), x, w)
+    else:  # the int8 switch does not reach the tiled path: exact there too
+        assert torch.equal(quant.gemm(x, blocks, qtype, k, b, activations="int8"), y)
+
+
+# ------------------------------------------------------------------------------ int8 activations
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: q * d per block (the torch reference quantizer, float64)."""
+    q, d, _ = quant.quantize_activations_torch(x)
+    m, k = x.shape
+    return (q.double().view(m, k // 32, 32) * d.double().unsqueeze(-1)).view(m, k)
+
+
+def test_activation_quantizer_matches_its_torch_reference():
+    torch.manual_seed(0)
+    x = torch.randn(7, 192) * torch.rand(7, 1) * 10
+    x[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
+    x[3, :32] = torch.arange(32) - 15.5  # exact halves after scaling somewhere: rint, ties to even
+    x[4, 64:96] = 1e-30  # tiny but nonzero
+    q, d, s = quant.quantize_activations(x)
+    qr, dr, sr = quant.quantize_activations_torch(x)
+    assert torch.equal(q, qr) and torch.equal(d, dr) and torch.equal(s, sr)
+    assert q.abs().max() == 127 and (q[2, 32:64] == 0).all() and d[2, 1] == 0 and s[2, 1] == 0
+    # each element moves by at most half a step (plus the fp32 rounding of x / d)
+    blocks_d = dr.double().repeat_interleave(32, dim=1)
+    assert ((int8_rounded(x) - x.double()).abs() <= blocks_d * (0.5 + 1e-5)).all()
+
+
+def _i8_cases():
+    out = []
+    for qtype in FORMATS:
+        for m in (1, 3, 8, 37):  # 3, 37: not multiples of the 4-row register tile
+            # N = 67, 75: tiles of 8 rows of W, then 3 rows one by one, in a last chunk of 3 or 11 rows
+            out.append((qtype, m, 67 if m < 8 else 75, 224, m % 2 == 1))
+    return out
+
+
+@pytest.mark.parametrize("qtype,m,n,k,bias", _i8_cases())
+def test_int8_path_is_exact_on_the_int8_rounded_input(qtype, m, n, k, bias):
+    """The integer dot products against float64 of dequant(W) times the int8-rounded x: equal up to
+    fp32 summation (~1e-7 relative); the fp32 path misses this bound by ~1e-3, so it cannot pass."""
+    torch.manual_seed(m * 7 + n)
+    blocks = quant.quantize(torch.randn(n, k), qtype)
+    w = quant.dequantize_torch(blocks, qtype, k)
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    b = torch.randn(n) if bias else None
+    y = quant.gemm(x, blocks, qtype, k, b, activations="int8")
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_matmul_close(y, int8_rounded(x), w, b)
+    assert_matmul_close(quant.gemm_small_m(x, blocks, qtype, k, activations="int8"), int8_rounded(x), w)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_int8_kernel_beyond_one_row_chunk(qtype):
+    """M = 70 (gemm itself would take the tiled path): the kernel's 64-row chunks of x, in turn."""
+    torch.manual_seed(5)
+    blocks = quant.quantize(torch.randn(24, 96), qtype)
+    x = torch.randn(70, 96)
+    y = quant.gemm_small_m(x, blocks, qtype, 96, activations="int8")
+    w = quant.dequantize_torch(blocks, qtype, 96)
+    assert_matmul_close(y, int8_rounded(x), w)
+    out, b = torch.ones(70, 24), torch.randn(24)  # accumulate=1 onto the ones, with a bias
+    assert quant._lib().ae_q_gemm_i8(quant.QTYPES[qtype][0], x.data_ptr(), 70, 96, blocks.data_ptr(), 24,
+                                     b.data_ptr(), out.data_ptr(), 24, 1, 2) == 0
+    assert_matmul_close(out - 1.0, int8_rounded(x), w, b)
+    assert quant._lib().ae_q_gemm_i8(5, x.data_ptr(), 70, 96, blocks.data_ptr(), 24, None, out.data_ptr(),
+                                     24, 0, 1) == -1  # an unknown type
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_int8_path_against_the_fp32_product(qtype):
+    """Against x @ dequant(W)^T unrounded. Each x element moves by at most d / 2 = max|x_block| / 254,
+    so |error| <= sum_blocks (max|x_block| / 254) * sum_block |w| (+ fp32 summation): a worst case,
+    not a tuned rtol. Random rounding errors cancel, so on average the error is far inside it
+    (~1/sqrt(K) of it); and it must be nonzero (the int8 path really ran)."""
+    torch.manual_seed(1)
+    m, n, k = 37, 67, 576
+    blocks = quant.quantize(torch.randn(n, k), qtype)
+    w = quant.dequantize_torch(blocks, qtype, k).double()
+    x = torch.randn(m, k) * torch.rand(m, 1) * 4
+    y = quant.gemm(x, blocks, qtype, k, activations="int8").double()
+    ref = x.double() @ w.t()
+    step = x.double().view(m, k // 32, 32).abs().amax(-1) / 254 * (1 + 1e-5)  # [m, blocks]
+    w_abs = w.abs().view(n, k // 32, 32).sum(-1)  # [n, blocks]
+    worst = step @ w_abs.t() + REL * (x.double().abs() @ w.abs().t()) + 1e-7
+    err = (y - ref).abs()
+    assert (err <= worst).all(), f"max error / worst case {(err / worst).max().item():.3g}"
+    assert 0 < err.mean() < 0.25 * worst.mean()
+    rel = (err.pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+    assert 1e-5 < rel < 2e-2, rel  # typically ~4e-3: 1/254 per element, averaged over K
 
 
 def test_gemm_keeps_leading_dims_and_dtype():
@@ -110,6 +206,34 @@ def test_embedding_rows(qtype):
     assert torch.equal(quant.embedding(ids, blocks, qtype, 96), quant.dequantize_torch(blocks, qtype, 96)[ids])
     with pytest.raises(IndexError):
         quant.embedding(torch.tensor([50]), blocks, qtype, 96)
+
+
+@pytest.fixture
+def fp32_activations(monkeypatch):
+    """The seam tests below pin the exact path (whatever ASYNCENGINE_QUANT_ACTIVATIONS says)."""
+    monkeypatch.setattr(quant, "ACTIVATIONS", "fp32")
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv("ASYNCENGINE_QUANT_ACTIVATIONS", " FP32 ")
+    assert quant._activations_from_env() == "fp32"
+    monkeypatch.setenv("ASYNCENGINE_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="ASYNCENGINE_QUANT_ACTIVATIONS='int4': expected one of int8, fp32"):
+        quant._activations_from_env()
+    monkeypatch.delenv("ASYNCENGINE_QUANT_ACTIVATIONS")
+    assert quant._activations_from_env() == "fp32"  # the default: int8 misses issue 11's top-1 bar
+    blocks = quant.quantize(torch.randn(9, 64), "Q4_1")
+    with pytest.raises(ValueError, match="activations='bf16'"):
+        quant.gemm(torch.randn(2, 64), blocks, "Q4_1", 64, activations="bf16")
+    # Linear (the model's seam) follows the module's setting
+    layer = Linear(64, 9)
+    layer.quantize_as("Q4_1")
+    layer.load(QuantizedTensor("Q4_1", (9, 64), blocks))
+    x, w = torch.randn(3, 64), quant.dequantize_torch(blocks, "Q4_1", 64)
+    monkeypatch.setattr(quant, "ACTIVATIONS", "int8")
+    assert_matmul_close(layer(x), int8_rounded(x), w)
+    monkeypatch.setattr(quant, "ACTIVATIONS", "fp32")
+    assert_matmul_close(layer(x), x, w)
 
 
 @pytest.fixture
@@ -139,7 +263,8 @@ def test_torch_fallback_without_the_library(kernels_off):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the portable path")
 def test_portable_scalar_path(tmp_path):
-    """quant.c built without -march (no AVX2 macros: the scalar loops) agrees with the reference."""
+    """quant.c built without -march (no AVX2 macros: the scalar loops) agrees with the reference,
+    both activation paths and the activation quantizer (bit for bit)."""
     so = tmp_path / "quant_scalar.so"
     subprocess.run(["cc", "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", str(build.SOURCE_DIR / "quant.c"),
                     str(build.SOURCE_DIR / "runtime.c"), "-o", str(so), "-lm"], check=True, timeout=120)
@@ -147,6 +272,8 @@ def test_portable_scalar_path(tmp_path):
     assert lib.ae_simd_level() == 0
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ae_q_gemm.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int]
+    lib.ae_q_gemm_i8.argtypes = lib.ae_q_gemm.argtypes
+    lib.ae_q_quantize_act.argtypes = [p, i64, i64, p, p, p]
     for qtype in FORMATS:
         blocks = quant.quantize(torch.randn(21, 128), qtype)
         x, b = torch.randn(6, 128), torch.randn(21)
@@ -155,12 +282,21 @@ def test_portable_scalar_path(tmp_path):
                            out.data_ptr(), 21, 1, 2)  # accumulate onto the ones
         assert rc == 0
         assert_matmul_close(out - 1.0, x, quant.dequantize_torch(blocks, qtype, 128), b)
+        out = torch.full((6, 21), 1.0)
+        assert lib.ae_q_gemm_i8(quant.QTYPES[qtype][0], x.data_ptr(), 6, 128, blocks.data_ptr(), 21, b.data_ptr(),
+                                out.data_ptr(), 21, 1, 2) == 0
+        assert_matmul_close(out - 1.0, int8_rounded(x), quant.dequantize_torch(blocks, qtype, 128), b)
+    q, d, s = (torch.empty(6, 128, dtype=torch.int8), torch.empty(6, 4), torch.empty(6, 4))
+    x = torch.randn(6, 128) * 3
+    assert lib.ae_q_quantize_act(x.data_ptr(), 6, 128, q.data_ptr(), d.data_ptr(), s.data_ptr()) == 0
+    qr, dr, sr = quant.quantize_activations_torch(x)
+    assert torch.equal(q, qr) and torch.equal(d, dr) and torch.equal(s, sr)
 
 
 # ----------------------------------------------------------------------------------- the seam
 
 
-def test_linear_converts_between_dense_and_blocks():
+def test_linear_converts_between_dense_and_blocks(fp32_activations):
     torch.manual_seed(0)
     w = torch.randn(10, 64)
     blocks = QuantizedTensor("Q8_0", (10, 64), quant.quantize(w, "Q8_0"))
@@ -196,7 +332,7 @@ def test_row_parallel_slice_must_fall_on_block_edges():
         Linear(48, 4).quantize_as("Q8_0")
 
 
-def test_vocab_embedding_pads_a_short_slice_and_is_the_tied_head():
+def test_vocab_embedding_pads_a_short_slice_and_is_the_tied_head(fp32_activations):
     table = torch.randn(5, 32)
     emb = VocabEmbedding(8, 32, valid_rows=5)  # the last TP rank: 5 real rows of 8
     emb.quantize_as("Q8_0")

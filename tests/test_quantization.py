@@ -6,7 +6,9 @@ weights.
 The reference for every quantized engine is transformers, greedy fp32, on a dense checkpoint
 holding exactly the dequantized weights (``load_gguf``'s tensors, or quantize -> dequantize of the
 original): the kernels keep the block math exact, so outputs must be token-exact up to the
-near-tie rule (a first divergence only where the reference's top-2 logit margin < 1e-4)."""
+near-tie rule (a first divergence only where the reference's top-2 logit margin < 1e-4). That holds
+for fp32 activations, so every test here pins ``ASYNCENGINE_QUANT_ACTIVATIONS=fp32`` (the int8 path
+cannot be token-exact: tests/test_quant_kernels.py and tests/test_quant_accuracy.py hold it)."""
 from __future__ import annotations
 
 import os
@@ -28,6 +30,13 @@ VOCAB = 320
 REQUESTS = random_requests(8, VOCAB, seed=3, plen=(3, 40), olen=(4, 16))
 COMMON = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128, num_threads=1,
               freeze_gc_after_load=False)
+
+
+@pytest.fixture(autouse=True)
+def fp32_activations(monkeypatch):
+    """In this process (the module attribute, read at import) and in worker processes (the env)."""
+    monkeypatch.setattr(quant, "ACTIVATIONS", "fp32")
+    monkeypatch.setenv("ASYNCENGINE_QUANT_ACTIVATIONS", "fp32")
 
 
 def run(path: str, requests=REQUESTS, on_llm=None, **cfg) -> list[list[int]]:

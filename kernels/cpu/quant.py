@@ -8,10 +8,17 @@ correct, slower. The torch functions are also the references the tests hold the 
 
 :func:`quantize` turns dense weights into blocks with gguf-py's (= ggml's reference) rounding, for
 ``quantization="int8" | "int4"`` of a dense checkpoint.
+
+Activations: below ``LARGE_M`` rows, ``ASYNCENGINE_QUANT_ACTIVATIONS=fp32`` (the default) keeps x in
+fp32 (exact up to summation order); ``int8`` quantizes each row of x to int8 blocks of 32 and
+multiplies with integer dot products (llama.cpp's trick: faster, but each x element moves by up to
+max|x_block| / 254, which on the default model misses issue 11's top-1 bar: docs/quantization.md).
+``LARGE_M`` rows and up always take the exact tiled path.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -26,6 +33,20 @@ QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": 
 # Measured on a 2-core AVX2 EPYC (docs/quantization.md): the kernel wins below ~48 rows.
 LARGE_M = 48
 _TILE_BYTES = 4 << 20  # fp32 scratch of one tile in the large-M path
+
+ACTIVATION_MODES = ("int8", "fp32")
+
+
+def _activations_from_env() -> str:
+    mode = os.environ.get("ASYNCENGINE_QUANT_ACTIVATIONS", "fp32").strip().lower() or "fp32"
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"ASYNCENGINE_QUANT_ACTIVATIONS={mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
+    return mode
+
+
+# How small-M gemm treats x, read once at import (worker processes inherit the environment).
+# Tests and benchmarks pass ``activations=`` to gemm, or set this attribute.
+ACTIVATIONS = _activations_from_env()
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -51,9 +72,11 @@ def _lib():
     if lib is not None and not hasattr(lib, "_ae_q_ready"):
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.ae_q_gemm.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
+        lib.ae_q_gemm_i8.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
+        lib.ae_q_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
         lib.ae_q_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
-        for f in (lib.ae_q_gemm, lib.ae_q_dequant, lib.ae_q_embed):
+        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed):
             f.restype = c_int
         lib._ae_q_ready = True
     return lib
@@ -81,6 +104,17 @@ def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         else:
             out = (q - 8.0) * d
     return out.reshape(n, k)
+
+
+def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant.c's
+    int8 path does it: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even), s = d * sum(q)."""
+    m, k = x2.shape
+    blocks = x2.to(torch.float32).reshape(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks * _inverse(d).unsqueeze(-1)).to(torch.int8)
+    s = d * q.sum(-1, dtype=torch.int32).to(torch.float32)
+    return q.reshape(m, k), d, s
 
 
 def _roundf(v: torch.Tensor) -> torch.Tensor:
@@ -163,9 +197,28 @@ def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.T
     return out.view(*ids.shape, k)
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C kernel's own int8 blocks of a contiguous fp32 [M, K] (what :func:`gemm` multiplies
+    with at ``activations="int8"``); the torch reference where the library is not built."""
+    lib = _lib()
+    if lib is None:
+        return quantize_activations_torch(x2)
+    x2 = x2.to(torch.float32).contiguous()
+    m, k = x2.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, s = torch.empty(m, k // BLOCK), torch.empty(m, k // BLOCK)
+    lib.ae_q_quantize_act(x2.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None,
+         activations: str | None = None) -> torch.Tensor:
     """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
-    the result is in ``x``'s dtype). ``w`` must have passed :func:`check`."""
+    the result is in ``x``'s dtype). ``w`` must have passed :func:`check`. ``activations``
+    ("int8" | "fp32", default :data:`ACTIVATIONS`) picks the small-M kernel; it is ignored at
+    ``M >= LARGE_M`` and without the C library (both exact)."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -183,17 +236,27 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
         b = None
         if bias is not None:
             b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
-        lib.ae_q_gemm(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n,
-                      None if b is None else b.data_ptr(), out.data_ptr(), n, 0, torch.get_num_threads())
+        kernel = lib.ae_q_gemm_i8 if _mode(activations) == "int8" else lib.ae_q_gemm
+        if kernel(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
+                  out.data_ptr(), n, 0, torch.get_num_threads()):
+            raise MemoryError(f"quantized gemm of {m} x {k} rows failed (out of memory for the int8 copy?)")
     out = out.view(*x.shape[:-1], n)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+def _mode(activations: str | None) -> str:
+    mode = ACTIVATIONS if activations is None else activations
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activations={mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
+    return mode
+
+
+def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, activations: str | None = None) -> torch.Tensor:
     """The register-blocked kernel for any M (benchmarks compare it with the tiled path)."""
     lib = _lib()
     out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
-    lib.ae_q_gemm(QTYPES[qtype][0], x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
+    kernel = lib.ae_q_gemm_i8 if _mode(activations) == "int8" else lib.ae_q_gemm
+    kernel(QTYPES[qtype][0], x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
                   out.data_ptr(), w.shape[0], 0, torch.get_num_threads())
     return out
 
