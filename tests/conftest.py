@@ -110,6 +110,23 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def kernels_off(monkeypatch):
+    """The C kernels refused (``ASYNCENGINE_CPU_KERNELS=0``): every wrapper asks for the library
+    again and gets none, so the torch fallbacks run; afterwards the library is back."""
+    from asyncengine.kernels.cpu import attention, build, ops
+
+    wrappers = (build, ops, attention)
+    monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
+    for mod in wrappers:
+        mod._reset_for_tests()
+    yield
+    monkeypatch.delenv("ASYNCENGINE_CPU_KERNELS")
+    for mod in wrappers:
+        mod._reset_for_tests()
+    assert attention.available()
+
+
 @pytest.fixture(scope="session")
 def tiny(tiny_llama_dir):
     """(model dir, loaded fp32 weights) of the tiny llama: engines built with ``make_core`` share them."""

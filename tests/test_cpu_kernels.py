@@ -26,19 +26,6 @@ def kernels_built():
         pytest.fail(f"the CPU kernels did not build here: {build.build_error()}", pytrace=False)
 
 
-@pytest.fixture
-def kernels_off(monkeypatch):
-    """Every wrapper re-asks for the library, which is now refused: the torch fallbacks run."""
-    monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
-    for mod in (build, ops, A):
-        mod._reset_for_tests()
-    yield
-    monkeypatch.delenv("ASYNCENGINE_CPU_KERNELS")
-    for mod in (build, ops, A):
-        mod._reset_for_tests()
-    assert A.available()
-
-
 def dense(q, keys, vals, ctx, scale, window):
     """q: [n, Hq, D] at positions ctx.., keys/vals: [ctx + n, Hkv, D]; causal (and windowed), fp64."""
     n, hq, d = q.shape

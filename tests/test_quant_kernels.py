@@ -236,15 +236,6 @@ def test_the_switch(monkeypatch):
     assert_matmul_close(layer(x), x, w)
 
 
-@pytest.fixture
-def kernels_off(monkeypatch):
-    monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
-    build._reset_for_tests()
-    yield
-    monkeypatch.delenv("ASYNCENGINE_CPU_KERNELS")
-    build._reset_for_tests()
-
-
 def test_torch_fallback_without_the_library(kernels_off):
     assert not quant.kernels_available() and "ASYNCENGINE_CPU_KERNELS" in build.build_error()
     for qtype in FORMATS:

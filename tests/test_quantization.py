@@ -20,7 +20,7 @@ import transformers
 from asyncengine import LLM, EngineConfig, SamplingParams
 from asyncengine.cli import build_parser
 from asyncengine.errors import ConfigError
-from asyncengine.kernels.cpu import build, quant
+from asyncengine.kernels.cpu import quant
 from asyncengine.layers.linear import Linear, weight_nbytes
 from asyncengine.models.loader import load_model
 from gguf_utils import tiny_hf_model, write_tiny_gguf
@@ -150,15 +150,6 @@ def test_int8_int4_of_a_safetensors_checkpoint(mode, qtype, models, tmp_path, hf
     print(compare(run(str(src), quantization=mode), refs))
     # safetensors in its own format stays dense
     assert set(formats(load_model(EngineConfig(model=str(src), **COMMON), tokenizer=False).model).values()) == {None}
-
-
-@pytest.fixture
-def kernels_off(monkeypatch):
-    monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
-    build._reset_for_tests()
-    yield
-    monkeypatch.delenv("ASYNCENGINE_CPU_KERNELS")
-    build._reset_for_tests()
 
 
 def test_without_the_kernels_weights_are_dequantized_at_load(ggufs, gguf_refs, kernels_off):
