@@ -90,24 +90,18 @@ class TestChatAsyncEngineUnit(ChatModelUnitTests):
         return {"ASYNCENGINE_MODEL": "some/model.gguf"}, {}, {"model": "some/model.gguf"}
 
 
-class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
+class OurFeatures:
+    """What the chat model supports, for every integration class: JSON mode yes; text only (the
+    engine has no image, audio or file inputs)."""
+
     @property
     def chat_model_class(self):
         return ChatAsyncEngine
 
     @property
-    def chat_model_params(self) -> dict:
-        return {"model": _model_dir["llama"], "engine_options": ENGINE_OPTIONS, **MODEL_DEFAULTS}
-
-    @property
     def supports_json_mode(self) -> bool:
         return True
 
-    @property
-    def model_override_value(self) -> str:
-        return _model_dir["other"]
-
-    # text only: the engine has no image, audio or file inputs
     @property
     def supports_image_inputs(self) -> bool:
         return False
@@ -115,6 +109,16 @@ class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
     @property
     def supports_image_urls(self) -> bool:
         return False
+
+
+class TestChatAsyncEngineIntegration(OurFeatures, ChatModelIntegrationTests):
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": _model_dir["llama"], "engine_options": ENGINE_OPTIONS, **MODEL_DEFAULTS}
+
+    @property
+    def model_override_value(self) -> str:
+        return _model_dir["other"]
 
     @_ON_SMOLLM2
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
@@ -169,15 +173,11 @@ class TestChatAsyncEngineIntegration(ChatModelIntegrationTests):
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-class TestChatAsyncEngineOnSmolLM2(ChatModelIntegrationTests):
+class TestChatAsyncEngineOnSmolLM2(OurFeatures, ChatModelIntegrationTests):
     """The standard tests that need a model which reads the prompt, on the default model: greedy,
     with a frequency penalty on what it wrote (at 135M parameters it otherwise can loop inside a
     JSON string until the token budget runs out; a repetition penalty would also penalize the
     prompt's "3" that test_tool_calling wants copied)."""
-
-    @property
-    def chat_model_class(self):
-        return ChatAsyncEngine
 
     @property
     def chat_model_params(self) -> dict:
@@ -185,18 +185,6 @@ class TestChatAsyncEngineOnSmolLM2(ChatModelIntegrationTests):
 
         return {"model": ensure_default_model(), "engine_options": {"dtype": "float32", "max_model_len": 2048},
                 "max_tokens": 256, "temperature": 0.0, "frequency_penalty": 0.5}
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_image_urls(self) -> bool:
-        return False
 
     @pytest.mark.xfail(strict=True, reason="SmolLM2-135M answers the weather question in text: it never "
                                            "chooses a tool unforced (tool_choice='auto')")
