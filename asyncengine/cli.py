@@ -65,7 +65,9 @@ def _distributed(p: argparse.ArgumentParser) -> None:
                    help="run this many engine cores (processes), each with its own KV cache")
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,
                    help="uni: one thread (TP=1 default); mp: worker processes (TP>1 default); ray: Ray actors")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per worker (default: torch's, lowered while other processes keep "
+                        "cores busy; a number pins it)")
     p.add_argument("--tp-vocab-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="under tensor parallel, split the embedding and LM head by vocabulary (less memory "
                         "per rank, one more collective per step); --no-tp-vocab-parallel replicates them")

@@ -87,7 +87,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     skip_tokenizer_init: bool = False
-    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    # torch intra-op threads. None = torch's default, lowered while other processes keep cores busy
+    # (one CPU worker only: worker/cpu_threads.py); a number pins it
+    num_threads: int | None = None
     # async engine
     async_scheduling: bool = True  # schedule step N+1 while step N executes
     max_queued_requests: int | None = 4096

@@ -18,6 +18,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
+from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Worker:
         self.model = None
         self.draft_model = None  # speculative decoding with a draft model
         self.runner: ModelRunner | None = None
+        self.threads: ThreadGovernor | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -61,6 +63,9 @@ class Worker:
         c = self.config
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
+        elif self.world_size == 1 and c.torch_device.type == "cpu":
+            # a count nobody pinned yields to other processes' load (worker/cpu_threads.py)
+            self.threads = ThreadGovernor(torch.get_num_threads())
         torch.manual_seed(c.seed)
         if self.world_size > 1:
             import torch.distributed as dist
@@ -152,6 +157,8 @@ class Worker:
     # ------------------------------------------------------------------ the step
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.threads is not None and (n := self.threads.update()) is not None:
+            torch.set_num_threads(n)
         return self.runner.execute(so)
 
     # ------------------------------------------------------------------ control calls
@@ -162,7 +169,8 @@ class Worker:
     def runner_stats(self) -> dict:
         """Counters of this rank's runner, for stats and tests (what it holds, how busy it was)."""
         r = self.runner
-        return {"rank": self.rank, "pid": os.getpid(), "execute_time_s": r.execute_time_s,
+        return {"rank": self.rank, "pid": os.getpid(), "num_threads": torch.get_num_threads(),
+                "execute_time_s": r.execute_time_s,
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
                 "weight_bytes": self.weight_bytes(),
                 "draft_tokens_processed": r.drafter.num_tokens_processed if r.drafter else 0,
