@@ -39,7 +39,7 @@ from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 from .engine_thread import EngineBridge, close_shared_engines, shared_engine
-from .tool_calls import ToolPlan, calls_text, response_format_params, with_tools_prompt
+from .tool_calls import ToolPlan, assistant_turn, response_format_params, with_tools_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _KNOBS = SAMPLING_KNOBS  # taken as one set: from the engine's defaults when the caller sets none of them
@@ -65,7 +65,7 @@ def _text(content) -> str:
 
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     """LangChain messages -> the engine's chat messages. Earlier tool calls are written back in the
-    format the model is asked to call in (``tool_calls.calls_text``); tool results are ``tool`` turns."""
+    format the model is asked to call in (``tool_calls.assistant_turn``); tool results are ``tool`` turns."""
     out = []
     for m in messages:
         if isinstance(m, SystemMessage):
@@ -73,11 +73,8 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, HumanMessage):
             out.append({"role": "user", "content": _text(m.content)})
         elif isinstance(m, AIMessage):
-            text = _text(m.content)
-            if m.tool_calls:
-                calls = calls_text([{"name": c["name"], "arguments": c["args"]} for c in m.tool_calls])
-                text = f"{text}\n{calls}" if text else calls
-            out.append({"role": "assistant", "content": text})
+            out.append(assistant_turn(_text(m.content), [{"name": c["name"], "arguments": c["args"]}
+                                                           for c in m.tool_calls]))
         elif isinstance(m, ToolMessage):
             out.append({"role": "tool", "content": _text(m.content)})
         elif isinstance(m, ChatMessage):

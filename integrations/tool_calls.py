@@ -209,8 +209,15 @@ def openai_history(messages: list[dict]) -> list[dict]:
                 raise RequestLimitError(f"{where}.function.arguments is not valid JSON",
                                         param=f"{where}.function.arguments") from None
             parsed.append({"name": fn["name"], "arguments": args})
-        text = m.get("content") if isinstance(m.get("content"), str) else ""
-        calls_json = calls_text(parsed)
-        out.append({"role": "assistant", "content": f"{text}\n{calls_json}" if text else calls_json})
+        out.append(assistant_turn(m.get("content") if isinstance(m.get("content"), str) else "", parsed))
     return out
+
+
+def assistant_turn(text: str, calls: list[dict]) -> dict:
+    """An earlier assistant turn for the prompt: its text, then its calls (``{"name", "arguments":
+    dict}``) as :func:`calls_text` writes them; every front end renders history this one way."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    written = calls_text(calls)
+    return {"role": "assistant", "content": f"{text}\n{written}" if text else written}
 
