@@ -56,6 +56,10 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="attention over the KV cache; auto = triton on a GPU, else cpu (C kernels, built once "
                         "per machine) where a C compiler is found, else torch")
     p.add_argument("--seed", type=int, default=0, help="engine random seed")
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine core (scheduler, KV cache, model) in its own process, so the model step "
+                        "never competes with this process's Python for the GIL; this process then imports no "
+                        "torch, and builds the tokenizer while the core imports torch")
 
 
 def _distributed(p: argparse.ArgumentParser) -> None:
@@ -74,9 +78,6 @@ def _distributed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
                    default="PACK", help="with the ray backend: how the ranks' bundles go on nodes "
                                         "(STRICT_SPREAD = one rank per node)")
-    p.add_argument("--engine-core-process", action="store_true",
-                   help="run the engine core in its own process, so the model step never competes with "
-                        "the server's Python for the GIL (default: in this process)")
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
@@ -125,7 +126,7 @@ def _config(args, default_max_num_seqs: int):
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs or default_max_num_seqs, quantization=args.quantization,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     return EngineConfig(**kw)
@@ -172,7 +173,7 @@ def _make_engine(args, default_max_num_seqs: int = 1):
     except BaseException:
         status.done("loading failed")
         raise
-    status.done(f"ready, {config.torch_dtype}".replace("torch.", ""))
+    status.done(f"ready, {engine.dtype}")
     return engine
 
 

@@ -1,27 +1,34 @@
 """EngineConfig: every knob of the engine in one validated place.
 
-Model-dependent limits (max_model_len, KV bytes per token) are resolved once the model's config is
-known, in :meth:`EngineConfig.resolve`, so that a bad value fails at construction, not mid-request.
+Every value is checked at construction, so that a bad one fails there, not mid-request. What depends
+on the model (max_model_len, KV bytes per token) is resolved once its config is known
+(models/model_info.py, core/kv_sizing.py); what depends on the machine (device, dtype, attention
+backend) on first use, in the process that runs the model: this module imports no torch.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
+import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
-
-import torch
 
 from asyncengine.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from asyncengine.engine.validation import RequestLimits
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+# torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
+# torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @lru_cache(maxsize=1)
@@ -33,32 +40,47 @@ def cpu_auto_dtype() -> torch.dtype:
     return fastest_cpu_dtype()
 
 
+def check_device(device: str) -> None:
+    """The device's spelling, without torch: auto, cpu, cuda or cuda:N."""
+    if device != "auto" and not _DEVICE_RE.match(str(device)):
+        raise ConfigError(f"device {device!r} is not supported (cpu, cuda, cuda:N, auto)")
+
+
 def resolve_device(device: str) -> torch.device:
+    import torch
+
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ConfigError(f"device {device!r} is not a torch device: {e}") from None
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r} is not supported (cpu, cuda, auto)")
     return dev
 
 
+def check_dtype(dtype) -> None:
+    """The dtype's spelling (a torch dtype only if the caller has torch already)."""
+    if isinstance(dtype, str):
+        if dtype != "auto" and dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+        return
+    import torch
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ConfigError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+    import torch
+
+    check_dtype(dtype)
+    if not isinstance(dtype, str):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
         return cpu_auto_dtype()
-    if dtype not in _DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPE_NAMES[dtype])
 
 
 @dataclasses.dataclass
@@ -200,17 +222,39 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
-        self.torch_device = resolve_device(self.device)
-        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
-        from asyncengine.attention.selector import resolve_backend_name
-
-        self.attention_backend_name = resolve_backend_name(self.attention_backend, self.torch_device)
+        check_device(self.device)
+        check_dtype(self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
-        if self.quantization in ("int8", "int4") and self.torch_device.type != "cpu":
+        if self.device.startswith("cuda"):
+            self._check_quantization_device("cuda")
+
+    def _check_quantization_device(self, device_type: str) -> None:
+        if self.quantization in ("int8", "int4") and device_type != "cpu":
             raise ConfigError(f"quantization={self.quantization!r} runs on the CPU kernels only; on "
-                              f"{self.torch_device.type} load dense weights (quantization=None or 'none')")
+                              f"{device_type} load dense weights (quantization=None or 'none')")
+
+    # Resolved on first use, in the process that runs the model (they import torch, and "auto"
+    # asks the machine: is there a GPU, which CPU dtype is fastest, do the C kernels build).
+    @functools.cached_property
+    def torch_device(self) -> torch.device:
+        dev = resolve_device(self.device)
+        self._check_quantization_device(dev.type)
+        return dev
+
+    @functools.cached_property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.torch_device)
+
+    @functools.cached_property
+    def attention_backend_name(self) -> str:
+        from asyncengine.attention.selector import resolve_backend_name
+
+        return resolve_backend_name(self.attention_backend, self.torch_device)
 
 
 QUANTIZATION_MODES = (None, "none", "int8", "int4")

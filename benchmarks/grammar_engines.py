@@ -10,7 +10,7 @@ import json
 import time
 
 from asyncengine.config import EngineConfig
-from asyncengine.models.loader import load_model_info
+from asyncengine.models.model_info import load_model_info
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},

@@ -1,6 +1,7 @@
 """The first five minutes, asserted without timing: what a start imports, builds and touches.
 
-* ``asyncengine --help`` / ``--version`` import no torch;
+* ``asyncengine --help`` / ``--version`` import no torch, nor does checking an EngineConfig, nor
+  the front end of an engine whose core runs in its own process;
 * a GGUF load builds no transformers object (transformers is not even imported), no
   torch._dynamo and no sympy (torch's meta-tensor reference code imports it: 0.65 s), no ``gguf``
   package (0.12 s: our own ggml type table and torch decoding instead), and the tokenizer it builds
@@ -74,6 +75,52 @@ def test_gguf_load_builds_no_transformers_objects(tiny_gguf):
     assert "TOKENS 4" in r.stdout
     assert "LOADED []" in r.stdout, r.stdout
     assert "TOKENIZER ChatTokenizer GGUFModelConfig" in r.stdout
+
+
+def test_config_is_checked_without_torch():
+    """EngineConfig spells out its errors at construction without importing torch (a front end
+    whose engine core runs elsewhere never imports it); torch comes with the first resolved field."""
+    code = ("import sys\nfrom asyncengine import EngineConfig, ConfigError\n"
+            "EngineConfig(dtype='bf16', device='cuda:1', attention_backend='cpu')\n"
+            "for bad in (dict(dtype='fp8'), dict(device='tpu'), dict(device='cuda0'), dict(attention_backend='flash'),\n"
+            "            dict(device='cuda', quantization='int8')):\n"
+            "    try:\n        EngineConfig(**bad)\n    except ConfigError as e:\n        print('REFUSED', e)\n"
+            "print('TORCH', 'torch' in sys.modules)\n"
+            "c = EngineConfig(device='cpu', dtype='float32')\n"
+            "print('RESOLVED', c.torch_dtype, c.torch_device, 'torch' in sys.modules)\n")
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("REFUSED") == 5, r.stdout
+    assert "TORCH False" in r.stdout
+    assert "RESOLVED torch.float32 cpu True" in r.stdout
+
+
+def test_process_core_front_end_imports_no_torch(tiny_gguf):
+    """With engine_core_process the front end reads the model (config, tokenizer) without torch,
+    after the core process was launched: the core imports torch meanwhile (engine/core_client.py)."""
+    code = (f"import asyncio, multiprocessing, sys\n"
+            f"from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams\n"
+            f"import asyncengine.models.model_info as mi\n"
+            f"real = mi.load_model_info\n"
+            f"def spy(config):\n"
+            f"    print('CORES_WHEN_READING', len(multiprocessing.active_children()))\n"
+            f"    return real(config)\n"
+            f"mi.load_model_info = spy\n"
+            f"async def main():\n"
+            f"    eng = AsyncLLMEngine(EngineConfig(model={tiny_gguf!r}, dtype='float32', num_kv_blocks=64,\n"
+            f"                                      engine_core_process=True))\n"
+            f"    async with eng:\n"
+            f"        out = await eng.complete([{{'role': 'user', 'content': 'hi'}}],\n"
+            f"                                 SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))\n"
+            f"    print('TOKENS', len(out.outputs[0].token_ids), eng.dtype)\n"
+            f"    print('HEAVY', [m for m in ('torch', 'transformers') if m in sys.modules])\n"
+            f"if __name__ == '__main__':\n"
+            f"    asyncio.run(main())\n")
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    assert "CORES_WHEN_READING 1" in r.stdout, r.stdout
+    assert "TOKENS 4 float32" in r.stdout, r.stdout
+    assert "HEAVY []" in r.stdout, r.stdout
 
 
 TEXTS = ["Hello world! Hello there, how are you today?", "Numbers 2024 and 3.14159, digits 1234567890.",

@@ -159,6 +159,21 @@ async def test_engine_core_process_parity_abort_and_cleanup(tiny_llama_dir, tiny
     assert not proc.is_alive()
 
 
+def test_core_start_errors_keep_their_type(tiny_llama_dir, tmp_path):
+    """A config the core refuses (a KV cache too small for 2 blocks) is the caller's ConfigError, as
+    in-process; a model the front end cannot read fails before the core finishes importing, and no
+    core is left."""
+    import multiprocessing
+
+    from asyncengine.errors import ConfigError, ModelLoadError
+
+    with pytest.raises(ConfigError, match="fewer than 2 blocks"):
+        AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", kv_cache_bytes=1, engine_core_process=True))
+    with pytest.raises(ModelLoadError):
+        AsyncLLMEngine(EngineConfig(model=str(tmp_path / "missing.gguf"), engine_core_process=True))
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("asyncengine-core")]
+
+
 def test_llm_refuses_engine_core_process(tiny_llama_dir):
     from asyncengine import LLM
     from asyncengine.errors import ConfigError

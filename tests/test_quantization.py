@@ -112,13 +112,13 @@ def test_gguf_runs_quantized_and_matches_the_dequantized_reference(arch, qtype, 
 def test_quantized_load_never_builds_dense_weights(ggufs, monkeypatch):
     """Every block-format tensor goes from the file's bytes to the layer's blocks: nothing is
     dequantized (the spy), and the model holds what the file holds (+ nothing dense but norms)."""
-    from asyncengine.models.gguf import model as gguf_model
+    from asyncengine.models.gguf import dequant
     from asyncengine.models.gguf.reader import GGUFFile
 
     path = ggufs[("llama", "Q4_1")]
     decoded = []
-    real = gguf_model.dequantize_torch
-    monkeypatch.setattr(gguf_model, "dequantize_torch", lambda f, t, *a: decoded.append(t.name) or real(f, t, *a))
+    real = dequant.dequantize_torch
+    monkeypatch.setattr(dequant, "dequantize_torch", lambda f, t, *a: decoded.append(t.name) or real(f, t, *a))
     model = load_model(EngineConfig(model=path, **COMMON), tokenizer=False).model
     assert decoded and all(name.endswith("norm.weight") for name in decoded), decoded
     f = GGUFFile(path)

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from asyncengine.attention.backend import AttentionBackend
+from asyncengine.config import ATTENTION_BACKENDS as BACKENDS
 from asyncengine.errors import ConfigError
-
-BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

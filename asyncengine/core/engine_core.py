@@ -21,7 +21,7 @@ from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
-from asyncengine.models.loader import ModelInfo, load_model_info
+from asyncengine.models.model_info import ModelInfo, load_model_info
 from asyncengine.worker.worker import KVCacheSpec
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.engine_core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.core.request import child_request_id
 from asyncengine.engine import validation
@@ -38,6 +38,9 @@ from asyncengine.engine.stop_strings import StopAutomaton
 from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.core.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +82,16 @@ class AsyncLLMEngine:
         self._remote = core is None and (config.data_parallel_size > 1 or config.engine_core_process)
         if self._remote:
             from asyncengine.engine.core_client import DPEngineCores
-            from asyncengine.models.loader import load_model_info
+            from asyncengine.models.model_info import load_model_info
 
-            core = DPEngineCores(config, load_model_info(config))
-        self.core = core or EngineCore(config)
+            # the cores import torch while this process reads the model's config and tokenizer
+            # (this process never imports torch: engine/core_client.py)
+            core = DPEngineCores(config, lambda: load_model_info(config))
+        elif core is None:
+            from asyncengine.core.engine_core import EngineCore
+
+            core = EngineCore(config)
+        self.core = core
         self._remote_inbox: deque = deque()  # (core index, message) from the cores' reader threads
         self.tokenizer = self.core.tokenizer
         self.limits = config.limits
@@ -211,6 +220,12 @@ class AsyncLLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.processor.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        """The model's resolved dtype, e.g. "float32" (where the model runs; no torch needed here)."""
+        dtype = getattr(self.core, "dtype", None)  # engine cores in other processes report theirs
+        return dtype or str(self.config.torch_dtype).removeprefix("torch.")
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for

@@ -3,7 +3,12 @@
 ``EngineCoreClient`` starts one engine-core process (an :class:`EngineCore` with its own busy
 loop, scheduler, KV cache and executor, itself possibly tensor parallel) and exchanges msgspec
 messages with it over a pipe: requests and aborts in, each step's ``EngineCoreOutput``s (with the
-core's load) out. ``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it
+core's load) out.
+
+Start-up overlaps: a core process starts with the config alone and imports torch and the model
+code (seconds) while the front end, which imports no torch, reads the model's config and builds
+its tokenizer; the front end then sends what it read (``StartCore``), and the core loads the
+weights and reports ``CoreReady``. ``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it
 routes each new request to the core that holds its prompt's prefix unless that one is much busier,
 else to the least loaded core (waiting + running, as last reported, plus what was sent since;
 engine/dp_router.py), sends each abort to the core that owns the request, and aggregates stats
@@ -28,7 +33,8 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine.dp_router import PrefixAffinityRouter
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
+from asyncengine.models.model_info import ModelInfo
 from asyncengine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,38 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
                        cache_salt=self.cache_salt, bad_words_token_ids=self.bad_words_token_ids)
 
 
+class CoreModelInfo(msgspec.Struct):
+    """What the front end read of the model (models/model_info.py), so that a core reads no
+    tokenizer and, for a checkpoint folder, imports no transformers (seconds saved)."""
+
+    hf_config: dict
+    eos_token_ids: list[int]
+    max_model_len: int
+    vocab_size: int
+    path: str
+    generation_config: dict | None = None
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> "CoreModelInfo":
+        to_dict = getattr(info.hf_config, "to_dict", None)
+        return cls(hf_config=to_dict() if to_dict else dict(vars(info.hf_config)),
+                   eos_token_ids=list(info.eos_token_ids), max_model_len=info.max_model_len,
+                   vocab_size=info.vocab_size, path=info.path, generation_config=info.generation_config)
+
+    def to_model_info(self) -> ModelInfo:
+        import types
+
+        return ModelInfo(hf_config=types.SimpleNamespace(**self.hf_config), tokenizer=None,
+                         eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                         vocab_size=self.vocab_size, path=self.path, generation_config=self.generation_config)
+
+
+class StartCore(msgspec.Struct, tag="start"):
+    """The first message to a core: load this model and report ready."""
+
+    info: CoreModelInfo
+
+
 class AddRequest(msgspec.Struct, tag="add"):
     request: EngineCoreRequest
 
@@ -86,6 +124,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     pid: int
     num_blocks: int
     max_model_len: int
+    dtype: str  # the resolved dtype ("float32", ...), which only the core's torch knows
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -98,9 +137,18 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
 class CoreDead(msgspec.Struct, tag="dead"):
     message: str
     traceback: str
+    error_type: str = ""  # the exception's class name; the front end re-raises ours by type
 
 
-ToCore = Union[AddRequest, Abort, AbortAll, ShutdownCore]
+_START_ERRORS = {"ConfigError": ConfigError, "ModelLoadError": ModelLoadError}
+
+
+def _dead(e: BaseException) -> CoreDead:
+    return CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                    error_type=type(e).__name__)
+
+
+ToCore = Union[StartCore, AddRequest, Abort, AbortAll, ShutdownCore]
 FromCore = Union[CoreReady, CoreOutputs, CoreDead]
 _enc = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
@@ -117,34 +165,37 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: dict | None = None) -> None:
-    """One engine core's busy loop: take inputs from the pipe, keep up to two steps in flight in
-    the executor, send each finished step's outputs back. ``info``: the model info the front end
-    already read (the core then never imports transformers nor loads a tokenizer). ``conn``: a
-    multiprocessing Connection (a pipe, or a socket for a core that runs as a Ray actor);
-    ``parent_pid`` None: nothing to watch (a Ray actor dies with its owner, and at the
+def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None:
+    """One engine core: import the engine (torch) at once, then wait for ``StartCore`` (the model
+    info the front end read meanwhile), load, and run the busy loop: take inputs from the pipe,
+    keep up to two steps in flight in the executor, send each finished step's outputs back.
+    ``conn``: a multiprocessing Connection (a pipe, or a socket for a core that runs as a Ray
+    actor); ``parent_pid`` None: nothing to watch (a Ray actor dies with its owner, and at the
     connection's end)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    import types
-
-    from asyncengine.core.engine_core import EngineCore
-    from asyncengine.models.loader import ModelInfo
-
-    if info is not None:
-        info = ModelInfo(**{**info, "hf_config": types.SimpleNamespace(**info["hf_config"]), "tokenizer": None})
 
     def send(msg) -> None:
         conn.send_bytes(_enc.encode(msg))
 
     try:
-        core = EngineCore(config, info=info)
+        from asyncengine.core.engine_core import EngineCore  # torch and the model code: the long part
+
+        try:
+            start = _to_core.decode(conn.recv_bytes())
+        except (EOFError, OSError):  # the front end is gone
+            os._exit(0)
+        if not isinstance(start, StartCore):  # the front end gave up before the model was read
+            conn.close()
+            os._exit(0)
+        core = EngineCore(config, info=start.info.to_model_info())
     except BaseException as e:
-        send(CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+        send(_dead(e))
         os._exit(1)
-    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len))
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=dtype))
     depth = 2 if config.async_scheduling else 1
     inflight: deque = deque()
     last_stats = 0.0
@@ -201,7 +252,7 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: d
         os._exit(0)
     except BaseException as e:
         try:
-            send(CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+            send(_dead(e))
         except Exception:
             pass
         core.shutdown()
@@ -211,16 +262,19 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None, info: d
 # ---------------------------------------------------------------------------------- the client
 
 
+
+
 class EngineCoreClient:
     """One engine-core process, seen from the front end. ``sink(index, message)`` receives, on a
     reader thread, each CoreOutputs and, once, a CoreDead when the core fails or vanishes."""
 
-    def __init__(self, config: EngineConfig, index: int, sink: Callable, info: dict | None = None) -> None:
+    def __init__(self, config: EngineConfig, index: int, sink: Callable) -> None:
         self.index = index
         self._sink = sink
-        self.conn, self.proc = self._launch(config, info)
+        self.conn, self.proc = self._launch(config)
         self._lock = threading.Lock()
         self._closing = False
+        self._started = False
         self.num_running = 0
         self.num_waiting = 0
         self.sent_since_report = 0
@@ -228,17 +282,22 @@ class EngineCoreClient:
         self.ready: CoreReady | None = None
         self._reader: threading.Thread | None = None
 
-    def _launch(self, config: EngineConfig, info: dict | None):
-        """Start the core; returns (its connection, a handle with multiprocessing.Process's pid,
-        exitcode, is_alive, join and kill)."""
+    def _launch(self, config: EngineConfig):
+        """Start the core process (it imports torch, then waits for ``start``); returns (its
+        connection, a handle with multiprocessing.Process's pid, exitcode, is_alive, join and kill)."""
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
         # not daemonic: a core may start worker processes of its own (tensor parallel)
-        proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid(), info),
+        proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid()),
                            name=f"asyncengine-core-{self.index}", daemon=False)
         proc.start()
         child.close()
         return conn, proc
+
+    def start(self, info: CoreModelInfo) -> None:
+        """Hand the core the model the front end read: it loads it and reports ready."""
+        self._send(StartCore(info))
+        self._started = True
 
     def wait_ready(self) -> CoreReady:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -249,6 +308,8 @@ class EngineCoreClient:
                 raise EngineDeadError(f"engine core {self.index} did not start in {READY_TIMEOUT_S:.0f} s")
         msg = _from_core.decode(self.conn.recv_bytes())
         if isinstance(msg, CoreDead):
+            if msg.error_type in _START_ERRORS:  # a bad config or checkpoint: the caller's error, as in-process
+                raise _START_ERRORS[msg.error_type](msg.message.removeprefix(f"{msg.error_type}: "))
             raise EngineDeadError(f"engine core {self.index} failed to start: {msg.message}")
         self.ready = msg
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"asyncengine-core-{self.index}-reader")
@@ -302,6 +363,11 @@ class EngineCoreClient:
         if self._closing:
             return
         self._closing = True
+        if not self._started:  # still importing, holding nothing: no need to wait for it
+            self.proc.kill()
+            self.proc.join(5)
+            self.conn.close()
+            return
         try:
             self._send(ShutdownCore())
         except EngineDeadError:
@@ -314,23 +380,20 @@ class EngineCoreClient:
 
 
 class DPEngineCores:
-    """``data_parallel_size`` engine-core processes behind one front end (the async engine)."""
+    """``data_parallel_size`` engine-core processes behind one front end (the async engine).
 
-    def __init__(self, config: EngineConfig, model_info) -> None:
+    ``load_info()`` reads the model (models/model_info.py) in this process; it runs after the cores
+    are launched, while they import torch."""
+
+    def __init__(self, config: EngineConfig, load_info: Callable[[], ModelInfo]) -> None:
         import dataclasses
 
         self.config = config
-        self.model_info = model_info
         self._sink: Callable = lambda i, m: None
         # each core (and each of its TP ranks) gets its share of the cores unless told otherwise
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.data_parallel_size
                                                                           * config.tensor_parallel_size))
         core_cfg = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False, num_threads=threads)
-        to_dict = getattr(model_info.hf_config, "to_dict", None)
-        info = dict(hf_config=to_dict() if to_dict else dict(vars(model_info.hf_config)), tokenizer=None,
-                    eos_token_ids=list(model_info.eos_token_ids), max_model_len=model_info.max_model_len,
-                    vocab_size=model_info.vocab_size, path=model_info.path,
-                    generation_config=model_info.generation_config)
         self.clients: list[EngineCoreClient] = []
         self._ray = None
         make = EngineCoreClient
@@ -340,12 +403,17 @@ class DPEngineCores:
 
                 self._ray = RayEngineCores(config)
                 core_cfg, make = self._ray.core_config, self._ray.client
-            for i in range(config.data_parallel_size):  # start them all, then wait: they load in parallel
-                self.clients.append(make(core_cfg, i, self._deliver, info))
+            for i in range(config.data_parallel_size):  # launch them all, then wait: they load in parallel
+                self.clients.append(make(core_cfg, i, self._deliver))
+            self.model_info = load_info()
+            info = CoreModelInfo.of(self.model_info)
+            for c in self.clients:
+                c.start(info)
             readies = [c.wait_ready() for c in self.clients]
         except BaseException:
             self.shutdown()
             raise
+        self.dtype = readies[0].dtype
         self.num_blocks = min(r.num_blocks for r in readies)
         self.max_model_len = min(r.max_model_len for r in readies)
         self.owner: dict[str, int] = {}  # user request id -> core index

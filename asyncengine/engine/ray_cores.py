@@ -29,10 +29,10 @@ from asyncengine.executor.ray_executor import _import_ray
 class EngineCoreActor:
     """The actor body: a listener now, the engine core's busy loop once the driver connects."""
 
-    def __init__(self, config: EngineConfig, info: dict | None, authkey: bytes) -> None:
+    def __init__(self, config: EngineConfig, authkey: bytes) -> None:
         from multiprocessing.connection import Listener
 
-        self.config, self.info = config, info
+        self.config = config
         self.listener = Listener(("0.0.0.0", 0), authkey=authkey)
 
     def address(self) -> tuple[str, int, int, str]:
@@ -46,7 +46,7 @@ class EngineCoreActor:
         """Serve the driver's connection until told to stop or it closes (then the process exits)."""
         conn = self.listener.accept()
         self.listener.close()
-        engine_core_main(self.config, conn, None, self.info)
+        engine_core_main(self.config, conn, None)
 
 
 class _ActorProcess:
@@ -105,10 +105,10 @@ class RayEngineCores:
                     f"{config.ray_placement_strategy} within {config.distributed_timeout_s:.0f} s "
                     f"(cluster resources: {ray.cluster_resources()})")
 
-    def client(self, core_config: EngineConfig, index: int, sink, info: dict | None) -> "RayEngineCoreClient":
-        return RayEngineCoreClient(core_config, index, sink, info, cores=self)
+    def client(self, core_config: EngineConfig, index: int, sink) -> "RayEngineCoreClient":
+        return RayEngineCoreClient(core_config, index, sink, cores=self)
 
-    def start_actor(self, core_config: EngineConfig, index: int, info: dict | None):
+    def start_actor(self, core_config: EngineConfig, index: int):
         """Start core ``index``'s actor and connect to it: (connection, process handle, node id)."""
         from multiprocessing.connection import Client
 
@@ -122,7 +122,7 @@ class RayEngineCores:
         else:
             cls = ray.remote(num_cpus=0)(EngineCoreActor)
         authkey = os.urandom(32)
-        actor = cls.remote(core_config, info, authkey)
+        actor = cls.remote(core_config, authkey)
         try:
             ip, port, pid, node_id = ray.get(actor.address.remote(), timeout=self.config.distributed_timeout_s)
             run_ref = actor.run.remote()
@@ -157,14 +157,13 @@ class RayEngineCores:
 class RayEngineCoreClient(EngineCoreClient):
     """An EngineCoreClient whose core is a Ray actor, reached over a TCP connection."""
 
-    def __init__(self, config: EngineConfig, index: int, sink, info: dict | None = None, *,
-                 cores: RayEngineCores) -> None:
+    def __init__(self, config: EngineConfig, index: int, sink, *, cores: RayEngineCores) -> None:
         self._cores = cores
         self.node_id: str | None = None
-        super().__init__(config, index, sink, info)
+        super().__init__(config, index, sink)
 
-    def _launch(self, config: EngineConfig, info: dict | None):
-        conn, proc, self.node_id = self._cores.start_actor(config, self.index, info)
+    def _launch(self, config: EngineConfig):
+        conn, proc, self.node_id = self._cores.start_actor(config, self.index)
         return conn, proc
 
     def shutdown(self, timeout: float = 10.0) -> None:

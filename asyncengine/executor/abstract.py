@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.models.loader import ModelInfo
+from asyncengine.models.model_info import ModelInfo
 from asyncengine.worker.worker import KVCacheSpec
 
 

@@ -1,23 +1,34 @@
-"""Maps a checkpoint's ``architectures`` entry to our implementation."""
+"""Maps a checkpoint's ``architectures`` entry to our implementation.
+
+Names only until a class is asked for: a front end checks the architecture (and fails early on
+one we do not run) without importing the model code, which imports torch."""
 from __future__ import annotations
 
-from asyncengine.errors import ModelLoadError
-from asyncengine.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                      Qwen3ForCausalLM)
+import importlib
 
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+from asyncengine.errors import ModelLoadError
+
+# architecture -> "module:class"
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "asyncengine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "asyncengine.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "asyncengine.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "asyncengine.models.llama:Qwen3ForCausalLM",
 }
 
 
-def resolve_architecture(hf_config) -> type:
+def check_architecture(hf_config) -> str:
+    """The first of the config's ``architectures`` we run; ModelLoadError if none."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for a in archs:
         if a in MODEL_REGISTRY:
-            return MODEL_REGISTRY[a]
+            return a
     raise ModelLoadError(
         f"model architecture {archs or '(none given)'} is not supported; "
         f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+
+
+def resolve_architecture(hf_config) -> type:
+    """The model class for the config (imports its module)."""
+    module, cls = MODEL_REGISTRY[check_architecture(hf_config)].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -386,7 +386,7 @@ class ModelRunner:
 
     def grammar_compiler(self):
         if self._grammar is None:
-            from asyncengine.models.loader import load_model_info
+            from asyncengine.models.model_info import load_model_info
             from asyncengine.structured.backend import compiler_for
 
             key = self.config.tokenizer or self.config.model

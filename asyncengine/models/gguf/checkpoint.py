@@ -23,7 +23,8 @@ import torch
 from asyncengine.errors import ModelLoadError
 from asyncengine.models.gguf.config import SUPPORTED_ARCHITECTURES, architecture, build_config, fix_rope_from_freqs
 from asyncengine.models.gguf.reader import GGUFFile, check_tensor_types, resolve_file
-from asyncengine.models.gguf.tensors import EXTRA_TENSORS, check_tensors, hf_name, load_tensors
+from asyncengine.models.gguf.dequant import load_tensors
+from asyncengine.models.gguf.tensors import EXTRA_TENSORS, check_tensors, hf_name
 from asyncengine.models.gguf.vocab import build_tokenizer, eos_token_ids
 
 if typing.TYPE_CHECKING:

@@ -223,9 +223,9 @@ def _llama3_divisors(params: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
     return np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, middle))
 
 
-def fix_rope_from_freqs(config, extra: dict[str, torch.Tensor], path: str) -> None:
+def fix_rope_from_freqs(config, extra: dict[str, np.ndarray | torch.Tensor], path: str) -> None:
     """Set ``config.rope_parameters`` to llama3 scaling when the file has a ``rope_freqs`` tensor
-    (``extra``, under its GGUF name) and the metadata names no other scaling."""
+    (``extra``, under its GGUF name: an array or a tensor) and the metadata names no other scaling."""
     freqs = extra.get("rope_freqs")
     if freqs is None:
         return
@@ -234,7 +234,8 @@ def fix_rope_from_freqs(config, extra: dict[str, torch.Tensor], path: str) -> No
         return  # the metadata already said how the rope is scaled
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     original_ctx = 8192  # Llama 3's; any value fits, see _llama3_rope_from_freqs
-    params = _llama3_rope_from_freqs(freqs.float().numpy(), rope.get("rope_theta", 10000.0), head_dim, original_ctx)
+    freqs = freqs.float().numpy() if hasattr(freqs, "float") else np.asarray(freqs, dtype=np.float32)
+    params = _llama3_rope_from_freqs(freqs, rope.get("rope_theta", 10000.0), head_dim, original_ctx)
     if params is None:
         logger.warning(
             "%s: has a rope_freqs tensor that is not Llama 3 rope scaling; it is left in extra_tensors "

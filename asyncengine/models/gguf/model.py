@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.models.gguf.config import GGUFModelConfig, architecture, config_kwargs, fix_rope_from_freqs
@@ -20,13 +18,14 @@ from asyncengine.models.gguf.tensors import (
     PERMUTED_QK_ARCHITECTURES,
     check_tensor_names,
     check_tensors,
-    dequantize_torch,
     hf_name,
-    quantized_view,
     unpermute_rows,
 )
 from asyncengine.models.gguf.types import BLOCK_FORMATS
 from asyncengine.models.gguf.vocab import build_tokenizer, eos_token_ids, fast_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGUFModel", "open_gguf"]
 
@@ -44,12 +43,17 @@ class GGUFModel:
     _file: GGUFFile = dataclasses.field(repr=False, default=None)
     _permute: bool = False
 
-    def weights(self, dtype: torch.dtype = torch.float32, keep_quantized: frozenset = frozenset()
+    def weights(self, dtype: torch.dtype | None = None, keep_quantized: frozenset = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor in ``dtype``) pairs, each dequantized only when it is asked for, so that
         at most one float copy of one tensor exists beyond what the caller keeps. Tensors named in
         ``keep_quantized`` (and stored in a block format the CPU kernels run) come as a
         ``QuantizedTensor``: a view of the file's bytes (a copy only for permuted q/k rows)."""
+        import torch
+
+        from asyncengine.models.gguf import dequant
+
+        dtype = dtype or torch.float32
         f, cfg = self._file, self.config
         for t in f.tensors:
             hf = hf_name(t.name)
@@ -61,10 +65,10 @@ class GGUFModel:
                 rows = torch.from_numpy(unpermute_rows(t.shape[0], cfg.num_attention_heads if ".q_proj." in hf
                                                        else cfg.num_key_value_heads))
             if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
-                w = quantized_view(f, t)
+                w = dequant.quantized_view(f, t)
                 yield hf, (w.index_rows(rows) if permuted else w)  # whole rows of blocks: exact
             else:
-                w = dequantize_torch(f, t, self.path, dtype)
+                w = dequant.dequantize_torch(f, t, self.path, dtype)
                 if permuted:
                     w = w.index_select(0, rows)
                 yield hf, w
@@ -83,8 +87,7 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     model_type, kwargs = config_kwargs(f, gguf_arch, path)
     config = GGUFModelConfig(model_type, **kwargs)
     check_tensor_names(f, gguf_arch, path)
-    extra = {t.name.removesuffix(".weight"): dequantize_torch(f, t, path, torch.float32)
-             for t in f.tensors if t.name in EXTRA_TENSORS}
+    extra = {t.name.removesuffix(".weight"): f.floats(t) for t in f.tensors if t.name in EXTRA_TENSORS}
     fix_rope_from_freqs(config, extra, path)
     shapes = {hf_name(t.name): t.shape for t in f.tensors if hf_name(t.name) is not None}
     check_tensors(config, shapes, path)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from asyncengine.errors import ModelLoadError
-from asyncengine.models.gguf.types import BLOCK_SIZES, SUPPORTED_TENSOR_TYPES, type_name
+from asyncengine.models.gguf.types import BLOCK_SIZES, SUPPORTED_TENSOR_TYPES, GGMLType, type_name
 
 __all__ = ["GGUFFile", "TensorInfo", "check_tensor_types", "resolve_file"]
 
@@ -232,6 +232,18 @@ class GGUFFile:
         with warnings.catch_warnings():  # torch warns that the buffer is not writable
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes(t), offset=t.offset)
+
+    def floats(self, t: TensorInfo) -> np.ndarray:
+        """An F32/F16/BF16 tensor as a fresh float32 array (numpy only: small tensors such as
+        ``rope_freqs`` read where torch is not imported)."""
+        kind = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}.get(t.type_id)
+        if kind is None:
+            raise ModelLoadError(f"{self.path}: tensor {t.name!r} is {t.type_name}, not a float type")
+        data = np.frombuffer(self._map, dtype=kind, count=self.nbytes(t) // np.dtype(kind).itemsize,
+                             offset=t.offset)
+        if kind is np.uint16:  # bfloat16: the high half of a float32
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32).reshape(t.shape)
 
     def raw(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes as uint8 with shape (*outer dims, bytes per row): what gguf.quants expects."""
