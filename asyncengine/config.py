@@ -118,10 +118,12 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     # priority policy: a waiting request's effective priority improves by 1 every this many seconds
     priority_aging_s: float = 10.0
-    # AsyncLLMEngine: gc.freeze() once the model is loaded, so that full garbage collections no
-    # longer walk the millions of objects of torch/transformers/the tokenizer (a full collection
-    # stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive at that point
-    # are then never cycle-collected: turn it off if your app creates the engine late and cares.
+    # The cycle collector is paused while the engine loads (its full collections walk torch's ~1M
+    # objects: ~0.2 s of a start), and AsyncLLMEngine gc.freeze()s what exists once the model is
+    # loaded, so that full collections no longer walk the objects of torch/transformers/the
+    # tokenizer (one stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive
+    # at that point are then never cycle-collected: turn it off if your app creates the engine late
+    # and cares (engine/gc_policy.py).
     freeze_gc_after_load: bool = True
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
     # asyncengine/engine/validation.py; None = RequestLimits()'s documented defaults

@@ -14,8 +14,6 @@ routed to the streams.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import logging
 import threading
 import time
@@ -29,7 +27,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.request import child_request_id
-from asyncengine.engine import validation
+from asyncengine.engine import gc_policy, validation
 from asyncengine.engine.defaults import default_sampling_params
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
@@ -62,19 +60,12 @@ def _check_params(params) -> SamplingParams:
     return params
 
 
-def _freeze_gc() -> None:
-    """gc.freeze() (see EngineConfig.freeze_gc_after_load), undone at interpreter exit so that
-    extension modules' objects are still released normally then. No gc.collect() first: after a
-    load it found nothing to free (0 of 180k objects on the default model) and took 0.1 s of the
-    start."""
-    gc.freeze()
-    if not getattr(_freeze_gc, "registered", False):
-        atexit.register(gc.unfreeze)
-        _freeze_gc.registered = True
-
-
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        with gc_policy.paused(config.freeze_gc_after_load):  # engine/gc_policy.py: ~0.2 s of a start
+            self._init(config, core)
+
+    def _init(self, config: EngineConfig, core: EngineCore | None) -> None:
         self.config = config
         self._owns_core = core is None
         # data_parallel_size > 1 or engine_core_process: engine cores in their own processes
@@ -103,7 +94,7 @@ class AsyncLLMEngine:
         info = getattr(self.core, "model_info", None)
         self.default_sampling_params = default_sampling_params(getattr(info, "generation_config", None))
         if config.freeze_gc_after_load:
-            _freeze_gc()
+            gc_policy.freeze_after_load()
         self._slots: dict[str, RequestSlot] = {}
         self._new: list[Request] = []
         self._aborts: set[str] = set()

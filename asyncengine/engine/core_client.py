@@ -32,6 +32,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput
+from asyncengine.engine import gc_policy
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.models.model_info import ModelInfo
@@ -181,16 +182,19 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
         conn.send_bytes(_enc.encode(msg))
 
     try:
-        from asyncengine.core.engine_core import EngineCore  # torch and the model code: the long part
+        with gc_policy.paused(config.freeze_gc_after_load):
+            from asyncengine.core.engine_core import EngineCore  # torch and the model code: the long part
 
-        try:
-            start = _to_core.decode(conn.recv_bytes())
-        except (EOFError, OSError):  # the front end is gone
-            os._exit(0)
-        if not isinstance(start, StartCore):  # the front end gave up before the model was read
-            conn.close()
-            os._exit(0)
-        core = EngineCore(config, info=start.info.to_model_info())
+            try:
+                start = _to_core.decode(conn.recv_bytes())
+            except (EOFError, OSError):  # the front end is gone
+                os._exit(0)
+            if not isinstance(start, StartCore):  # the front end gave up before the model was read
+                conn.close()
+                os._exit(0)
+            core = EngineCore(config, info=start.info.to_model_info())
+        if config.freeze_gc_after_load:
+            gc_policy.freeze_after_load()
     except BaseException as e:
         send(_dead(e))
         os._exit(1)

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType
 from asyncengine.errors import InvalidRequestError
@@ -36,7 +37,8 @@ class LLM:
             raise ConfigError("data_parallel_size > 1 and engine_core_process run engine cores in their own "
                               "processes behind AsyncLLMEngine (or asyncengine serve); LLM drives one core "
                               "in this process")
-        self.engine = EngineCore(self.config)
+        with gc_policy.paused(self.config.freeze_gc_after_load):  # engine/gc_policy.py
+            self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
                                         self.engine.eos_token_ids, self.config.limits)
