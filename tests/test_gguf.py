@@ -198,7 +198,7 @@ def test_header_parser_agrees_with_gguf_reader(qtype, models, tokenizer, gguf_di
 ])
 def test_read_array_returns_the_strings_written(strings, tmp_path):
     """Vocabulary strings come back exactly, on the whole-array path (1-255 bytes, no NUL) and
-    on the one-by-one path it hands anything else to; invalid UTF-8 is still an error."""
+    on the one-by-one path it hands anything else to; invalid UTF-8 is a corrupt file, said as such."""
     from asyncengine.models.gguf.reader import GGUFFile, _short_strings
 
     path = tmp_path / "vocab.gguf"
@@ -216,12 +216,29 @@ def test_read_array_returns_the_strings_written(strings, tmp_path):
     _, count, start, end = f.arrays["tokenizer.ggml.tokens"]
     assert (_short_strings(f._map, start, end, count) == strings) if short else \
         (_short_strings(f._map, start, end, count) is None)
-    if short:  # a byte that is never UTF-8, inside the first string: the same error as one by one
-        data = bytearray(path.read_bytes())
-        data[start + 8] = 0xFF
-        path.write_bytes(bytes(data))
-        with pytest.raises(UnicodeDecodeError):
-            GGUFFile(str(path)).read_array("tokenizer.ggml.tokens")
+    # a byte that is never UTF-8, inside the first string: the same error on either path
+    data = bytearray(path.read_bytes())
+    data[start + 8] = 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="'tokenizer.ggml.tokens' holds a string that is not UTF-8"):
+        GGUFFile(str(path)).read_array("tokenizer.ggml.tokens")
+
+
+def test_open_file_parses_an_unchanged_file_once(tmp_path, llama_f32):
+    """An in-process engine opens its GGUF for the model info and again for the weights: one parse
+    while the file is unchanged, a fresh one once it changes."""
+    import shutil
+
+    from asyncengine.models.gguf.reader import open_file
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(llama_f32, path)
+    first = open_file(str(path))
+    assert open_file(str(path)) is first
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[:-1]))  # another size: another file
+    again = open_file(str(path))
+    assert again is not first and again.size == first.size - 1
 
 
 def test_every_supported_type_reads_like_gguf_reader(tmp_path):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.models.gguf.config import GGUFModelConfig, architecture, config_kwargs, fix_rope_from_freqs
-from asyncengine.models.gguf.reader import GGUFFile, check_tensor_types, resolve_file
+from asyncengine.models.gguf.reader import GGUFFile, check_tensor_types, open_file, resolve_file
 from asyncengine.models.gguf.tensors import (
     EXTRA_TENSORS,
     PERMUTED_QK_ARCHITECTURES,
@@ -80,7 +80,7 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     config, ~0.2 s for a 50k byte-level vocabulary), weights when :meth:`GGUFModel.weights` is
     consumed. Checks what :func:`~asyncengine.models.gguf.checkpoint.load_gguf` checks, from the tensor table, before any weight is read."""
     path = resolve_file(path)
-    f = GGUFFile(path)
+    f = open_file(path)
     md = f.metadata
     gguf_arch = architecture(md, path)
     check_tensor_types(f, path)
