@@ -215,6 +215,43 @@ def test_weight_cache_maps_what_it_wrote(tiny_gguf, tmp_path, monkeypatch, quant
         llm.shutdown()
 
 
+def test_weight_cache_deletes_what_no_key_reaches(tiny_gguf, tmp_path, monkeypatch):
+    """Writing an entry deletes the entries of a GGUF that changed, of an older format, and data
+    files left without an index by a crash (not one being written: those are recent); the entries
+    of another storage of the same unchanged file stay."""
+    import shutil
+    import time
+
+    from asyncengine import LLM
+    from asyncengine.models import weight_cache
+
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_gguf, model)
+    folder = tmp_path / "cache" / "weights"
+    kw = dict(dtype="float32", num_kv_blocks=16)
+
+    def entries():
+        return sorted(p.name for p in folder.glob("*.bin"))
+
+    LLM(str(model), **kw).shutdown()
+    LLM(str(model), quantization="none", **kw).shutdown()
+    both = entries()
+    assert len(both) == 2  # two storages of one file: both reachable
+    (folder / "old.bin").write_bytes(b"x")
+    (folder / "old.json").write_text('{"nbytes": 1, "tensors": {}}')  # written before "format"
+    (folder / "crashed.bin").write_bytes(b"x")
+    os.utime(folder / "crashed.bin", (time.time() - 3600,) * 2)
+    (folder / "writing.bin").write_bytes(b"x")  # another process's, its index not written yet
+    LLM(str(model), **kw).shutdown()  # a hit: nothing written, nothing deleted
+    assert entries() == sorted(both + ["crashed.bin", "old.bin", "writing.bin"])
+    os.utime(model, (time.time() + 10,) * 2)  # the GGUF changed: its two entries are unreachable
+    LLM(str(model), **kw).shutdown()
+    now = entries()
+    assert len(now) == 2 and "writing.bin" in now and not set(now) & set(both), now
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 

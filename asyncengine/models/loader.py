@@ -166,7 +166,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             raise ModelLoadError(f"{path}: checkpoint does not match {cls.__name__}: {e}") from None
         if cache is not None:
             say("writing the weight cache")
-            weight_cache.save(model, cache)
+            weight_cache.save(model, cache, source=path)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tok, eos_token_ids=eos,
                        max_model_len=max_len, path=path, generation_config=generation_config)

@@ -11,7 +11,9 @@ of it: no decoding, no copy.
 The key covers what the content depends on: the GGUF's real path, size and modification time, the
 dtype, the model class, the storage chosen per layer (``variant``) and this module's format
 version. A stale or corrupt entry is ignored (and replaced), never trusted: the index must list
-exactly the model's state tensors with their shapes and dtypes.
+exactly the model's state tensors with their shapes and dtypes. Entries no key can reach again
+(their GGUF changed or is gone, or an older format wrote them) are deleted whenever a new entry is
+written: at ~4x the GGUF's size for an fp32 entry, they added up to gigabytes.
 Only files of at least :data:`MIN_FILE_BYTES` are cached (tiny files decode in milliseconds).
 ``ASYNCENGINE_WEIGHT_CACHE=0`` turns the cache off.
 """
@@ -23,6 +25,7 @@ import logging
 import mmap
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -103,8 +106,58 @@ def load(model: torch.nn.Module, file: Path) -> bool:
     return True
 
 
-def save(model: torch.nn.Module, file: Path) -> None:
-    """Write ``model``'s state tensors (flat, aligned) and their index; atomic, best effort."""
+def _source(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def _unreachable(index: dict) -> bool:
+    """Whether no key can lead to this entry again: another format, or a source file changed or gone."""
+    if index.get("format") != FORMAT_VERSION:
+        return True
+    try:
+        return _source(index["source"][0]) != index["source"]
+    except (OSError, KeyError, IndexError, TypeError):
+        return True
+
+
+def prune(folder: Path, keep: Path | None = None) -> list[Path]:
+    """Delete the entries in ``folder`` that no key reaches any more (and data files a crashed
+    write left without an index); returns what was deleted."""
+    gone = []
+    for index_file in folder.glob("*.json"):
+        entry = index_file.with_suffix(".bin")
+        if entry == keep:
+            continue
+        try:
+            stale = _unreachable(json.loads(index_file.read_text()))
+        except (OSError, ValueError):
+            stale = True
+        if stale:
+            for f in (entry, index_file):
+                try:
+                    f.unlink()
+                    gone.append(f)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("could not delete the stale weight-cache file %s: %s", f, e)
+    for orphan in folder.glob("*.bin"):  # an entry whose index never got written (a crash between
+        try:                             # the two renames; not one being written now: 10 min old)
+            if orphan != keep and not orphan.with_suffix(".json").exists() \
+                    and time.time() - orphan.stat().st_mtime > 600:
+                orphan.unlink()
+                gone.append(orphan)
+        except OSError:
+            pass
+    if gone:
+        log.info("weight cache: deleted %d stale file(s)", len(gone))
+    return gone
+
+
+def save(model: torch.nn.Module, file: Path, source: str) -> None:
+    """Write ``model``'s state tensors (flat, aligned) and their index; atomic, best effort. Then
+    delete the entries no key reaches any more. ``source``: the GGUF the entry was made from."""
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tensors, offset = {}, 0
@@ -121,8 +174,10 @@ def save(model: torch.nn.Module, file: Path) -> None:
         os.replace(tmp, file)
         index = file.with_suffix(".json")
         tmp_index = index.with_name(f".{index.name}.tmp{os.getpid()}")
-        tmp_index.write_text(json.dumps({"nbytes": offset, "tensors": tensors}))
+        tmp_index.write_text(json.dumps({"nbytes": offset, "tensors": tensors, "format": FORMAT_VERSION,
+                                         "source": _source(source)}))
         os.replace(tmp_index, index)
+        prune(file.parent, keep=file)
     except OSError as e:
         log.warning("could not write the weight cache %s: %s", file, e)
         try:
