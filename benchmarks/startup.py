@@ -170,7 +170,7 @@ def serve_idle(model_args: list[str], timeout: float = 300.0) -> dict:
             p.wait()
 
 
-def _tok_s(stderr: str) -> float | None:
+def reported_tok_s(stderr: str) -> float | None:
     m = re.findall(r"([\d.]+) tok/s", stderr)
     return float(m[-1]) if m else None
 
@@ -210,7 +210,7 @@ def main() -> int:
         results["chat_rss_mb"].append(r["rss_mb"])
         d = run_timed(cli() + ["chat", *model_args, *extra, "--temperature", "0", "--max-tokens",
                                str(args.decode_tokens), "--prompt", LONG_PROMPT])
-        if (t := _tok_s(d["stderr"])) is not None:
+        if (t := reported_tok_s(d["stderr"])) is not None:
             results["decode_tok_s"].append(t)
         if not args.skip_serve:
             s = serve_idle(model_args + extra)
