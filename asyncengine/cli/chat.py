@@ -12,19 +12,19 @@ from asyncengine.cli.args import SAMPLING_FIELDS, parse_size
 from asyncengine.cli.status import LAUNCHED, LoadStatus
 
 
-def _config(args, default_max_num_seqs: int):
+def _config(args):
     from asyncengine import EngineConfig
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs or default_max_num_seqs, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs or 1, quantization=args.quantization,
               attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     return EngineConfig(**kw)
 
 
-def _make_engine(args, default_max_num_seqs: int = 1):
-    config = _config(args, default_max_num_seqs)  # bad values fail here, before the model loads
+def _make_engine(args):
+    config = _config(args)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     try:
         from asyncengine import AsyncLLMEngine

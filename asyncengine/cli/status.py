@@ -19,9 +19,7 @@ class LoadStatus:
         import logging
 
         self.tty = sys.stderr.isatty()
-        self.t0 = time.monotonic()
         self._write(f"asyncengine: loading {what} ...", final=not self.tty)
-        self._logging = logging
         self.handler = logging.Handler(logging.INFO)
         self.handler.emit = lambda rec: self._write(f"asyncengine: {rec.getMessage()} ...")
         self.logger = logging.getLogger("asyncengine.models")
