@@ -22,13 +22,8 @@ the sampled ids so that every rank's request state advances alike. Only rank 0 r
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
-import mmap
-import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -39,85 +34,12 @@ from asyncengine.worker.sampler import Sampler, gather_logprobs
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
+from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.cuda_utils import PersistentBuffers
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.worker.kv_cache import kv_cache_zeros
+from asyncengine.worker.request_state import RunnerRequestState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerRequestState:
-    req_id: str
-    num_prompt_tokens: int
-    prompt_ids: list[int]  # shared (not copied) with the sampler each step
-    output_ids: list[int]  # outputs, including the runner's own latest samples
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    bad_words_token_ids: list[list[int]] | None
-    matcher: object | None = None  # structured outputs: the grammar state after output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_ids)
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids of positions [start, end) across the prompt and the outputs."""
-        p = self.num_prompt_tokens
-        if end <= p:
-            return self.prompt_ids[start:end]
-        if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:] + self.output_ids[:end - p]
-
-
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes on this rank (its share of the KV heads; core/kv_sizing.py)."""
-    from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block
-
-    a = model.args
-    shape = KVModelShape(a.num_layers, model.num_kv_heads, a.head_dim, max_model_len=0)
-    return bytes_per_block(shape, block_size, dtype.itemsize)
-
-
-def kv_cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV-cache tensor whose memory is not touched until used.
-
-    Zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN. On CPU
-    the zeros come from the kernel: fresh anonymous memory reads as zero and each page becomes
-    resident only when first written, so a cache sized for many long sequences costs a one-line
-    chat only the pages its few blocks use (zeroing 2 GiB up front took 6.7 s and 2 GiB of RSS).
-    No huge-page advice (it made decode gathers ~15% faster): the head-major layout spreads a block
-    over every head's region, and each first write would fault in 2 MiB where it needs 4 KiB."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc malloc to keep freed memory for reuse instead of giving it back to the OS.
-
-    torch's CPU allocator has no cache of its own: every step allocates its activations afresh
-    (several MiB each at 2048 tokens) and frees them. By default glibc serves blocks that large
-    with fresh mmap()s, or trims the heap as they are freed, so every step pays page faults on
-    every large tensor; prefill attention ran at half speed for it (docs/benchmarks.md). With
-    these settings the process keeps its peak heap instead (its RSS does not shrink after a burst).
-    Process-wide and idempotent; a no-op (False) off glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum: larger blocks still mmap
-        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
 
 
 class ModelRunner:
