@@ -36,6 +36,7 @@ from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.cuda_utils import PersistentBuffers
+from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.kv_cache import kv_cache_zeros
 from asyncengine.worker.request_state import RunnerRequestState
 
@@ -88,8 +89,8 @@ class ModelRunner:
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
         spec = config.speculative
         self.spec = spec
-        self._grammar = None  # structured outputs: the xgrammar compiler, made on first use
-        self.grammar_time_s = 0.0  # time spent on masks and matchers (the structured-output overhead)
+        # structured outputs: matchers and each step's masks (the compiler is made on first use)
+        self.grammar = Grammar(config, self.vocab_size, self.eos_token_ids)
         self.ngram = self.drafter = None
         if spec is not None and spec.method == "ngram":
             from asyncengine.spec_decode.ngram import NgramProposer
@@ -101,6 +102,11 @@ class ModelRunner:
             assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
             self.drafter = DraftModelProposer(draft_model, num_blocks, self.block_size, self.device, self.dtype,
                                               config.attention_backend_name)
+
+    @property
+    def grammar_time_s(self) -> float:
+        """Time spent on masks and matchers (the structured-output overhead)."""
+        return self.grammar.time_s
 
     # ------------------------------------------------------------------ state
 
@@ -119,7 +125,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.add(nr.req_id, nr.num_computed_tokens)
             if nr.sampling_params.structured_outputs is not None:
-                self._start_matcher(self.requests[nr.req_id])
+                self.grammar.start(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
@@ -272,7 +278,7 @@ class ModelRunner:
             return self._sample_and_verify(hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0)
         if sample_rows:
             logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-            self._apply_grammar(logits, sample_states)
+            self.grammar.apply(logits, sample_states)
             smeta = SamplingMetadata.build(
                 params=[st.sampling_params for st in sample_states],
                 prompt_token_ids=[st.prompt_ids for st in sample_states],
@@ -288,9 +294,7 @@ class ModelRunner:
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
                 if st.matcher is not None:
-                    tg = time.perf_counter()
-                    st.matcher.accept(tok)
-                    self.grammar_time_s += time.perf_counter() - tg
+                    self.grammar.accept(st.matcher, tok)
             if out.logprobs is not None:
                 lp = out.logprobs
                 logprobs = [None if ids is None else [(ids, vals, rank)]
@@ -303,71 +307,6 @@ class ModelRunner:
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, execute_time_s=dt)
-
-    # ------------------------------------------------------------------ structured outputs
-
-    def grammar_compiler(self):
-        if self._grammar is None:
-            from asyncengine.models.model_info import load_model_info
-            from asyncengine.structured.backend import compiler_for
-
-            key = self.config.tokenizer or self.config.model
-            self._grammar = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
-                                         self.eos_token_ids)
-        return self._grammar
-
-    def _start_matcher(self, st: RunnerRequestState) -> None:
-        """The request's grammar state, replayed over the outputs it already has (a resume)."""
-        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs)
-        for t in st.output_ids:
-            st.matcher.accept(t)
-
-    def _apply_grammar(self, logits, sample_states, spec_drafts=None) -> None:
-        """Mask ``logits`` (one row per sampled row) to what each request's grammar allows; clocked
-        into grammar_time_s (the structured-output overhead)."""
-        if self._grammar is None:
-            return
-        tg = time.perf_counter()
-        masked = self._grammar_bitmask(sample_states, spec_drafts)
-        if masked is not None:
-            self._grammar.apply_bitmask(logits, *masked)
-        self.grammar_time_s += time.perf_counter() - tg
-
-    def _grammar_bitmask(self, sample_states, spec_drafts=None):
-        """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
-        (first sample index -> drafts): a spec row's i-th row is masked as if its first i drafts
-        were accepted (the matcher advances through them, then rolls back)."""
-        rows = [j for j, st in enumerate(sample_states) if st.matcher is not None]
-        if not rows:
-            return None
-        g = self.grammar_compiler()
-        bitmask = g.allocate_bitmask(len(sample_states))
-        j = 0
-        n_rows = len(sample_states)
-        while j < n_rows:
-            st = sample_states[j]
-            drafts = spec_drafts.get(j) if spec_drafts else None
-            if drafts is None:
-                if st.matcher is not None:
-                    st.matcher.fill(bitmask, j)
-                j += 1
-                continue
-            n = len(drafts) + 1
-            if st.matcher is not None:
-                advanced = 0
-                for i in range(n):
-                    st.matcher.fill(bitmask, j + i)
-                    if i < len(drafts):
-                        if not st.matcher.accept(drafts[i]):
-                            # the draft breaks the grammar: the target cannot sample it (masked),
-                            # so the rows after it are never accepted; mask them alike
-                            for r in range(j + i + 1, j + n):
-                                bitmask[r] = bitmask[j + i]
-                            break
-                        advanced += 1
-                st.matcher.rollback(advanced)
-            j += n
-        return bitmask, rows
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -392,7 +331,7 @@ class ModelRunner:
             for i in range(1, n):
                 outputs[first + i] = st.output_ids + drafts[:i]
         logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-        self._apply_grammar(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+        self.grammar.apply(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
