@@ -30,7 +30,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.sampler import Sampler, gather_logprobs
+from asyncengine.worker.sampler import Sampler
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
@@ -38,6 +38,7 @@ from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.cuda_utils import PersistentBuffers
 from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.kv_cache import kv_cache_zeros
+from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class ModelRunner:
             sample_states.extend([st] * n)
             row += n
 
-        plp_spans = self._prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
+        plp_spans = prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
 
         for st in decodes:
             st.num_computed_tokens += 1
@@ -384,47 +385,8 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks_out, logprobs=lps_out,
                                  num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
-    # ------------------------------------------------------------------ prompt logprobs
-
-    def _prompt_logprob_spans(self, decodes, prefills, positions: list[int]
-                              ) -> list[tuple[RunnerRequestState, int, int, int]]:
-        """(state, first flat row, first position, count) of the prompt positions this step computes
-        for requests with prompt_logprobs: every position but the prompt's last (whose logits are
-        the first sample's). Call before the computed counts advance; rows as execute() lays them
-        out (decodes first, then the prefill chunks in order)."""
-        spans = []
-        for i, st in enumerate(decodes):
-            if st.sampling_params.prompt_logprobs is not None and st.num_computed_tokens < st.num_prompt_tokens - 1:
-                spans.append((st, i, st.num_computed_tokens, 1))
-        row = len(decodes)
-        for st, n in prefills:
-            if st.sampling_params.prompt_logprobs is not None:
-                start = st.num_computed_tokens
-                m = min(start + n, st.num_prompt_tokens - 1) - start
-                if m > 0:
-                    spans.append((st, row, start, m))
-            row += n
-        for st, row, start, m in spans:  # the batch layout is as assumed above
-            assert positions[row] == start and positions[row + m - 1] == start + m - 1, "batch layout changed"
-        return spans
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans, rows_per_pass: int = 512) -> dict:
-        """Raw log_softmax logprobs of each next prompt token (and the top k), computed in slices of
-        rows so that a long chunk never materializes [chunk, vocab] logits at once."""
-        out = {}
-        V = self.vocab_size
-        for st, row, start, m in spans:
-            k = min(st.sampling_params.prompt_logprobs, V)
-            targets = torch.tensor(st.prompt_ids[start + 1:start + m + 1], dtype=torch.long, device=self.device)
-            entries: list = []
-            for c in range(0, m, rows_per_pass):
-                e = min(m, c + rows_per_pass)
-                logits = self.model.compute_logits(hidden[row + c:row + e])
-                if logits is None:  # a tensor-parallel rank other than 0: it only took part
-                    continue
-                lp = logits.float()[:, :V].log_softmax(dim=-1)
-                ids_t, lps_t, ranks_t = gather_logprobs(lp, targets[c:e], k)
-                entries.extend(zip(ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()))
-            if self.tp.rank == 0:
-                out[st.req_id] = (start, entries)
-        return out
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans) -> dict:
+        """Every rank runs the LM head over the spans (a collective under tensor parallelism);
+        rank 0 keeps the entries."""
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, spans, self.vocab_size, self.device,
+                                       keep=self.tp.rank == 0)
