@@ -2,19 +2,14 @@
 sampler, and returns the sampled ids. It owns every tensor: the weights and the KV cache.
 
 It keeps a small state per request (its token ids as far as the runner knows them, its block
-table), so the scheduler sends only what changed. The runner appends each token it samples to that
-state, which is what lets the scheduler plan step N+1 before step N's tokens reach it: the input
-of a decode is always the runner's own last sample.
+table: worker/request_state.py), so the scheduler sends only what changed. The runner appends each
+token it samples to that state, which is what lets the scheduler plan step N+1 before step N's
+tokens reach it: the input of a decode is always the runner's own last sample.
 
-Speculative decoding: a request the scheduler gave k draft slots is laid out like a prefill chunk
-of 1 + k' tokens (its last token and the k' <= k drafts the proposer made) and every one of those
-rows is sampled, row i as if the drafts before it were already outputs (same penalties, same seeded
-draw position). Drafts are accepted while they equal the target's own sample; the first mismatch
-(or the bonus row after the last draft) gives the target's token. The drafts are point masses
-(n-gram lookup, greedy draft model), and for those this *is* rejection sampling: the output
-follows the target distribution exactly, and a seeded request gets the very tokens it would get
-without speculation. The request's true position moves by the number accepted; the KV of rejected
-drafts sits past it and is overwritten by the next step.
+Around the step, each idea has its module: the KV tensors (worker/kv_cache.py), structured-output
+masks (worker/grammar.py), speculative drafts and their verification (worker/speculation.py: a
+request with drafts is laid out like a prefill chunk of its last token and the drafts, every row
+sampled), prompt logprobs (worker/prompt_logprobs.py).
 
 Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
 rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
@@ -30,7 +25,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.sampler import Sampler
+from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
@@ -40,6 +35,7 @@ from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.kv_cache import kv_cache_zeros
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
+from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposers, propose_drafts
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +89,9 @@ class ModelRunner:
         # structured outputs: matchers and each step's masks (the compiler is made on first use)
         self.grammar = Grammar(config, self.vocab_size, self.eos_token_ids)
         self.ngram = self.drafter = None
-        if spec is not None and spec.method == "ngram":
-            from asyncengine.spec_decode.ngram import NgramProposer
-
-            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
-        elif spec is not None:
-            from asyncengine.spec_decode.draft import DraftModelProposer
-
-            assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
-            self.drafter = DraftModelProposer(draft_model, num_blocks, self.block_size, self.device, self.dtype,
-                                              config.attention_backend_name)
+        if spec is not None:
+            self.ngram, self.drafter = make_proposers(spec, draft_model, num_blocks, self.block_size, self.device,
+                                                      self.dtype, config.attention_backend_name)
 
     @property
     def grammar_time_s(self) -> float:
@@ -190,9 +179,9 @@ class ModelRunner:
             else:
                 prefills.append((st, n))
         if specs:
-            specs = self._propose(decodes, prefills, specs)
+            specs = propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
         elif self.drafter is not None:  # the draft still runs on every position the target computes
-            self._propose(decodes, prefills, specs)
+            propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -264,8 +253,8 @@ class ModelRunner:
                                 self.kv_caches, meta)
 
         req_ids: list[str] = []
-        sampled: list[int] = []
-        logprobs = None
+        sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)
+        logprobs = num_drafts = None
         if sample_rows and self.tp.rank > 0:  # take part in the head's gather, then learn the ids
             self.model.compute_logits(self._rows(hidden, sample_rows))
             ids = self.tp.broadcast_from_first(torch.empty(len(sample_rows), dtype=torch.long, device=dev))
@@ -276,18 +265,12 @@ class ModelRunner:
             self.execute_time_s += time.perf_counter() - t0
             return None
         if sample_rows and specs:
-            return self._sample_and_verify(hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0)
-        if sample_rows:
-            logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-            self.grammar.apply(logits, sample_states)
-            smeta = SamplingMetadata.build(
-                params=[st.sampling_params for st in sample_states],
-                prompt_token_ids=[st.prompt_ids for st in sample_states],
-                output_token_ids=[st.output_ids for st in sample_states],
-                eos_token_ids=self.eos_token_ids,
-                bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-                vocab_size=self.vocab_size, device=dev, generator=self.generator)
-            out = self.sampler(logits, smeta)
+            out = self._sample(hidden, sample_rows, sample_states, draft_outputs(sample_states, specs, spec_rows),
+                               {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+            req_ids, sampled_ids, logprobs, num_drafts = accept_drafts(
+                out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.drafter)
+        elif sample_rows:
+            out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
             sampled = out.sampled_token_ids
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=dev))
@@ -300,93 +283,32 @@ class ModelRunner:
                 lp = out.logprobs
                 logprobs = [None if ids is None else [(ids, vals, rank)]
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
+            sampled_ids = [[t] for t in sampled]
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
         if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
             self.execute_time_s += time.perf_counter() - t0
             return None
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _propose(self, decodes, prefills, specs) -> list[tuple[RunnerRequestState, list[int]]]:
-        """Drafts for the rows given draft slots (``specs``: (state, k)); the draft model also
-        catches its KV up on every other row. Call before the computed counts advance."""
-        if self.ngram is not None:
-            return [(st, self.ngram.propose(st.prompt_ids + st.output_ids, k)) for st, k in specs]
-        rows = [(st, st.num_computed_tokens + 1, 0) for st in decodes]
-        rows += [(st, st.num_computed_tokens + n, 0) for st, n in prefills]
-        rows += [(st, st.num_computed_tokens + 1, k) for st, k in specs]
-        drafts = self.drafter.propose(rows)
-        return [(st, d) for (st, _), d in zip(specs, drafts)]
-
-    def _sample_and_verify(self, hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0
-                           ) -> ModelRunnerOutput:
-        """Sample every row (a spec row's i-th as if its first i drafts were outputs), then accept
-        each spec row's drafts up to the first one that differs from the target's sample."""
-        dev = self.device
-        outputs = [st.output_ids for st in sample_states]
-        for (st, drafts), (first, n) in zip(specs, spec_rows):
-            for i in range(1, n):
-                outputs[first + i] = st.output_ids + drafts[:i]
+    def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[RunnerRequestState],
+                output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
+        """Sample the rows (one per entry of ``sample_states``), each after its ``output_ids``
+        (penalties, seeded draw position), within what its grammar allows."""
         logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-        self.grammar.apply(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+        self.grammar.apply(logits, sample_states, spec_drafts)
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
-            output_token_ids=outputs, eos_token_ids=self.eos_token_ids,
+            output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-            vocab_size=self.vocab_size, device=dev, generator=self.generator)
-        out = self.sampler(logits, smeta)
-        sampled = out.sampled_token_ids
-        lp = out.logprobs
-        row_lps = None if lp is None else [None if ids is None else (ids, vals, rank) for ids, vals, rank in
-                                           zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
-        spec_first = {first: (st, drafts, n) for (st, drafts), (first, n) in zip(specs, spec_rows)}
-        req_ids: list[str] = []
-        toks_out: list[list[int]] = []
-        lps_out: list | None = [] if row_lps is not None else None
-        num_drafts: list[int] = []
-        j = 0
-        while j < len(sampled):
-            st = sample_states[j]
-            hit = spec_first.get(j)
-            if hit is None:
-                acc = [sampled[j]]
-                num_drafts.append(0)
-                count = 1
-            else:
-                _, drafts, count = hit
-                acc = []
-                for i in range(count):
-                    acc.append(sampled[j + i])
-                    if i == len(drafts) or sampled[j + i] != drafts[i]:
-                        break
-                num_drafts.append(len(drafts))
-                start = st.num_computed_tokens
-                st.num_computed_tokens = start + len(acc)
-                if self.drafter is not None and drafts:
-                    self.drafter.accepted(st.req_id, start, len(acc), len(drafts))
-            st.output_ids.extend(acc)
-            if st.matcher is not None:
-                for t in acc:
-                    st.matcher.accept(t)
-            req_ids.append(st.req_id)
-            toks_out.append(acc)
-            if lps_out is not None:
-                e = row_lps[j:j + len(acc)]
-                lps_out.append(None if e[0] is None else e)
-            j += count
-        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
-        dt = time.perf_counter() - t0
-        self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks_out, logprobs=lps_out,
-                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+            vocab_size=self.vocab_size, device=self.device, generator=self.generator)
+        return self.sampler(logits, smeta)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans) -> dict:
         """Every rank runs the LM head over the spans (a collective under tensor parallelism);
         rank 0 keeps the entries."""
         return compute_prompt_logprobs(self.model.compute_logits, hidden, spans, self.vocab_size, self.device,
-                                       keep=self.tp.rank == 0)
+                               keep=self.tp.rank == 0)
