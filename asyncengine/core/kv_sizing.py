@@ -10,7 +10,7 @@ In order of precedence:
    would use, capped at ``kv_cache_memory_fraction`` of the memory available when the engine starts.
 
 The cache is reserved, not touched: on CPU it is lazily zero-filled anonymous memory
-(:func:`asyncengine.worker.model_runner.kv_cache_zeros`), so the process's resident memory grows
+(:func:`asyncengine.worker.kv_cache.kv_cache_zeros`), so the process's resident memory grows
 only with the blocks requests actually write to. A generous reservation therefore costs address
 space, not RAM, until it is used; a long-running server with prefix caching on keeps freed blocks'
 contents and so, over time, touches up to the whole reservation (that is what the cap bounds).

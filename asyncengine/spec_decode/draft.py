@@ -21,7 +21,7 @@ from asyncengine.attention import SeqChunk, StepBatch, get_backend
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, backend_name: str = "torch") -> None:
-        from asyncengine.worker.model_runner import kv_cache_zeros
+        from asyncengine.worker.kv_cache import kv_cache_zeros
 
         self.model = model
         self.block_size = block_size

@@ -2,19 +2,14 @@
 sampler, and returns the sampled ids. It owns every tensor: the weights and the KV cache.
 
 It keeps a small state per request (its token ids as far as the runner knows them, its block
-table), so the scheduler sends only what changed. The runner appends each token it samples to that
-state, which is what lets the scheduler plan step N+1 before step N's tokens reach it: the input
-of a decode is always the runner's own last sample.
+table: worker/request_state.py), so the scheduler sends only what changed. The runner appends each
+token it samples to that state, which is what lets the scheduler plan step N+1 before step N's
+tokens reach it: the input of a decode is always the runner's own last sample.
 
-Speculative decoding: a request the scheduler gave k draft slots is laid out like a prefill chunk
-of 1 + k' tokens (its last token and the k' <= k drafts the proposer made) and every one of those
-rows is sampled, row i as if the drafts before it were already outputs (same penalties, same seeded
-draw position). Drafts are accepted while they equal the target's own sample; the first mismatch
-(or the bonus row after the last draft) gives the target's token. The drafts are point masses
-(n-gram lookup, greedy draft model), and for those this *is* rejection sampling: the output
-follows the target distribution exactly, and a seeded request gets the very tokens it would get
-without speculation. The request's true position moves by the number accepted; the KV of rejected
-drafts sits past it and is overwritten by the next step.
+Around the step, each idea has its module: the KV tensors (worker/kv_cache.py), structured-output
+masks (worker/grammar.py), speculative drafts and their verification (worker/speculation.py: a
+request with drafts is laid out like a prefill chunk of its last token and the drafts, every row
+sampled), prompt logprobs (worker/prompt_logprobs.py).
 
 Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
 rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
@@ -22,102 +17,27 @@ the sampled ids so that every rank's request state advances alike. Only rank 0 r
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
-import mmap
-import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.sampler import Sampler, gather_logprobs
+from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
+from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.cuda_utils import PersistentBuffers
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.worker.grammar import Grammar
+from asyncengine.worker.kv_cache import kv_cache_zeros
+from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
+from asyncengine.worker.request_state import RunnerRequestState
+from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposers, propose_drafts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerRequestState:
-    req_id: str
-    num_prompt_tokens: int
-    prompt_ids: list[int]  # shared (not copied) with the sampler each step
-    output_ids: list[int]  # outputs, including the runner's own latest samples
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    bad_words_token_ids: list[list[int]] | None
-    matcher: object | None = None  # structured outputs: the grammar state after output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_ids)
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids of positions [start, end) across the prompt and the outputs."""
-        p = self.num_prompt_tokens
-        if end <= p:
-            return self.prompt_ids[start:end]
-        if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:] + self.output_ids[:end - p]
-
-
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes on this rank (its share of the KV heads; core/kv_sizing.py)."""
-    from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block
-
-    a = model.args
-    shape = KVModelShape(a.num_layers, model.num_kv_heads, a.head_dim, max_model_len=0)
-    return bytes_per_block(shape, block_size, dtype.itemsize)
-
-
-def kv_cache_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV-cache tensor whose memory is not touched until used.
-
-    Zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN. On CPU
-    the zeros come from the kernel: fresh anonymous memory reads as zero and each page becomes
-    resident only when first written, so a cache sized for many long sequences costs a one-line
-    chat only the pages its few blocks use (zeroing 2 GiB up front took 6.7 s and 2 GiB of RSS).
-    No huge-page advice (it made decode gathers ~15% faster): the head-major layout spreads a block
-    over every head's region, and each first write would fault in 2 MiB where it needs 4 KiB."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt() parameters
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc malloc to keep freed memory for reuse instead of giving it back to the OS.
-
-    torch's CPU allocator has no cache of its own: every step allocates its activations afresh
-    (several MiB each at 2048 tokens) and frees them. By default glibc serves blocks that large
-    with fresh mmap()s, or trims the heap as they are freed, so every step pays page faults on
-    every large tensor; prefill attention ran at half speed for it (docs/benchmarks.md). With
-    these settings the process keeps its peak heap instead (its RSS does not shrink after a burst).
-    Process-wide and idempotent; a no-op (False) off glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum: larger blocks still mmap
-        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
 
 
 class ModelRunner:
@@ -166,19 +86,17 @@ class ModelRunner:
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
         spec = config.speculative
         self.spec = spec
-        self._grammar = None  # structured outputs: the xgrammar compiler, made on first use
-        self.grammar_time_s = 0.0  # time spent on masks and matchers (the structured-output overhead)
+        # structured outputs: matchers and each step's masks (the compiler is made on first use)
+        self.grammar = Grammar(config, self.vocab_size, self.eos_token_ids)
         self.ngram = self.drafter = None
-        if spec is not None and spec.method == "ngram":
-            from asyncengine.spec_decode.ngram import NgramProposer
+        if spec is not None:
+            self.ngram, self.drafter = make_proposers(spec, draft_model, num_blocks, self.block_size, self.device,
+                                                      self.dtype, config.attention_backend_name)
 
-            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
-        elif spec is not None:
-            from asyncengine.spec_decode.draft import DraftModelProposer
-
-            assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
-            self.drafter = DraftModelProposer(draft_model, num_blocks, self.block_size, self.device, self.dtype,
-                                              config.attention_backend_name)
+    @property
+    def grammar_time_s(self) -> float:
+        """Time spent on masks and matchers (the structured-output overhead)."""
+        return self.grammar.time_s
 
     # ------------------------------------------------------------------ state
 
@@ -197,7 +115,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.add(nr.req_id, nr.num_computed_tokens)
             if nr.sampling_params.structured_outputs is not None:
-                self._start_matcher(self.requests[nr.req_id])
+                self.grammar.start(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
@@ -261,9 +179,9 @@ class ModelRunner:
             else:
                 prefills.append((st, n))
         if specs:
-            specs = self._propose(decodes, prefills, specs)
+            specs = propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
         elif self.drafter is not None:  # the draft still runs on every position the target computes
-            self._propose(decodes, prefills, specs)
+            propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -318,7 +236,7 @@ class ModelRunner:
             sample_states.extend([st] * n)
             row += n
 
-        plp_spans = self._prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
+        plp_spans = prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
 
         for st in decodes:
             st.num_computed_tokens += 1
@@ -335,8 +253,8 @@ class ModelRunner:
                                 self.kv_caches, meta)
 
         req_ids: list[str] = []
-        sampled: list[int] = []
-        logprobs = None
+        sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)
+        logprobs = num_drafts = None
         if sample_rows and self.tp.rank > 0:  # take part in the head's gather, then learn the ids
             self.model.compute_logits(self._rows(hidden, sample_rows))
             ids = self.tp.broadcast_from_first(torch.empty(len(sample_rows), dtype=torch.long, device=dev))
@@ -347,18 +265,12 @@ class ModelRunner:
             self.execute_time_s += time.perf_counter() - t0
             return None
         if sample_rows and specs:
-            return self._sample_and_verify(hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0)
-        if sample_rows:
-            logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-            self._apply_grammar(logits, sample_states)
-            smeta = SamplingMetadata.build(
-                params=[st.sampling_params for st in sample_states],
-                prompt_token_ids=[st.prompt_ids for st in sample_states],
-                output_token_ids=[st.output_ids for st in sample_states],
-                eos_token_ids=self.eos_token_ids,
-                bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-                vocab_size=self.vocab_size, device=dev, generator=self.generator)
-            out = self.sampler(logits, smeta)
+            out = self._sample(hidden, sample_rows, sample_states, draft_outputs(sample_states, specs, spec_rows),
+                               {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+            req_ids, sampled_ids, logprobs, num_drafts = accept_drafts(
+                out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.drafter)
+        elif sample_rows:
+            out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
             sampled = out.sampled_token_ids
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=dev))
@@ -366,204 +278,37 @@ class ModelRunner:
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
                 if st.matcher is not None:
-                    tg = time.perf_counter()
-                    st.matcher.accept(tok)
-                    self.grammar_time_s += time.perf_counter() - tg
+                    self.grammar.accept(st.matcher, tok)
             if out.logprobs is not None:
                 lp = out.logprobs
                 logprobs = [None if ids is None else [(ids, vals, rank)]
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
+            sampled_ids = [[t] for t in sampled]
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
         if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
             self.execute_time_s += time.perf_counter() - t0
             return None
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
-    # ------------------------------------------------------------------ structured outputs
-
-    def grammar_compiler(self):
-        if self._grammar is None:
-            from asyncengine.models.model_info import load_model_info
-            from asyncengine.structured.backend import compiler_for
-
-            key = self.config.tokenizer or self.config.model
-            self._grammar = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
-                                         self.eos_token_ids)
-        return self._grammar
-
-    def _start_matcher(self, st: RunnerRequestState) -> None:
-        """The request's grammar state, replayed over the outputs it already has (a resume)."""
-        st.matcher = self.grammar_compiler().matcher(st.sampling_params.structured_outputs)
-        for t in st.output_ids:
-            st.matcher.accept(t)
-
-    def _apply_grammar(self, logits, sample_states, spec_drafts=None) -> None:
-        """Mask ``logits`` (one row per sampled row) to what each request's grammar allows; clocked
-        into grammar_time_s (the structured-output overhead)."""
-        if self._grammar is None:
-            return
-        tg = time.perf_counter()
-        masked = self._grammar_bitmask(sample_states, spec_drafts)
-        if masked is not None:
-            self._grammar.apply_bitmask(logits, *masked)
-        self.grammar_time_s += time.perf_counter() - tg
-
-    def _grammar_bitmask(self, sample_states, spec_drafts=None):
-        """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
-        (first sample index -> drafts): a spec row's i-th row is masked as if its first i drafts
-        were accepted (the matcher advances through them, then rolls back)."""
-        rows = [j for j, st in enumerate(sample_states) if st.matcher is not None]
-        if not rows:
-            return None
-        g = self.grammar_compiler()
-        bitmask = g.allocate_bitmask(len(sample_states))
-        j = 0
-        n_rows = len(sample_states)
-        while j < n_rows:
-            st = sample_states[j]
-            drafts = spec_drafts.get(j) if spec_drafts else None
-            if drafts is None:
-                if st.matcher is not None:
-                    st.matcher.fill(bitmask, j)
-                j += 1
-                continue
-            n = len(drafts) + 1
-            if st.matcher is not None:
-                advanced = 0
-                for i in range(n):
-                    st.matcher.fill(bitmask, j + i)
-                    if i < len(drafts):
-                        if not st.matcher.accept(drafts[i]):
-                            # the draft breaks the grammar: the target cannot sample it (masked),
-                            # so the rows after it are never accepted; mask them alike
-                            for r in range(j + i + 1, j + n):
-                                bitmask[r] = bitmask[j + i]
-                            break
-                        advanced += 1
-                st.matcher.rollback(advanced)
-            j += n
-        return bitmask, rows
-
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _propose(self, decodes, prefills, specs) -> list[tuple[RunnerRequestState, list[int]]]:
-        """Drafts for the rows given draft slots (``specs``: (state, k)); the draft model also
-        catches its KV up on every other row. Call before the computed counts advance."""
-        if self.ngram is not None:
-            return [(st, self.ngram.propose(st.prompt_ids + st.output_ids, k)) for st, k in specs]
-        rows = [(st, st.num_computed_tokens + 1, 0) for st in decodes]
-        rows += [(st, st.num_computed_tokens + n, 0) for st, n in prefills]
-        rows += [(st, st.num_computed_tokens + 1, k) for st, k in specs]
-        drafts = self.drafter.propose(rows)
-        return [(st, d) for (st, _), d in zip(specs, drafts)]
-
-    def _sample_and_verify(self, hidden, sample_rows, sample_states, specs, spec_rows, plp_spans, t0
-                           ) -> ModelRunnerOutput:
-        """Sample every row (a spec row's i-th as if its first i drafts were outputs), then accept
-        each spec row's drafts up to the first one that differs from the target's sample."""
-        dev = self.device
-        outputs = [st.output_ids for st in sample_states]
-        for (st, drafts), (first, n) in zip(specs, spec_rows):
-            for i in range(1, n):
-                outputs[first + i] = st.output_ids + drafts[:i]
+    def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[RunnerRequestState],
+                output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
+        """Sample the rows (one per entry of ``sample_states``), each after its ``output_ids``
+        (penalties, seeded draw position), within what its grammar allows."""
         logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-        self._apply_grammar(logits, sample_states, {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
+        self.grammar.apply(logits, sample_states, spec_drafts)
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
-            output_token_ids=outputs, eos_token_ids=self.eos_token_ids,
+            output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-            vocab_size=self.vocab_size, device=dev, generator=self.generator)
-        out = self.sampler(logits, smeta)
-        sampled = out.sampled_token_ids
-        lp = out.logprobs
-        row_lps = None if lp is None else [None if ids is None else (ids, vals, rank) for ids, vals, rank in
-                                           zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
-        spec_first = {first: (st, drafts, n) for (st, drafts), (first, n) in zip(specs, spec_rows)}
-        req_ids: list[str] = []
-        toks_out: list[list[int]] = []
-        lps_out: list | None = [] if row_lps is not None else None
-        num_drafts: list[int] = []
-        j = 0
-        while j < len(sampled):
-            st = sample_states[j]
-            hit = spec_first.get(j)
-            if hit is None:
-                acc = [sampled[j]]
-                num_drafts.append(0)
-                count = 1
-            else:
-                _, drafts, count = hit
-                acc = []
-                for i in range(count):
-                    acc.append(sampled[j + i])
-                    if i == len(drafts) or sampled[j + i] != drafts[i]:
-                        break
-                num_drafts.append(len(drafts))
-                start = st.num_computed_tokens
-                st.num_computed_tokens = start + len(acc)
-                if self.drafter is not None and drafts:
-                    self.drafter.accepted(st.req_id, start, len(acc), len(drafts))
-            st.output_ids.extend(acc)
-            if st.matcher is not None:
-                for t in acc:
-                    st.matcher.accept(t)
-            req_ids.append(st.req_id)
-            toks_out.append(acc)
-            if lps_out is not None:
-                e = row_lps[j:j + len(acc)]
-                lps_out.append(None if e[0] is None else e)
-            j += count
-        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
-        dt = time.perf_counter() - t0
-        self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=toks_out, logprobs=lps_out,
-                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+            vocab_size=self.vocab_size, device=self.device, generator=self.generator)
+        return self.sampler(logits, smeta)
 
-    # ------------------------------------------------------------------ prompt logprobs
-
-    def _prompt_logprob_spans(self, decodes, prefills, positions: list[int]
-                              ) -> list[tuple[RunnerRequestState, int, int, int]]:
-        """(state, first flat row, first position, count) of the prompt positions this step computes
-        for requests with prompt_logprobs: every position but the prompt's last (whose logits are
-        the first sample's). Call before the computed counts advance; rows as execute() lays them
-        out (decodes first, then the prefill chunks in order)."""
-        spans = []
-        for i, st in enumerate(decodes):
-            if st.sampling_params.prompt_logprobs is not None and st.num_computed_tokens < st.num_prompt_tokens - 1:
-                spans.append((st, i, st.num_computed_tokens, 1))
-        row = len(decodes)
-        for st, n in prefills:
-            if st.sampling_params.prompt_logprobs is not None:
-                start = st.num_computed_tokens
-                m = min(start + n, st.num_prompt_tokens - 1) - start
-                if m > 0:
-                    spans.append((st, row, start, m))
-            row += n
-        for st, row, start, m in spans:  # the batch layout is as assumed above
-            assert positions[row] == start and positions[row + m - 1] == start + m - 1, "batch layout changed"
-        return spans
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans, rows_per_pass: int = 512) -> dict:
-        """Raw log_softmax logprobs of each next prompt token (and the top k), computed in slices of
-        rows so that a long chunk never materializes [chunk, vocab] logits at once."""
-        out = {}
-        V = self.vocab_size
-        for st, row, start, m in spans:
-            k = min(st.sampling_params.prompt_logprobs, V)
-            targets = torch.tensor(st.prompt_ids[start + 1:start + m + 1], dtype=torch.long, device=self.device)
-            entries: list = []
-            for c in range(0, m, rows_per_pass):
-                e = min(m, c + rows_per_pass)
-                logits = self.model.compute_logits(hidden[row + c:row + e])
-                if logits is None:  # a tensor-parallel rank other than 0: it only took part
-                    continue
-                lp = logits.float()[:, :V].log_softmax(dim=-1)
-                ids_t, lps_t, ranks_t = gather_logprobs(lp, targets[c:e], k)
-                entries.extend(zip(ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()))
-            if self.tp.rank == 0:
-                out[st.req_id] = (start, entries)
-        return out
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans) -> dict:
+        """Every rank runs the LM head over the spans (a collective under tensor parallelism);
+        rank 0 keeps the entries."""
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, spans, self.vocab_size, self.device,
+                               keep=self.tp.rank == 0)

@@ -19,7 +19,8 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.cpu_threads import ThreadGovernor
-from asyncengine.worker.model_runner import ModelRunner, kv_bytes_per_block
+from asyncengine.worker.kv_cache import kv_bytes_per_block
+from asyncengine.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

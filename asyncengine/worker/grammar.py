@@ -1,0 +1,89 @@
+"""Structured outputs in the runner: each constrained request's xgrammar matcher (its grammar state
+after its outputs) and, each step, one bitmask over the sampled rows that masks the logits to what
+each grammar allows before sampling. The compiler is made for the first request with a grammar; the
+time spent on masks and matchers is the structured-output overhead (``time_s``, in runner_stats)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from asyncengine.config import EngineConfig
+from asyncengine.worker.request_state import RunnerRequestState
+
+
+class Grammar:
+    def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._compiler = None  # the xgrammar compiler, made on first use
+        self.time_s = 0.0
+
+    def compiler(self):
+        if self._compiler is None:
+            from asyncengine.models.model_info import load_model_info
+            from asyncengine.structured.backend import compiler_for
+
+            key = self.config.tokenizer or self.config.model
+            self._compiler = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
+                                          self.eos_token_ids)
+        return self._compiler
+
+    def start(self, st: RunnerRequestState) -> None:
+        """The request's grammar state, replayed over the outputs it already has (a resume)."""
+        st.matcher = self.compiler().matcher(st.sampling_params.structured_outputs)
+        for t in st.output_ids:
+            st.matcher.accept(t)
+
+    def accept(self, matcher, token: int) -> None:
+        """Advance a request's grammar by the token it sampled (clocked)."""
+        tg = time.perf_counter()
+        matcher.accept(token)
+        self.time_s += time.perf_counter() - tg
+
+    def apply(self, logits: torch.Tensor, sample_states: list[RunnerRequestState], spec_drafts=None) -> None:
+        """Mask ``logits`` (one row per sampled row) to what each request's grammar allows; clocked.
+        Nothing to do until some request has had a grammar."""
+        if self._compiler is None:
+            return
+        tg = time.perf_counter()
+        masked = self.bitmask(sample_states, spec_drafts)
+        if masked is not None:
+            self._compiler.apply_bitmask(logits, *masked)
+        self.time_s += time.perf_counter() - tg
+
+    def bitmask(self, sample_states: list[RunnerRequestState], spec_drafts=None):
+        """(bitmask, rows) for the sampled rows whose request has a grammar, or None. ``spec_drafts``
+        (first sample index -> drafts): a spec row's i-th row is masked as if its first i drafts
+        were accepted (the matcher advances through them, then rolls back)."""
+        rows = [j for j, st in enumerate(sample_states) if st.matcher is not None]
+        if not rows:
+            return None
+        bitmask = self.compiler().allocate_bitmask(len(sample_states))
+        j = 0
+        n_rows = len(sample_states)
+        while j < n_rows:
+            st = sample_states[j]
+            drafts = spec_drafts.get(j) if spec_drafts else None
+            if drafts is None:
+                if st.matcher is not None:
+                    st.matcher.fill(bitmask, j)
+                j += 1
+                continue
+            n = len(drafts) + 1
+            if st.matcher is not None:
+                advanced = 0
+                for i in range(n):
+                    st.matcher.fill(bitmask, j + i)
+                    if i < len(drafts):
+                        if not st.matcher.accept(drafts[i]):
+                            # the draft breaks the grammar: the target cannot sample it (masked),
+                            # so the rows after it are never accepted; mask them alike
+                            for r in range(j + i + 1, j + n):
+                                bitmask[r] = bitmask[j + i]
+                            break
+                        advanced += 1
+                st.matcher.rollback(advanced)
+            j += n
+        return bitmask, rows
