@@ -100,6 +100,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state
 
+    def reset_requests(self) -> None:
+        """Forget every request (the core abandoned them all): their states, prompt-logprob marks
+        and the draft model's computed positions."""
+        self.requests.clear()
+        self._prompt_logprob_ids.clear()
+        if self.drafter is not None:
+            self.drafter.computed.clear()
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)

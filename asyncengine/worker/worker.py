@@ -187,10 +187,7 @@ class Worker:
     def reset_requests(self) -> None:
         """Forget every request's state (the core abandoned them all)."""
         if self.runner is not None:
-            self.runner.requests.clear()
-            self.runner._prompt_logprob_ids.clear()
-            if self.runner.drafter is not None:
-                self.runner.drafter.computed.clear()
+            self.runner.reset_requests()
 
     def shutdown(self) -> None:
         if self.world_size > 1:
