@@ -8,10 +8,11 @@ that a noisy machine's slow minutes fall on both alike.
     python benchmarks/startup_ab.py --rounds 8 --variant inproc=--no-engine-core-process \\
         --variant process=--engine-core-process
 
-Per round and variant: `--help`'s wall time; the chat's first answer byte from launch, its CPU
-seconds and peak RSS (all its processes); with --decode N, the decode speed the chat reports for an
-N-token answer; with --serve, the idle server's ready time and RSS, in-process and with
---engine-core-process. Prints medians, bests and every run (benchmarks/startup.py's measurements).
+Per round and variant (the variants' order flips every round): `--help`'s wall time; the chat's
+first answer byte from launch, its CPU seconds and peak RSS (all its processes); with --decode N,
+the decode speed the chat reports for an N-token answer; with --serve, the idle server's ready time
+and RSS, in-process and with --engine-core-process. --only picks some of help, chat, decode, serve.
+Prints medians, bests and every run (benchmarks/startup.py's measurements).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--serve", action="store_true", help="also time the idle server (both core modes)")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also the decode speed of an N-token answer")
+    ap.add_argument("--only", default=None, help="comma-separated subset of help,chat,decode,serve")
     args = ap.parse_args()
     variants = {}
     for v in args.variant:
@@ -49,29 +51,38 @@ def main() -> int:
             os.environ["PYTHONPATH"] = checkout
             os.environ["STARTUP_CLI"] = f"{sys.executable} -m asyncengine"
 
+    what = set((args.only or "help,chat,decode,serve").split(","))
+    if not args.decode:
+        what.discard("decode")
+    if not args.serve and args.only is None:
+        what.discard("serve")
     res: dict[str, list[float]] = {}
     for checkout, flags in variants.values():  # warm the page cache and every on-disk cache
         use(checkout)
         startup.run_timed(startup.cli() + ["chat", *flags, "--prompt", startup.PROMPT])
-    for _ in range(args.rounds):
-        for name, (checkout, flags) in variants.items():
+    for rnd in range(args.rounds):
+        order = list(variants.items())
+        for name, (checkout, flags) in (order if rnd % 2 == 0 else order[::-1]):
             use(checkout)
-            res.setdefault(f"{name} help_s", []).append(startup.run_timed(startup.cli() + ["--help"])["wall_s"])
-            r = startup.run_timed(startup.cli() + ["chat", *flags, "--prompt", startup.PROMPT])
-            for k in ("first_s", "cpu_s", "rss_mb"):
-                res.setdefault(f"{name} chat_{k}", []).append(r[k])
-            if args.decode:
+            if "help" in what:
+                res.setdefault(f"{name} help_s", []).append(startup.run_timed(startup.cli() + ["--help"])["wall_s"])
+            if "chat" in what:
+                r = startup.run_timed(startup.cli() + ["chat", *flags, "--prompt", startup.PROMPT])
+                for k in ("first_s", "cpu_s", "rss_mb"):
+                    res.setdefault(f"{name} chat_{k}", []).append(r[k])
+            if "decode" in what:
                 d = startup.run_timed(startup.cli() + ["chat", *flags, "--temperature", "0", "--max-tokens",
                                                        str(args.decode), "--prompt", startup.LONG_PROMPT])
                 if (t := startup.reported_tok_s(d["stderr"])) is not None:
                     res.setdefault(f"{name} decode_tok_s", []).append(t)
-            if args.serve:
+            if "serve" in what:
                 for label, extra in (("serve", []), ("serve_core_process", ["--engine-core-process"])):
                     s = startup.serve_idle(flags + extra)
                     res.setdefault(f"{name} {label}_ready_s", []).append(s["ready_s"])
                     res.setdefault(f"{name} {label}_rss_mb", []).append(s["rss_mb"])
     for k, v in sorted(res.items()):
-        print(f"{k:34s} median {statistics.median(v):8.3f}  best {min(v):8.3f}  {[round(x, 2) for x in v]}")
+        best = max(v) if k.endswith("tok_s") else min(v)
+        print(f"{k:34s} median {statistics.median(v):8.3f}  best {best:8.3f}  {[round(x, 2) for x in v]}")
     return 0
 
 
