@@ -232,7 +232,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
-        if self.device.startswith("cuda"):
+        if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
 
     def _check_quantization_device(self, device_type: str) -> None:

@@ -8,9 +8,11 @@ core's load) out.
 Start-up overlaps: a core process starts with the config alone and imports torch and the model
 code (seconds) while the front end, which imports no torch, reads the model's config and builds
 its tokenizer; the front end then sends what it read (``StartCore``), and the core loads the
-weights and reports ``CoreReady``. ``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it
-routes each new request to the core that holds its prompt's prefix unless that one is much busier,
-else to the least loaded core (waiting + running, as last reported, plus what was sent since;
+weights and reports ``CoreReady``.
+
+``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it routes each new
+request to the core that holds its prompt's prefix unless that one is much busier, else to the
+least loaded core (waiting + running, as last reported, plus what was sent since;
 engine/dp_router.py), sends each abort to the core that owns the request, and aggregates stats
 (labelled per core). The async engine's event loop stays in the front-end process. With the
 ``ray`` backend the cores are Ray actors instead of local processes (engine/ray_cores.py).
@@ -264,8 +266,6 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
 
 
 # ---------------------------------------------------------------------------------- the client
-
-
 
 
 class EngineCoreClient:
