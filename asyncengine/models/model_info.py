@@ -1,9 +1,9 @@
 """What the front end and the engine core know of a model before any weight is read: its config,
 tokenizer, end-of-generation ids, recommended sampling settings and length limit.
 
-No torch here (a GGUF's config and vocabulary come from its metadata; an HF folder's from
-transformers' config and tokenizer classes): a front end whose engine core runs in another process
-reads this while the core imports torch, in parallel on the machine's other core."""
+No torch here: a GGUF's config and vocabulary come from its metadata (an HF folder's from
+transformers' config and tokenizer classes, which may import torch themselves). A front end whose
+engine core runs in another process reads this while the core imports torch."""
 from __future__ import annotations
 
 import json
