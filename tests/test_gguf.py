@@ -496,13 +496,18 @@ def test_truncated_file(tmp_path, llama_f32, keep):
     _raises(path, "truncated")
 
 
-def test_unsupported_tensor_type(tmp_path, models, tokenizer):
+def _with_q8_1_tensor(tmp_path, models, tokenizer) -> Path:
+    """The tiny llama with blk.0.ffn_up.weight in Q8_1, a type the engine does not run."""
     qt = gguf.GGMLQuantizationType.Q8_1
     block, size = gguf.GGML_QUANT_SIZES[qt]
     rows, cols = models["llama"].model.layers[0].mlp.up_proj.weight.shape
     raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
-    path = write_tiny_gguf(tmp_path / "q81.gguf", models["llama"], tokenizer,
+    return write_tiny_gguf(tmp_path / "q81.gguf", models["llama"], tokenizer,
                            tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
+
+
+def test_unsupported_tensor_type(tmp_path, models, tokenizer):
+    path = _with_q8_1_tensor(tmp_path, models, tokenizer)
     message = _raises(path, "unsupported tensor type", "Q8_1", "blk.0.ffn_up.weight", "Q4_K")
     assert "Traceback" not in message
 
@@ -512,11 +517,7 @@ def test_unknown_tensor_type_id(tmp_path, models, tokenizer):
     from asyncengine.models.gguf import open_gguf
 
     qt = gguf.GGMLQuantizationType.Q8_1
-    block, size = gguf.GGML_QUANT_SIZES[qt]
-    rows, cols = models["llama"].model.layers[0].mlp.up_proj.weight.shape
-    raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
-    path = write_tiny_gguf(tmp_path / "q81.gguf", models["llama"], tokenizer,
-                           tensor_overrides={"blk.0.ffn_up.weight": (raw, qt)})
+    path = _with_q8_1_tensor(tmp_path, models, tokenizer)
     data = bytearray(path.read_bytes())
     name = b"blk.0.ffn_up.weight"
     pos = data.index(name) + len(name)  # then: u32 n_dims, n_dims u64 dims, u32 type id
