@@ -608,11 +608,24 @@ def test_extract_writes_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, "x.whl"])
 
 
-def test_cached_model_is_reused_and_corrupt_one_refetched(tmp_path, monkeypatch):
-    content = b"GGUF pretend model"
+PRETEND_MODEL = b"GGUF pretend model"
+
+
+@pytest.fixture
+def cached_pretend_model(tmp_path, monkeypatch):
+    """The default model's cache holding a small pretend file whose sha256 is the expected one, no
+    check remembered yet in this process; returns its path."""
     monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
-    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(content).hexdigest())
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(PRETEND_MODEL).hexdigest())
     monkeypatch.setattr(default_model, "_verified", {})
+    target = default_model.default_model_path()
+    target.parent.mkdir(parents=True)
+    target.write_bytes(PRETEND_MODEL)
+    return target
+
+
+def test_cached_model_is_reused_and_corrupt_one_refetched(cached_pretend_model, monkeypatch):
+    content, target = PRETEND_MODEL, cached_pretend_model
     downloads = []
 
     def fake_download(target):
@@ -620,9 +633,6 @@ def test_cached_model_is_reused_and_corrupt_one_refetched(tmp_path, monkeypatch)
         target.write_bytes(content)
 
     monkeypatch.setattr(default_model, "_download", fake_download)
-    target = default_model.default_model_path()
-    target.parent.mkdir(parents=True)
-    target.write_bytes(content)
     assert default_model.resolve_model_path(None) == str(target)
     assert default_model.resolve_model_path("SmolLM2-135M-Instruct") == str(target)
     assert downloads == []
@@ -632,19 +642,13 @@ def test_cached_model_is_reused_and_corrupt_one_refetched(tmp_path, monkeypatch)
     assert downloads == [target] and target.read_bytes() == content
 
 
-def test_a_verified_model_is_not_hashed_again_by_the_next_process(tmp_path, monkeypatch):
+def test_a_verified_model_is_not_hashed_again_by_the_next_process(cached_pretend_model, monkeypatch):
     """The sha256 check is remembered in a stamp next to the file, valid while size and mtime hold."""
-    content = b"GGUF pretend model"
-    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path))
-    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(content).hexdigest())
-    monkeypatch.setattr(default_model, "_verified", {})
+    content, target = PRETEND_MODEL, cached_pretend_model
     hashed = []
     real_hash = default_model._sha256_file
     monkeypatch.setattr(default_model, "_sha256_file", lambda p: hashed.append(p) or real_hash(p))
-    monkeypatch.setattr(default_model, "_download", lambda target: target.write_bytes(content))
-    target = default_model.default_model_path()
-    target.parent.mkdir(parents=True)
-    target.write_bytes(content)
+    monkeypatch.setattr(default_model, "_download", lambda t: t.write_bytes(content))
     assert default_model.ensure_default_model() == str(target) and len(hashed) == 1
     default_model._verified.clear()  # a new process
     assert default_model.ensure_default_model() == str(target) and len(hashed) == 1  # the stamp holds
