@@ -75,6 +75,7 @@ class EngineCore:
         self._steps_in_flight = 0
         self.num_overlapped_steps = 0
         self._flight_lock = threading.Lock()
+        self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
         log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
                  config.block_size, self.max_model_len, config.torch_dtype)

@@ -214,9 +214,9 @@ class AsyncLLMEngine:
 
     @property
     def dtype(self) -> str:
-        """The model's resolved dtype, e.g. "float32" (where the model runs; no torch needed here)."""
-        dtype = getattr(self.core, "dtype", None)  # engine cores in other processes report theirs
-        return dtype or str(self.config.torch_dtype).removeprefix("torch.")
+        """The model's resolved dtype, e.g. "float32", as the core reports it (an engine core in
+        another process resolves it there: no torch needed here)."""
+        return self.core.dtype
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for

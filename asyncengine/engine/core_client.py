@@ -200,8 +200,7 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
     except BaseException as e:
         send(_dead(e))
         os._exit(1)
-    dtype = str(config.torch_dtype).removeprefix("torch.")
-    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=dtype))
+    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=core.dtype))
     depth = 2 if config.async_scheduling else 1
     inflight: deque = deque()
     last_stats = 0.0
