@@ -11,13 +11,15 @@ that a noisy machine's slow minutes fall on both alike.
 Per round and variant (the variants' order flips every round): `--help`'s wall time; the chat's
 first answer byte from launch, its CPU seconds and peak RSS (all its processes); with --decode N,
 the decode speed the chat reports for an N-token answer; with --serve, the idle server's ready time
-and RSS, in-process and with --engine-core-process. --only picks some of help, chat, decode, serve.
+and RSS, in-process and with --engine-core-process. --only picks some of help, chat, decode, serve. --peer times another
+engine's one-question command (launch to exit) in the same rounds.
 Prints medians, bests and every run (benchmarks/startup.py's measurements).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -33,6 +35,9 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true", help="also time the idle server (both core modes)")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also the decode speed of an N-token answer")
     ap.add_argument("--only", default=None, help="comma-separated subset of help,chat,decode,serve")
+    ap.add_argument("--peer", default=None, metavar="CMD",
+                    help="a peer's one-question command (e.g. llama-cli ... -st -n 16), timed launch to exit "
+                         "each round beside the variants' chat (total_s)")
     args = ap.parse_args()
     variants = {}
     for v in args.variant:
@@ -68,6 +73,7 @@ def main() -> int:
                 res.setdefault(f"{name} help_s", []).append(startup.run_timed(startup.cli() + ["--help"])["wall_s"])
             if "chat" in what:
                 r = startup.run_timed(startup.cli() + ["chat", *flags, "--prompt", startup.PROMPT])
+                res.setdefault(f"{name} chat_total_s", []).append(r["wall_s"])
                 for k in ("first_s", "cpu_s", "rss_mb"):
                     res.setdefault(f"{name} chat_{k}", []).append(r[k])
             if "decode" in what:
@@ -80,6 +86,8 @@ def main() -> int:
                     s = startup.serve_idle(flags + extra)
                     res.setdefault(f"{name} {label}_ready_s", []).append(s["ready_s"])
                     res.setdefault(f"{name} {label}_rss_mb", []).append(s["rss_mb"])
+        if args.peer:
+            res.setdefault("peer total_s", []).append(startup.run_timed(shlex.split(args.peer))["wall_s"])
     for k, v in sorted(res.items()):
         best = max(v) if k.endswith("tok_s") else min(v)
         print(f"{k:34s} median {statistics.median(v):8.3f}  best {best:8.3f}  {[round(x, 2) for x in v]}")
