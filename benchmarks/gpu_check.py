@@ -132,7 +132,7 @@ def cuda_time(fn, iters: int, device: torch.device) -> float:
 # ------------------------------------------------------------------------------------------ sections
 
 def s_tests(args) -> None:
-    files = ["tests/kernels", "tests/test_triton_backend.py", "tests/test_cuda_runner_logic.py", "tests/test_gpu.py"]
+    files = ["tests/kernels", "tests/attention/test_triton_backend.py", "tests/worker/test_cuda_runner_logic.py", "tests/worker/test_gpu.py"]
     try:
         paths = [str(REPO), str(COMPAT)] + ([str(COMPAT / "shim")] if "shim" in MSGSPEC else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))

@@ -19,7 +19,7 @@ runs), whose logits are bit-identical to the reference: KL 0, which says nothing
   mean_kl         mean KL(reference || quantized) in nats (issue 11: <= 0.01)
   max_kl, ppl_reference, ppl_quantized   for context
 
-tests/test_smollm2.py asserts the thresholds on the default model.
+tests/models/test_smollm2.py asserts the thresholds on the default model.
 """
 from __future__ import annotations
 

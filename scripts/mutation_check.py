@@ -36,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = "asyncengine/core/"
 
 # test selections, fastest first (``-x`` stops at the first failure)
-SCHED = ["tests/test_scheduler.py", "tests/test_prefix_caching.py", "tests/test_priority.py"]
-PREFIX = ["tests/test_prefix_caching.py", "tests/test_block_pool.py", "tests/test_scheduler.py"]
-POOL = ["tests/test_block_pool.py", "tests/test_prefix_caching.py"]
-SAMPLES = ["tests/test_prefix_caching.py", "tests/test_scheduler.py", "tests/test_sampling_e2e.py"]
-STOPS = ["tests/test_sampling_e2e.py", "tests/test_scheduler.py"]
-PRIORITY = ["tests/test_priority.py", "tests/test_prefix_caching.py", "tests/test_scheduler.py"]
-METRICS = ["tests/test_metrics.py", "tests/test_prefix_caching.py"]
+SCHED = ["tests/core/test_scheduler.py", "tests/core/test_prefix_caching.py", "tests/core/test_priority.py"]
+PREFIX = ["tests/core/test_prefix_caching.py", "tests/core/test_block_pool.py", "tests/core/test_scheduler.py"]
+POOL = ["tests/core/test_block_pool.py", "tests/core/test_prefix_caching.py"]
+SAMPLES = ["tests/core/test_prefix_caching.py", "tests/core/test_scheduler.py", "tests/engine/test_sampling_e2e.py"]
+STOPS = ["tests/engine/test_sampling_e2e.py", "tests/core/test_scheduler.py"]
+PRIORITY = ["tests/core/test_priority.py", "tests/core/test_prefix_caching.py", "tests/core/test_scheduler.py"]
+METRICS = ["tests/core/test_metrics.py", "tests/core/test_prefix_caching.py"]
 
 
 @dataclass
@@ -62,11 +62,11 @@ MUTANTS = [
       "        if req.request_id in self.requests or req.request_id in self.parents:\n"
       "            raise ValueError(",
       "        if False:\n            raise ValueError(",
-      ["tests/test_scheduler.py", "tests/test_sampling_e2e.py"], "a request id already in the engine is refused"),
+      ["tests/core/test_scheduler.py", "tests/engine/test_sampling_e2e.py"], "a request id already in the engine is refused"),
     M("sched.dup_child_id", "scheduler.py",
       "            if c.request_id in self.requests:\n                raise ValueError(",
       "            if False:\n                raise ValueError(",
-      ["tests/test_scheduler.py", "tests/test_sampling_e2e.py"],
+      ["tests/core/test_scheduler.py", "tests/engine/test_sampling_e2e.py"],
       "a sample id already in the engine is refused"),
     M("sched.hold_off", "scheduler.py",
       "        hold = self.kv.enable_caching and (leader.num_prompt_tokens - 1) // self.kv.block_size > 0",
@@ -86,7 +86,7 @@ MUTANTS = [
       "released samples queue at the front (they arrived with sample 0)"),
     M("sched.abort_missing", "scheduler.py",
       "                req = self.requests.get(cid)\n                if req is None:\n                    continue\n",
-      "                req = self.requests.get(cid)\n", ["tests/test_scheduler.py", "tests/test_async_engine.py"],
+      "                req = self.requests.get(cid)\n", ["tests/core/test_scheduler.py", "tests/engine/test_async_engine.py"],
       "aborting an id that is not (or no longer) here is a no-op"),
     M("sched.finish_held", "scheduler.py",
       "        elif req.hold_for is not None:\n            self._held.remove(req)\n            req.hold_for = None\n",
@@ -143,7 +143,7 @@ MUTANTS = [
     M("sched.cached_tokens_once", "scheduler.py",
       "                if req.num_cached_tokens < 0:\n                    req.num_cached_tokens = num_hit\n",
       "                req.num_cached_tokens = num_hit\n",
-      ["tests/test_scheduler.py", "tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
+      ["tests/core/test_scheduler.py", "tests/core/test_prefix_caching.py", "tests/engine/test_sampling_e2e.py"],
       "num_cached_tokens is the first admission's hit (a recompute's hit does not overwrite it)"),
     M("sched.queue_time_once", "scheduler.py",
       "                if req.first_scheduled_time is None:\n", "                if True:\n", METRICS,
@@ -160,11 +160,11 @@ MUTANTS = [
       "a request that hit a stop condition is finished (blocks freed)"),
     M("sched.prompt_lps_skip", "scheduler.py",
       "        new = entries[skip:] if skip else entries\n", "        new = entries\n",
-      ["tests/test_sampling_e2e.py"], "a recompute does not resend prompt logprobs already delivered"),
+      ["tests/engine/test_sampling_e2e.py"], "a recompute does not resend prompt logprobs already delivered"),
     # ------------------------------------------------------------------ kv_cache_manager.py
     M("kv.prompt_logprobs_bypass", "kv_cache_manager.py",
       "        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:",
-      "        if not self.enable_caching:", ["tests/test_prefix_caching.py", "tests/test_sampling_e2e.py"],
+      "        if not self.enable_caching:", ["tests/core/test_prefix_caching.py", "tests/engine/test_sampling_e2e.py"],
       "requests with prompt logprobs bypass the prefix cache (every position computed)"),
     M("kv.caching_off", "kv_cache_manager.py",
       "        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:",
@@ -247,11 +247,11 @@ MUTANTS = [
       "a request ends at exactly max_tokens"),
     M("req.child_seed", "request.py",
       "seed=None if sp.seed is None else (sp.seed + i) % _SEED_MOD,", "seed=sp.seed,",
-      ["tests/test_sampling_e2e.py"], "sample i of a seeded n > 1 request uses seed + i"),
+      ["tests/engine/test_sampling_e2e.py"], "sample i of a seeded n > 1 request uses seed + i"),
     M("req.child_prompt_logprobs", "request.py",
       "                prompt_logprobs=sp.prompt_logprobs if i == 0 else None)",
       "                prompt_logprobs=sp.prompt_logprobs)",
-      ["tests/test_sampling_e2e.py", "tests/test_prefix_caching.py"],
+      ["tests/engine/test_sampling_e2e.py", "tests/core/test_prefix_caching.py"],
       "only sample 0 computes prompt logprobs (the others can share the prompt's blocks)"),
     # ------------------------------------------------------------------ request_queue.py
     M("queue.fcfs_front", "request_queue.py",

@@ -1,4 +1,5 @@
-"""Kernel tests: Triton kernels against their torch references.
+"""Kernel tests: the Triton kernels (kernels/*.py) and the CPU C kernels (kernels/cpu, test_cpu_kernels.py,
+test_quant_kernels.py) against their torch references.
 
 Without CUDA (CI, dev boxes) the kernels run in triton's CPU interpreter on CPU tensors: every test here
 gets ``TRITON_INTERPRET=1`` through an autouse fixture, scoped to these tests only, so other test modules

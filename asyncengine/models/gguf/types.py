@@ -3,7 +3,7 @@
 These ids and sizes are llama.cpp's stable file format (``enum ggml_type`` and ``type_traits`` in
 ggml), so we keep our own copy: reading a file's tensor table then needs no ``gguf`` package, whose
 import (~0.12 s, 88 ms of it ``gguf.constants``) was on the chat's start-up path only for this table.
-tests/test_gguf.py checks every entry against ``gguf.GGMLQuantizationType`` / ``GGML_QUANT_SIZES``.
+tests/models/test_gguf.py checks every entry against ``gguf.GGMLQuantizationType`` / ``GGML_QUANT_SIZES``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ holding exactly the dequantized weights (``load_gguf``'s tensors, or quantize ->
 original): the kernels keep the block math exact, so outputs must be token-exact up to the
 near-tie rule (a first divergence only where the reference's top-2 logit margin < 1e-4). That holds
 for fp32 activations, so every test here pins ``ASYNCENGINE_QUANT_ACTIVATIONS=fp32`` (the int8 path
-cannot be token-exact: tests/test_quant_kernels.py and tests/test_quant_accuracy.py hold it)."""
+cannot be token-exact: tests/kernels/test_quant_kernels.py and tests/models/test_quant_accuracy.py hold it)."""
 from __future__ import annotations
 
 import os

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: gguf_utils
 
 from gguf_utils import CHATML_TEMPLATE, tiny_hf_model, tiny_tokenizer, write_tiny_gguf  # noqa: E402
 

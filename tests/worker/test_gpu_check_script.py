@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def run(*args, timeout=300):

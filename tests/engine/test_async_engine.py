@@ -2,7 +2,7 @@
 faults, per-request errors and lifecycle (loops, shutdown, output kinds).
 
 Every scenario is a plain coroutine ``scenario_*(model_dir, ...)`` so the same code also runs on
-uvloop and under anyio (tests/test_async_uvloop.py). fp32, greedy, EOS ignored, tiny random model.
+uvloop and under anyio (tests/engine/test_async_uvloop.py). fp32, greedy, EOS ignored, tiny random model.
 No test asserts on wall-clock time: waits are bounded loops of short sleeps, and
 ``asyncio.wait_for`` appears only as a hang guard with a generous limit.
 """

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.smollm2
 
 def _bench():
     spec = importlib.util.spec_from_file_location(
-        "quant_accuracy", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quant_accuracy.py"))
+        "quant_accuracy", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "quant_accuracy.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench

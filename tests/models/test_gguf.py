@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # tests/: gguf_utils
 
 from gguf_utils import (  # noqa: E402
     CHATML_TEMPLATE,
