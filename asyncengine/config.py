@@ -13,12 +13,12 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
+from asyncengine.attention.registry import BACKEND_CHOICES, AttentionBackendName, check_backend_name
 from asyncengine.errors import ConfigError
+from asyncengine.request_limits import RequestLimits
 
 if TYPE_CHECKING:
     import torch
-
-    from asyncengine.engine.validation import RequestLimits
 
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
@@ -28,14 +28,14 @@ _DTYPE_NAMES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+ATTENTION_BACKENDS = BACKEND_CHOICES  # the table: attention/registry.py
 
 
 @lru_cache(maxsize=1)
 def cpu_auto_dtype() -> torch.dtype:
-    """The CPU's fastest GEMM type, by a measured probe cached per machine (worker/dtype_probe.py):
+    """The CPU's fastest GEMM type, by a measured probe cached per machine (platforms/dtype_probe.py):
     a bf16 CPU flag has meant 4x fp32 on one machine of ours and half of it on another."""
-    from asyncengine.worker.dtype_probe import fastest_cpu_dtype
+    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype
 
     return fastest_cpu_dtype()
 
@@ -126,7 +126,7 @@ class EngineConfig:
     # and cares (engine/gc_policy.py).
     freeze_gc_after_load: bool = True
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
-    # asyncengine/engine/validation.py; None = RequestLimits()'s documented defaults
+    # asyncengine/request_limits.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
     # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
     # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
@@ -154,7 +154,7 @@ class EngineConfig:
     # attention with no gather copy), "torch" (plain torch ops), "triton" (the kernels/ Triton
     # kernels: CUDA, or triton's CPU interpreter under TRITON_INTERPRET=1); "auto" = triton on CUDA,
     # cpu on CPU where the C kernels build, else torch
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    attention_backend: AttentionBackendName = "auto"
     # CUDA: the share of the GPU's memory the engine may use; the KV cache gets what is left of it
     # after a profiling run of the largest step (vLLM's name). Ignored when kv_cache_bytes or
     # num_kv_blocks is given.
@@ -200,8 +200,6 @@ class EngineConfig:
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         if self.limits is None:
-            from asyncengine.engine.validation import RequestLimits
-
             self.limits = RequestLimits()
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -226,9 +224,7 @@ class EngineConfig:
             raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         check_device(self.device)
         check_dtype(self.dtype)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                              f"got {self.attention_backend!r}")
+        check_backend_name(self.attention_backend)
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
@@ -254,7 +250,7 @@ class EngineConfig:
 
     @functools.cached_property
     def attention_backend_name(self) -> str:
-        from asyncengine.attention.selector import resolve_backend_name
+        from asyncengine.attention.registry import resolve_backend_name
 
         return resolve_backend_name(self.attention_backend, self.torch_device)
 

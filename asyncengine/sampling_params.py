@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from asyncengine.errors import InvalidRequestError
 from asyncengine.structured.params import StructuredOutputsParams
 
 
@@ -75,9 +76,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        # the rules live with every other request rule, in engine/validation.py
-        from asyncengine.engine.validation import check_sampling_ranges
-
         check_sampling_ranges(self)
 
     @property
@@ -87,3 +85,47 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+def check_sampling_ranges(p: SamplingParams) -> None:
+    """The value ranges of SamplingParams' fields, checked when one is built (normalizes ``stop``
+    to a list and ``top_k=-1`` to 0). Out-of-range values raise InvalidRequestError naming the field."""
+    def bad(msg: str) -> None:
+        raise InvalidRequestError(f"SamplingParams: {msg}")
+
+    if p.n < 1:
+        bad(f"n must be >= 1, got {p.n}")
+    if not p.temperature >= 0.0:
+        bad(f"temperature must be >= 0, got {p.temperature}")
+    if not 0.0 < p.top_p <= 1.0:
+        bad(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < -1:
+        bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {p.top_k}")
+    if p.top_k == -1:
+        p.top_k = 0
+    if not 0.0 <= p.min_p <= 1.0:
+        bad(f"min_p must be in [0, 1], got {p.min_p}")
+    if not p.repetition_penalty > 0.0:
+        bad(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    if not -2.0 <= p.presence_penalty <= 2.0:
+        bad(f"presence_penalty must be in [-2, 2], got {p.presence_penalty}")
+    if not -2.0 <= p.frequency_penalty <= 2.0:
+        bad(f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}")
+    if p.max_tokens is not None and p.max_tokens < 1:
+        bad(f"max_tokens must be >= 1, got {p.max_tokens}")
+    if p.min_tokens < 0:
+        bad(f"min_tokens must be >= 0, got {p.min_tokens}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        bad(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
+    if p.logprobs is not None and p.logprobs < 0:
+        bad(f"logprobs must be >= 0, got {p.logprobs}")
+    if p.prompt_logprobs is not None and p.prompt_logprobs < 0:
+        bad(f"prompt_logprobs must be >= 0, got {p.prompt_logprobs}")
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    if p.stop is not None and any(not s for s in p.stop):
+        bad("stop strings must be non-empty")
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        bad("allowed_token_ids must not be empty")
+    if p.seed is not None and not (0 <= p.seed < 2**63):
+        bad(f"seed must be in [0, 2**63), got {p.seed}")

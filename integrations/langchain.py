@@ -34,7 +34,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, PrivateAttr, model_validator
 
-from asyncengine.engine.defaults import SAMPLING_KNOBS, with_defaults
+from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, with_defaults
 from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import OutputKind, SamplingParams
 

@@ -22,7 +22,7 @@ from llama_index.core.llms import LLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from pydantic import Field, PrivateAttr
 
-from asyncengine.engine.defaults import SAMPLING_KNOBS, with_defaults
+from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, with_defaults
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from asyncengine.attention.backend import AttentionBackend, StepBatch
-from asyncengine.worker.cuda_utils import PersistentBuffers
+from asyncengine.attention.buffers import PersistentBuffers
 
 
 @dataclass

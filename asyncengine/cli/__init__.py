@@ -2,7 +2,7 @@
 text) and ``serve`` (the OpenAI-compatible server).
 
 Sampling flags left out take the model's defaults (its generation config, else the small-chat
-defaults in asyncengine/engine/defaults.py); answers run until the model ends them or the context
+defaults in asyncengine/models/sampling_defaults.py); answers run until the model ends them or the context
 is full, unless --max-tokens says otherwise.
 """
 from __future__ import annotations

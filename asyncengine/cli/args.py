@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from asyncengine.attention.registry import BACKEND_CHOICES  # torch-free: the backends' table
+
 EXIT_USAGE = 2  # argparse's own exit status for bad usage; also every error caught before the model runs
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -38,7 +40,7 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                         "used as conversations fill it)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences decoded at once (default: 1 for chat/generate, 256 for serve)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+    p.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
                    help="attention over the KV cache; auto = triton on a GPU, else cpu (C kernels, built once "
                         "per machine) where a C compiler is found, else torch")
     p.add_argument("--seed", type=int, default=0, help="engine random seed")

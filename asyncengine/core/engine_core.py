@@ -17,12 +17,13 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_sizing import plan_kv_blocks
+from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
+from asyncengine.executor.selector import executor_class
 from asyncengine.models.model_info import ModelInfo, load_model_info
-from asyncengine.worker.worker import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ class EngineCore:
             from asyncengine.models.registry import resolve_architecture
             resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
-        self.executor: Executor = Executor.get_class(config)(config, self.model_info, loaded)
+        self.executor: Executor = executor_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
             num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)
-            self.executor.initialize_cache(num_blocks)
+            self.executor.initialize_cache(KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size))
         except BaseException:
             self.executor.shutdown()
             raise

@@ -10,7 +10,7 @@ In order of precedence:
    would use, capped at ``kv_cache_memory_fraction`` of the memory available when the engine starts.
 
 The cache is reserved, not touched: on CPU it is lazily zero-filled anonymous memory
-(:func:`asyncengine.worker.kv_cache.kv_cache_zeros`), so the process's resident memory grows
+(:func:`asyncengine.attention.kv_cache.kv_cache_zeros`), so the process's resident memory grows
 only with the blocks requests actually write to. A generous reservation therefore costs address
 space, not RAM, until it is used; a long-running server with prefix caching on keeps freed blocks'
 contents and so, over time, touches up to the whole reservation (that is what the cap bounds).
@@ -69,7 +69,7 @@ def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: 
     rank, its share of the KV heads) and the memory available (on the rank with the least; None if
     unknown). ``budget_bytes``: a measured budget that replaces the memory-fraction cap (CUDA: what
     ``gpu_memory_utilization`` leaves after a profiling run). The engine core applies this to the
-    :class:`~asyncengine.worker.worker.KVCacheSpec` its workers report."""
+    :class:`~asyncengine.core.kv_cache_spec.KVCacheSpec` its workers report."""
     bs = config.block_size
     if config.num_kv_blocks is not None:
         return KVPlan(config.num_kv_blocks, per_block, "num_kv_blocks")

@@ -28,7 +28,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.request import child_request_id
 from asyncengine.engine import gc_policy, validation
-from asyncengine.engine.defaults import default_sampling_params
+from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
@@ -252,7 +252,7 @@ class AsyncLLMEngine:
         self._bind_loop()
         if self._closing:
             raise EngineDeadError("the engine is shutting down")
-        if sampling_params is None:  # the model's defaults (engine/defaults.py)
+        if sampling_params is None:  # the model's defaults (models/sampling_defaults.py)
             sampling_params = self.default_sampling_params
         params = _check_params(sampling_params)
         if request_id is None:

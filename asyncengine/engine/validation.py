@@ -7,8 +7,9 @@ bytes of a body before it is read, the nesting of JSON before it is decoded), an
 a :class:`RequestLimitError` / :class:`InvalidRequestError` whose message names the field, the
 limit and its value, so a client knows what to change.
 
-Here too: the value ranges of SamplingParams (checked when one is built), chat message shapes,
-token-id ranges, request ids. (The HTTP API's own OpenAI-compatible ranges, e.g. temperature <= 2,
+Here too: chat message shapes, token-id ranges, request ids. (The value ranges of a SamplingParams
+are its own, checked when one is built: sampling_params.py. The limits are a neutral struct that
+the config and this module both import: request_limits.py.) (The HTTP API's own OpenAI-compatible ranges, e.g. temperature <= 2,
 are in the server's request schema, integrations/openai_server/protocol.py.)
 
 Limits live in :class:`RequestLimits` (``EngineConfig(limits=RequestLimits(...))``, or the
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.request_limits import CHARS_PER_TOKEN, RequestLimitError, RequestLimits
 from asyncengine.sampling_params import SamplingParams
 
 __all__ = ["RequestLimits", "RequestLimitError", "check_sampling_params", "check_prompt_chars",
@@ -30,72 +32,6 @@ __all__ = ["RequestLimits", "RequestLimitError", "check_sampling_params", "check
            "check_body_size", "check_allowed_tokens", "CHAT_ROLES"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# a prompt longer than this many characters per token of max_model_len cannot fit (real text
-# averages 3-5 characters a token; even long whitespace runs stay well below 32)
-CHARS_PER_TOKEN = 32
-
-
-class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What one request may cost. Every field is a hard limit; exceeding it is a 4xx naming it.
-
-    * ``max_request_bytes``: an HTTP body or a websocket frame (413 before it is read in full).
-    * ``max_json_depth``: nesting of arrays/objects in a JSON body (checked before decoding).
-    * ``max_prompt_chars``: characters of a text prompt (or of all chat messages together),
-      checked before tokenizing; ``None`` = ``32 x max_model_len`` (no longer text can fit).
-    * ``max_prompts``: prompts in one completions request; ``max_samples``: prompts x n.
-    * ``max_n``, ``max_logprobs``, ``max_prompt_logprobs``: per request.
-    * ``max_stop_strings`` / ``max_stop_string_chars``: how many stop strings, how long each (the
-      matcher is linear in their total length anyway).
-    * ``max_stop_token_ids``, ``max_logit_bias``, ``max_allowed_token_ids``, ``max_bad_words``:
-      entries of those fields (duplicates are dropped first).
-    * ``max_messages``: chat messages; ``max_request_id_chars``: a caller-given request id.
-    * ``max_concurrent_tokenizations``: long prompts are tokenized on worker threads, at most
-      this many at once (the rest wait their turn, off the event loop).
-    * ``off_loop_chars``: prompts longer than this are tokenized off the event loop.
-    """
-
-    max_request_bytes: int = 4 * 1024 * 1024
-    max_json_depth: int = 64
-    max_prompt_chars: int | None = None
-    max_prompts: int = 256
-    max_samples: int = 256
-    max_n: int = 128
-    max_logprobs: int = 20
-    max_prompt_logprobs: int = 20
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 1024
-    max_stop_token_ids: int = 256
-    max_logit_bias: int = 1024
-    max_allowed_token_ids: int = 65536
-    max_bad_words: int = 128
-    max_messages: int = 2048
-    max_request_id_chars: int = 256
-    max_concurrent_tokenizations: int = 2
-    off_loop_chars: int = 4096
-
-    def __post_init__(self) -> None:
-        from asyncengine.errors import ConfigError
-
-        for f in self.__struct_fields__:
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"RequestLimits.{f} must be a positive integer, got {v!r}")
-
-    def prompt_chars(self, max_model_len: int) -> int:
-        """The character limit of a prompt for a model of ``max_model_len`` tokens."""
-        if self.max_prompt_chars is not None:
-            return self.max_prompt_chars
-        return CHARS_PER_TOKEN * max_model_len
-
-
-class RequestLimitError(InvalidRequestError):
-    """A request over one of the :class:`RequestLimits` (or another rule): ``limit`` names the
-    limit, ``param`` the request field. HTTP: 400 (413 for ``max_request_bytes``)."""
-
-    def __init__(self, message: str, *, param: str | None = None, limit: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.limit = limit
 
 
 def _over(what: str, value: int, limit: str, limits: RequestLimits, param: str, cap: int | None = None
@@ -236,50 +172,6 @@ def messages_chars(messages: list[dict]) -> int:
 
 
 # ---------------------------------------------------------------- sampling parameters
-
-
-def check_sampling_ranges(p: SamplingParams) -> None:
-    """The value ranges of SamplingParams' fields, checked when one is built (normalizes ``stop``
-    to a list and ``top_k=-1`` to 0). Out-of-range values raise InvalidRequestError naming the field."""
-    def bad(msg: str) -> None:
-        raise InvalidRequestError(f"SamplingParams: {msg}")
-
-    if p.n < 1:
-        bad(f"n must be >= 1, got {p.n}")
-    if not p.temperature >= 0.0:
-        bad(f"temperature must be >= 0, got {p.temperature}")
-    if not 0.0 < p.top_p <= 1.0:
-        bad(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < -1:
-        bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {p.top_k}")
-    if p.top_k == -1:
-        p.top_k = 0
-    if not 0.0 <= p.min_p <= 1.0:
-        bad(f"min_p must be in [0, 1], got {p.min_p}")
-    if not p.repetition_penalty > 0.0:
-        bad(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    if not -2.0 <= p.presence_penalty <= 2.0:
-        bad(f"presence_penalty must be in [-2, 2], got {p.presence_penalty}")
-    if not -2.0 <= p.frequency_penalty <= 2.0:
-        bad(f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}")
-    if p.max_tokens is not None and p.max_tokens < 1:
-        bad(f"max_tokens must be >= 1, got {p.max_tokens}")
-    if p.min_tokens < 0:
-        bad(f"min_tokens must be >= 0, got {p.min_tokens}")
-    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-        bad(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
-    if p.logprobs is not None and p.logprobs < 0:
-        bad(f"logprobs must be >= 0, got {p.logprobs}")
-    if p.prompt_logprobs is not None and p.prompt_logprobs < 0:
-        bad(f"prompt_logprobs must be >= 0, got {p.prompt_logprobs}")
-    if isinstance(p.stop, str):
-        p.stop = [p.stop]
-    if p.stop is not None and any(not s for s in p.stop):
-        bad("stop strings must be non-empty")
-    if p.allowed_token_ids is not None and not p.allowed_token_ids:
-        bad("allowed_token_ids must not be empty")
-    if p.seed is not None and not (0 <= p.seed < 2**63):
-        bad(f"seed must be in [0, 2**63), got {p.seed}")
 
 
 def _finite(name: str, v: float) -> None:

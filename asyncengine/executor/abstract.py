@@ -8,6 +8,8 @@ the overlapped busy loop can keep two steps in flight with any executor. Impleme
 - ``mp`` (:mod:`asyncengine.executor.multiproc`): tensor-parallel worker processes on this machine.
 - ``ray`` (:mod:`asyncengine.executor.ray_executor`): workers as Ray actors, any number of nodes.
 
+(:func:`asyncengine.executor.selector.executor_class` picks one.)
+
 Life cycle: the constructor starts the workers, which load their part of the model;
 :meth:`determine_kv_cache_spec` reports what one block costs per rank and what memory the ranks
 have; the core picks the block count and calls :meth:`initialize_cache`; then steps.
@@ -19,9 +21,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.models.model_info import ModelInfo
-from asyncengine.worker.worker import KVCacheSpec
 
 
 class Executor(ABC):
@@ -33,31 +35,19 @@ class Executor(ABC):
         to_dict = getattr(model_info.hf_config, "to_dict", None)
         self.hf_config_dict = to_dict() if to_dict is not None else dict(vars(model_info.hf_config))
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
-        backend = config.distributed_executor_backend
-        if backend == "uni":
-            from asyncengine.executor.uniproc import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from asyncengine.executor.multiproc import MultiprocExecutor
-            return MultiprocExecutor
-        if backend == "ray":
-            from asyncengine.executor.ray_executor import RayExecutor
-            return RayExecutor
-        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
-
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         """The most constrained rank's view: the largest block, the least free memory."""
         specs = self.collective_rpc("determine_kv_cache_spec")
         avail = [s.available_bytes for s in specs if s.available_bytes is not None]
         budgets = [s.kv_budget_bytes for s in specs if s.kv_budget_bytes is not None]
-        return KVCacheSpec(bytes_per_block=max(s.bytes_per_block for s in specs),
+        if len({s.block_size for s in specs}) != 1:
+            raise RuntimeError(f"ranks disagree on the KV block size: {[s.block_size for s in specs]}")
+        return KVCacheSpec(block_size=specs[0].block_size, bytes_per_block=max(s.bytes_per_block for s in specs),
                            available_bytes=min(avail) if avail else None,
                            kv_budget_bytes=min(budgets) if budgets else None)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks,))
+    def initialize_cache(self, kv: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_cache", (kv,))
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":

@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.platforms.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -43,15 +44,6 @@ GGUF_APPROX_MB = 98
 # and any rewrite of the file changes its mtime.
 _verified: dict[str, tuple[int, int]] = {}
 _lock = threading.Lock()
-
-
-def cache_dir() -> Path:
-    """Where downloaded models live (not created here)."""
-    if explicit := os.environ.get("ASYNCENGINE_CACHE"):
-        return Path(explicit).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "asyncengine"
-    return Path.home() / ".cache" / "asyncengine"
 
 
 def default_model_path() -> Path:

@@ -98,7 +98,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     want_tok = tokenizer and not config.skip_tokenizer_init
     gguf, weights, tok, generation_config, file_types = None, None, None, None, None
     if path.endswith(".gguf"):
-        from asyncengine.engine.defaults import gguf_generation_config
+        from asyncengine.models.sampling_defaults import gguf_generation_config
 
         if tp.size > 1:
             from asyncengine.models.gguf import gguf_config, load_gguf

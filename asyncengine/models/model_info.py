@@ -93,7 +93,7 @@ class ModelInfo:
     vocab_size: int
     path: str
     # sampling settings the checkpoint recommends (generation_config.json; GGUF general.sampling.*):
-    # the front end's defaults (engine/defaults.py)
+    # the front end's defaults (models/sampling_defaults.py)
     generation_config: dict | None = None
 
 
@@ -101,7 +101,7 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
-        from asyncengine.engine.defaults import gguf_generation_config
+        from asyncengine.models.sampling_defaults import gguf_generation_config
         from asyncengine.models.gguf import open_gguf
 
         log.info(f"reading {os.path.basename(path)}")

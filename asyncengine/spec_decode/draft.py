@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.attention import SeqChunk, StepBatch, get_backend
+from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.selector import get_backend
 
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, backend_name: str = "torch") -> None:
-        from asyncengine.worker.kv_cache import kv_cache_zeros
+        from asyncengine.attention.kv_cache import kv_cache_zeros
 
         self.model = model
         self.block_size = block_size

@@ -17,7 +17,8 @@ import logging
 import torch
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
-from asyncengine.worker.cuda_utils import PersistentBuffers, capture_sizes, padded_batch_size
+from asyncengine.attention.buffers import PersistentBuffers
+from asyncengine.worker.cuda_utils import capture_sizes, padded_batch_size
 
 log = logging.getLogger(__name__)
 

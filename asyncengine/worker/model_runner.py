@@ -6,7 +6,7 @@ table: worker/request_state.py), so the scheduler sends only what changed. The r
 token it samples to that state, which is what lets the scheduler plan step N+1 before step N's
 tokens reach it: the input of a decode is always the runner's own last sample.
 
-Around the step, each idea has its module: the KV tensors (worker/kv_cache.py), structured-output
+Around the step, each idea has its module: the KV tensors (attention/kv_cache.py), structured-output
 masks (worker/grammar.py), speculative drafts and their verification (worker/speculation.py: a
 request with drafts is laid out like a prefill chunk of its last token and the drafts, every row
 sampled), prompt logprobs (worker/prompt_logprobs.py).
@@ -22,26 +22,29 @@ import time
 
 import torch
 
+from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.buffers import PersistentBuffers
+from asyncengine.attention.kv_cache import kv_cache_zeros
+from asyncengine.attention.registry import backend_info
+from asyncengine.attention.selector import get_backend
 from asyncengine.config import EngineConfig
+from asyncengine.core.kv_cache_spec import KVCacheConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.sampler import Sampler, SamplerOutput
-from asyncengine.worker.sampling_metadata import SamplingMetadata
-from asyncengine.attention import SeqChunk, StepBatch, get_backend
 from asyncengine.errors import ConfigError
+from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
-from asyncengine.worker.cuda_utils import PersistentBuffers
 from asyncengine.worker.grammar import Grammar
-from asyncengine.worker.kv_cache import kv_cache_zeros
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
+from asyncengine.worker.sampler import Sampler, SamplerOutput
+from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposers, propose_drafts
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, kv: KVCacheConfig,
                  eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None
                  ) -> None:
         self.config = config
@@ -51,13 +54,13 @@ class ModelRunner:
         self.tp = tp
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        self.block_size = config.block_size
+        self.block_size = kv.block_size  # the core's plan (core/kv_cache_spec.py), not re-read from config
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = list(eos_token_ids)
         a = self.model.args
         # this rank's heads: the KV cache holds only its KV heads
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks = kv.num_blocks
         # the attention backend owns the cache layout and builds each step's attention metadata
         self.attn_backend = get_backend(
             config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -75,7 +78,7 @@ class ModelRunner:
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
         self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
-        if (self.device.type == "cuda" and self.attn_backend.name == "triton" and not config.enforce_eager
+        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs and not config.enforce_eager
                 and tp.size == 1):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}

@@ -3,7 +3,7 @@ worker process (``mp``) or in a Ray actor (``ray``); executors only move message
 
 Life cycle, driven by the executor: ``init_device`` (threads, seed, the tensor-parallel process
 group) -> ``load_model`` (this rank's shard only) -> ``determine_kv_cache_spec`` (what a KV block
-costs here and how much memory the rank can give) -> ``initialize_cache(num_blocks)`` (the core
+costs here and how much memory the rank can give) -> ``initialize_cache(KVCacheConfig)`` (the core
 decided) -> ``execute_model`` every step. Everything else is a control call for ``collective_rpc``.
 """
 from __future__ import annotations
@@ -12,26 +12,17 @@ import logging
 import os
 from datetime import timedelta
 
-import msgspec
 import torch
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.cpu_threads import ThreadGovernor
-from asyncengine.worker.kv_cache import kv_bytes_per_block
+from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-
-class KVCacheSpec(msgspec.Struct, kw_only=True):
-    """What one rank reports before the core sizes the KV cache."""
-
-    bytes_per_block: int  # this rank's share of one block (its KV heads only)
-    available_bytes: int | None  # memory the rank could give the cache (None: unknown)
-    # CUDA: what gpu_memory_utilization leaves for the cache after a profiling run (None: not measured)
-    kv_budget_bytes: int | None = None
 
 
 def _available_memory(device: torch.device) -> int | None:
@@ -109,7 +100,7 @@ class Worker:
         per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
-        return KVCacheSpec(bytes_per_block=per_block, available_bytes=_available_memory(c.torch_device),
+        return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block, available_bytes=_available_memory(c.torch_device),
                            kv_budget_bytes=budget)
 
     @torch.inference_mode()
@@ -118,7 +109,8 @@ class Worker:
         max_num_seqs rows) on a throwaway cache, note the allocator's peak, and give the cache what
         ``gpu_memory_utilization`` of the device leaves beyond it (and beyond memory torch does not
         own: the CUDA context, other processes)."""
-        from asyncengine.attention import SeqChunk, StepBatch, get_backend
+        from asyncengine.attention.backend import SeqChunk, StepBatch
+        from asyncengine.attention.selector import get_backend
         from asyncengine.worker.cuda_utils import kv_cache_budget
 
         c, m = self.config, self.model
@@ -151,8 +143,10 @@ class Worker:
                  100 * c.gpu_memory_utilization, total / 2**30)
         return budget
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.config, self.model, num_blocks, self.eos_token_ids, self.tp,
+    def initialize_cache(self, kv: KVCacheConfig) -> None:
+        """Build the cache the core planned: ``kv``'s block count and block size, never re-read
+        from the config."""
+        self.runner = ModelRunner(self.config, self.model, kv, self.eos_token_ids, self.tp,
                                   draft_model=self.draft_model)
 
     # ------------------------------------------------------------------ the step

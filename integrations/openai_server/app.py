@@ -30,7 +30,7 @@ from starlette.routing import Route, WebSocketRoute
 from asyncengine.errors import AsyncEngineError
 
 from . import openapi
-from .errors import APIError, from_engine
+from .errors import APIError, error_response, from_engine
 from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -47,10 +47,6 @@ ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", 
 
 def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, headers=headers, media_type="application/json")
-
-
-def error_response(e: APIError) -> Response:
-    return Response(e.encode(), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 def find_web_chat_dir() -> Path | None:

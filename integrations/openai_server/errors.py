@@ -50,3 +50,11 @@ def from_engine(exc: BaseException, engine) -> APIError:
         # shut down or shutting down: not a fault, the server is going away
         return APIError(503, str(exc), code="shutting_down")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def error_response(e: APIError):
+    """``e`` as a starlette Response: OpenAI's error body, the error's status and headers. Here, not in
+    app.py, so the security middleware (which app.py installs) can answer with it."""
+    from starlette.responses import Response
+
+    return Response(e.encode(), status_code=e.status, headers=e.headers, media_type="application/json")

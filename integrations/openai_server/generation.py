@@ -29,7 +29,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
     """The SamplingParams of one prompt's samples (n is set by submit_n). The engine validates
     them (validation.py); ``limits`` only guards the conversions done here. Sampling knobs come
     from ``defaults`` (the engine's: the model's generation config, else the small-chat defaults
-    of asyncengine/engine/defaults.py) as a set: only when the request sets none of them (a
+    of asyncengine/models/sampling_defaults.py) as a set: only when the request sets none of them (a
     request that picks its temperature gets no penalty it did not ask for)."""
     kw: dict = {}
     if defaults is not None and all(getattr(req, f) is None for f in _DEFAULTED):

@@ -28,7 +28,7 @@ import re
 import socket
 from urllib.parse import urlsplit
 
-from .errors import APIError
+from .errors import APIError, error_response
 
 WS_PROTOCOL = "asyncengine.v1"
 WS_KEY_PREFIX = "asyncengine.key."
@@ -184,8 +184,6 @@ class SecurityMiddleware:
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008, "reason": err.code or "forbidden"})
             return
-        from .app import error_response
-
         await error_response(err)(scope, receive, send)
 
 

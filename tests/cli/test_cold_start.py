@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: gguf_u
 
 from gguf_utils import CHATML_TEMPLATE, tiny_hf_model, tiny_tokenizer, write_tiny_gguf  # noqa: E402
 
-from asyncengine.engine.defaults import SMALL_CHAT_DEFAULTS, default_sampling_params  # noqa: E402
+from asyncengine.models.sampling_defaults import SMALL_CHAT_DEFAULTS, default_sampling_params  # noqa: E402
 from asyncengine.sampling_params import SamplingParams  # noqa: E402
 
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")

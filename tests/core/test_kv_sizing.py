@@ -10,7 +10,7 @@ import torch
 from asyncengine import EngineConfig, LLM, SamplingParams
 from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block, plan_kv_cache
 from asyncengine.errors import ConfigError
-from asyncengine.worker.kv_cache import kv_cache_zeros
+from asyncengine.attention.kv_cache import kv_cache_zeros
 
 SHAPE = KVModelShape(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=8192)  # SmolLM2-135M
 PER_BLOCK = 2 * 30 * 16 * 3 * 64 * 4  # fp32, block_size 16

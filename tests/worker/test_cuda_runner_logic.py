@@ -7,7 +7,8 @@ import torch
 
 from asyncengine.config import EngineConfig, resolve_device, resolve_dtype
 from asyncengine.errors import ConfigError
-from asyncengine.worker.cuda_utils import (PersistentBuffers, capture_sizes, kv_cache_budget, padded_batch_size,
+from asyncengine.attention.buffers import PersistentBuffers
+from asyncengine.worker.cuda_utils import (capture_sizes, kv_cache_budget, padded_batch_size,
                                            to_host_list)
 
 
@@ -80,13 +81,13 @@ def test_kv_blocks_from_the_profiled_budget():
     """The core sizes the cache from the CUDA budget when a rank measured one (not the CPU default,
     not capped by the memory-fraction rule), still bounded by what max_num_seqs full requests use."""
     from asyncengine.core.engine_core import num_kv_blocks_for
-    from asyncengine.worker.worker import KVCacheSpec
+    from asyncengine.core.kv_cache_spec import KVCacheSpec
 
     cfg = EngineConfig(device="cpu", max_num_seqs=4, block_size=16)
-    spec = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20, kv_budget_bytes=50 << 20)
+    spec = KVCacheSpec(block_size=16, bytes_per_block=1 << 20, available_bytes=100 << 20, kv_budget_bytes=50 << 20)
     assert num_kv_blocks_for(cfg, spec, max_model_len=4096) == 50
     assert num_kv_blocks_for(cfg, spec, max_model_len=64) == 4 * 4 + 1
-    cpu = KVCacheSpec(bytes_per_block=1 << 20, available_bytes=100 << 20)
+    cpu = KVCacheSpec(block_size=16, bytes_per_block=1 << 20, available_bytes=100 << 20)
     # no profiled budget (CPU): capped at kv_cache_memory_fraction of the memory available
     assert num_kv_blocks_for(cfg, cpu, max_model_len=4096) == int(cfg.kv_cache_memory_fraction * 100)
     assert num_kv_blocks_for(EngineConfig(device="cpu", kv_cache_bytes=10 << 20), spec, 4096) == 10

@@ -27,7 +27,7 @@ _BUDGET_S = 0.03  # per dtype, after one warm-up call
 
 
 def _cache_file() -> Path:
-    from asyncengine.models.default_model import cache_dir
+    from asyncengine.platforms.paths import cache_dir
 
     return cache_dir() / "probe.json"
 

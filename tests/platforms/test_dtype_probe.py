@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from asyncengine.worker import dtype_probe
+from asyncengine.platforms import dtype_probe
 
 
 def test_probe_measures_both_types_and_caches(tmp_path, monkeypatch):

@@ -1,0 +1,25 @@
+"""The two messages of KV-cache sizing, between the engine core and its workers (vLLM:
+kv_cache_interface.py): each worker reports a :class:`KVCacheSpec` (what a block of ``block_size``
+tokens costs on its rank, what memory it could give), the core plans the cache (core/kv_sizing.py)
+and hands every worker one :class:`KVCacheConfig`, which the worker builds as given. A module of its
+own, below both: the core and the worker import it, neither imports the other for it."""
+from __future__ import annotations
+
+import msgspec
+
+
+class KVCacheSpec(msgspec.Struct, kw_only=True):
+    """What one rank reports before the core sizes the KV cache."""
+
+    block_size: int  # tokens per block, the unit bytes_per_block prices
+    bytes_per_block: int  # this rank's share of one block (its KV heads only)
+    available_bytes: int | None  # memory the rank could give the cache (None: unknown)
+    # CUDA: what gpu_memory_utilization leaves for the cache after a profiling run (None: not measured)
+    kv_budget_bytes: int | None = None
+
+
+class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What the core decided: every rank allocates ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    num_blocks: int
+    block_size: int
