@@ -4,9 +4,9 @@
     python benchmarks/gpu_check.py            # on the GPU machine, from the repository root
     python benchmarks/gpu_check.py --dry-run  # anywhere: the same sections, tiny, on CPU
 
-Uses whatever Python / torch / triton it finds plus this repository (it puts the repo on
-sys.path, so no install is needed; transformers and safetensors must import for the engine
-sections). Downloads nothing: every model is made here with random weights (the bench model's
+Runs against the installed package (`pip install -e .`; on a machine without internet, install
+from carried wheels) with whatever torch / triton it finds; transformers and safetensors must import
+for the engine sections. Downloads nothing: every model is made here with random weights (the bench model's
 shape, and SmolLM2-135M's). Sections, each guarded (a failure is a table row, never a crash):
 
   tests         the GPU test subset (kernels, triton backend, CUDA runner), pytest in a subprocess
@@ -33,18 +33,16 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-COMPAT = REPO / "benchmarks" / "_compat"
-for p in (str(REPO), str(REPO / "benchmarks")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-sys.path.append(str(COMPAT))
-try:  # the GPU machine may lack msgspec (and have no network): a pure-Python stand-in then
-    import msgspec  # noqa: F401
-    MSGSPEC = "msgspec"
-except ImportError:
-    sys.path.append(str(COMPAT / "shim"))
-    MSGSPEC = "msgspec MISSING: pure-Python shim"
-import _aepaths  # noqa: E402,F401  (asyncengine.kernels importable without an install)
+if str(REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+try:  # the installed package (a machine without internet: carry wheels, `pip install --no-index --find-links`)
+    import asyncengine.kernels  # noqa: F401
+    import msgspec
+except ImportError as e:
+    sys.exit(f"gpu_check.py runs against the installed package: `pip install -e .` from the repository "
+             f"(no internet there: `pip wheel -w wheels .` on a machine with it, carry wheels/, then "
+             f"`pip install --no-index --find-links wheels asyncengine`): {e}")
+MSGSPEC = f"msgspec {msgspec.__version__}"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -134,10 +132,8 @@ def cuda_time(fn, iters: int, device: torch.device) -> float:
 def s_tests(args) -> None:
     files = ["tests/kernels", "tests/attention/test_triton_backend.py", "tests/worker/test_cuda_runner_logic.py", "tests/worker/test_gpu.py"]
     try:
-        paths = [str(REPO), str(COMPAT)] + ([str(COMPAT / "shim")] if "shim" in MSGSPEC else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_aepaths", "-rfs",
-                            *files], cwd=REPO, capture_output=True, text=True, timeout=args.tests_timeout, env=env)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", *files],
+                           cwd=REPO, capture_output=True, text=True, timeout=args.tests_timeout)
         tail = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
         row("tests", "pytest GPU subset", tail, note="rc=%d" % r.returncode, ok=r.returncode == 0)
         if r.returncode:

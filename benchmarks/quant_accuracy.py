@@ -31,8 +31,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # the text it scores: README + docs
 
 
 def repo_text() -> str:

@@ -16,14 +16,16 @@ from __future__ import annotations
 import torch
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.kv_cache import kv_cache_zeros
 from asyncengine.attention.selector import get_backend
+from asyncengine.spec_decode.proposer import Proposer, Rows
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    runs_every_step = True
+
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, backend_name: str = "torch") -> None:
-        from asyncengine.attention.kv_cache import kv_cache_zeros
-
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -44,6 +46,16 @@ class DraftModelProposer:
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
+
+    def reset(self) -> None:
+        self.computed.clear()
+
+    def propose_step(self, decodes: list, prefills: Rows, specs: Rows) -> list[list[int]]:
+        """Catches the draft KV up on every row the target computes; drafts for the spec rows."""
+        rows = [(st, st.num_computed_tokens + 1, 0) for st in decodes]
+        rows += [(st, st.num_computed_tokens + n, 0) for st, n in prefills]
+        rows += [(st, st.num_computed_tokens + 1, k) for st, k in specs]
+        return self.propose(rows)
 
     def _forward(self, chunks) -> torch.Tensor:
         """chunks: (block ids, first position, token ids); returns the hidden state of each chunk's

@@ -4,12 +4,17 @@ occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to
 rewrites, code, extraction)."""
 from __future__ import annotations
 
+from asyncengine.spec_decode.proposer import Proposer, Rows
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
         self.k = k
+
+    def propose_step(self, decodes: list, prefills: Rows, specs: Rows) -> list[list[int]]:
+        return [self.propose(st.prompt_ids + st.output_ids, k) for st, k in specs]
 
     def propose(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to ``k`` drafts to follow ``tokens`` (possibly none)."""

@@ -38,7 +38,7 @@ from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_l
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
-from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposers, propose_drafts
+from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ class ModelRunner:
         self.spec = spec
         # structured outputs: matchers and each step's masks (the compiler is made on first use)
         self.grammar = Grammar(config, self.vocab_size, self.eos_token_ids)
-        self.ngram = self.drafter = None
+        self.proposer = None  # spec_decode/proposer.py: n-gram lookup or a draft model
         if spec is not None:
-            self.ngram, self.drafter = make_proposers(spec, draft_model, num_blocks, self.block_size, self.device,
+            self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
                                                       self.dtype, config.attention_backend_name)
 
     @property
@@ -108,23 +108,23 @@ class ModelRunner:
         and the draft model's computed positions."""
         self.requests.clear()
         self._prompt_logprob_ids.clear()
-        if self.drafter is not None:
-            self.drafter.computed.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprob_ids.discard(rid)
-            if self.drafter is not None:
-                self.drafter.forget(rid)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
         for nr in so.new_requests:
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids)
-            if self.drafter is not None:
-                self.drafter.add(nr.req_id, nr.num_computed_tokens)
+            if self.proposer is not None:
+                self.proposer.add(nr.req_id, nr.num_computed_tokens)
             if nr.sampling_params.structured_outputs is not None:
                 self.grammar.start(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:
@@ -189,10 +189,9 @@ class ModelRunner:
                 decodes.append(st)
             else:
                 prefills.append((st, n))
-        if specs:
-            specs = propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
-        elif self.drafter is not None:  # the draft still runs on every position the target computes
-            propose_drafts(self.ngram, self.drafter, decodes, prefills, specs)
+        # a draft model runs on every position the target computes, drafts or not
+        if self.proposer is not None and (specs or self.proposer.runs_every_step):
+            specs = propose_drafts(self.proposer, decodes, prefills, specs)
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -279,7 +278,7 @@ class ModelRunner:
             out = self._sample(hidden, sample_rows, sample_states, draft_outputs(sample_states, specs, spec_rows),
                                {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
             req_ids, sampled_ids, logprobs, num_drafts = accept_drafts(
-                out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.drafter)
+                out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.proposer)
         elif sample_rows:
             out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
             sampled = out.sampled_token_ids

@@ -15,36 +15,32 @@ from __future__ import annotations
 import torch
 
 from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.spec_decode.proposer import Proposer
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import LogprobsLists
 
 Drafted = list[tuple[RunnerRequestState, list[int]]]  # (state, its drafts) of each spec row
 
 
-def make_proposers(spec: SpeculativeConfig, draft_model: torch.nn.Module | None, num_blocks: int,
-                   block_size: int, device: torch.device, dtype: torch.dtype, backend_name: str):
-    """(n-gram proposer, draft-model proposer): the one ``spec`` names, None for the other."""
+def make_proposer(spec: SpeculativeConfig, draft_model: torch.nn.Module | None, num_blocks: int,
+                  block_size: int, device: torch.device, dtype: torch.dtype, backend_name: str) -> Proposer:
+    """The proposer ``spec.method`` names (spec_decode/proposer.py: one interface for all)."""
     if spec.method == "ngram":
         from asyncengine.spec_decode.ngram import NgramProposer
 
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens), None
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
     from asyncengine.spec_decode.draft import DraftModelProposer
 
     assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
-    return None, DraftModelProposer(draft_model, num_blocks, block_size, device, dtype, backend_name)
+    return DraftModelProposer(draft_model, num_blocks, block_size, device, dtype, backend_name)
 
 
-def propose_drafts(ngram, drafter, decodes: list[RunnerRequestState],
+def propose_drafts(proposer: Proposer, decodes: list[RunnerRequestState],
                    prefills: list[tuple[RunnerRequestState, int]],
                    specs: list[tuple[RunnerRequestState, int]]) -> Drafted:
-    """Drafts for the rows given draft slots (``specs``: (state, k)); the draft model also
-    catches its KV up on every other row. Call before the computed counts advance."""
-    if ngram is not None:
-        return [(st, ngram.propose(st.prompt_ids + st.output_ids, k)) for st, k in specs]
-    rows = [(st, st.num_computed_tokens + 1, 0) for st in decodes]
-    rows += [(st, st.num_computed_tokens + n, 0) for st, n in prefills]
-    rows += [(st, st.num_computed_tokens + 1, k) for st, k in specs]
-    drafts = drafter.propose(rows)
+    """Drafts for the rows given draft slots (``specs``: (state, k)), paired with their states.
+    Call before the computed counts advance."""
+    drafts = proposer.propose_step(decodes, prefills, specs)
     return [(st, d) for (st, _), d in zip(specs, drafts)]
 
 
@@ -60,10 +56,10 @@ def draft_outputs(sample_states: list[RunnerRequestState], specs: Drafted,
 
 
 def accept_drafts(sampled: list[int], lp: LogprobsLists | None, sample_states: list[RunnerRequestState],
-                  specs: Drafted, spec_rows: list[tuple[int, int]], drafter):
+                  specs: Drafted, spec_rows: list[tuple[int, int]], proposer: Proposer):
     """Accept each spec row's drafts up to the first one that differs from the target's sample,
     and advance every sampled request by what it accepted (outputs, true position, grammar, the
-    draft model's KV). Returns (req ids, accepted tokens, their logprobs, drafts verified) by
+    proposer's state). Returns (req ids, accepted tokens, their logprobs, drafts verified) by
     request, as ModelRunnerOutput has them."""
     row_lps = None if lp is None else [None if ids is None else (ids, vals, rank) for ids, vals, rank in
                                        zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
@@ -90,8 +86,8 @@ def accept_drafts(sampled: list[int], lp: LogprobsLists | None, sample_states: l
             num_drafts.append(len(drafts))
             start = st.num_computed_tokens
             st.num_computed_tokens = start + len(acc)
-            if drafter is not None and drafts:
-                drafter.accepted(st.req_id, start, len(acc), len(drafts))
+            if drafts:
+                proposer.accepted(st.req_id, start, len(acc), len(drafts))
         st.output_ids.extend(acc)
         if st.matcher is not None:
             for t in acc:

@@ -168,8 +168,8 @@ class Worker:
                 "execute_time_s": r.execute_time_s,
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
                 "weight_bytes": self.weight_bytes(),
-                "draft_tokens_processed": r.drafter.num_tokens_processed if r.drafter else 0,
-                "draft_forwards": r.drafter.num_forwards if r.drafter else 0,
+                "draft_tokens_processed": r.proposer.num_tokens_processed if r.proposer else 0,
+                "draft_forwards": r.proposer.num_forwards if r.proposer else 0,
                 "grammar_time_s": r.grammar_time_s}
 
     def weight_bytes(self) -> int:
