@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # A decode group's gathered keys span at most this many token slots (rows x padded length), so the
-# workspace stays cache-sized; see docs/benchmarks.md for the measurements.
+# workspace stays cache-sized; the measurements are in docs/benchmarks.md as of c019f6b.
 DECODE_GROUP_TOKENS = 8192
 # A row joins a group only if its context needs at least this fraction of the group's longest
 # row's blocks: padding stays below 1 / DECODE_GROUP_FILL - 1 (33%) of a group's gathered keys.
@@ -197,7 +197,7 @@ class TorchPagedAttention:
         """Causal attention of a chunk over its cached context and itself, in query blocks: per
         block, one matmul for the scores against every key it may see, a softmax, one matmul with
         the values. Plain matmuls run near the machine's GEMM speed; on CPU this is about twice as
-        fast as SDPA's flash kernel for these shapes (docs/benchmarks.md)."""
+        fast as SDPA's flash kernel for these shapes (docs/benchmarks.md as of c019f6b)."""
         n = q.shape[0]
         hk, d, g = self.num_kv_heads, self.head_dim, self.group
         ctx = ch.context_len

@@ -15,7 +15,7 @@ def keep_freed_memory() -> bool:
     torch's CPU allocator has no cache of its own: every step allocates its activations afresh
     (several MiB each at 2048 tokens) and frees them. By default glibc serves blocks that large
     with fresh mmap()s, or trims the heap as they are freed, so every step pays page faults on
-    every large tensor; prefill attention ran at half speed for it (docs/benchmarks.md). With
+    every large tensor; prefill attention ran at half speed for it (docs/benchmarks.md at c019f6b). With
     these settings the process keeps its peak heap instead (its RSS does not shrink after a burst).
     Process-wide and idempotent; a no-op (False) off glibc."""
     if not sys.platform.startswith("linux"):

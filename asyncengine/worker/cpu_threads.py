@@ -4,7 +4,7 @@ Why: a decode step of a small model runs a few hundred short parallel regions, a
 barrier that waits for the slowest thread. While the cores are free, two threads beat one (~1.4x on
 2 cores). But when another process keeps a core busy, one of our threads is descheduled at most
 barriers and every region waits for it: with one core busy elsewhere the default model decoded at
-14 tok/s on two threads against 41 on one (docs/benchmarks.md, "Threads under contention"). An
+14 tok/s on two threads against 41 on one (docs/benchmarks.md, "Single-stream decode": the thread governor). An
 engine embedded in someone else's app shares the machine, so the worker watches how much CPU the
 *other* processes used over the last half second (``/proc/stat`` minus this process's own CPU time)
 and runs with the cores they leave: at least one, at most the count it started with. A change
