@@ -259,7 +259,33 @@ class EngineConfig:
 
     @functools.cached_property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto" and self.torch_device.type == "cpu" and self.block_quantized_weights:
+            import torch
+
+            return torch.float32
         return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def block_quantized_weights(self) -> bool:
+        """Whether the weights run on the block-quantized CPU kernels: a GGUF (the default model is
+        one) kept in its blocks, or a dense checkpoint quantized at load."""
+        if self.quantization in ("int8", "int4"):
+            return True
+        model = str(self.model or "smollm2-135m-instruct").strip().lower()
+        return self.quantization is None and (model.endswith(".gguf") or model == "smollm2-135m-instruct")
+
+    @functools.cached_property
+    def dtype_reason(self) -> str:
+        """Why :attr:`torch_dtype` is what it is, for the ready line and ``status``."""
+        if self.dtype != "auto":
+            return "asked for"
+        if self.torch_device.type == "cuda":
+            return "auto: bfloat16 on a GPU"
+        if self.block_quantized_weights:
+            # measured (docs/cpu_decode.md): the quantized kernels compute in fp32 whatever x's dtype;
+            # bf16 activations only add conversions, and coarser logits flip greedy answers
+            return "auto: block-quantized weights run fp32/int8 kernels"
+        return "auto: the CPU's fastest GEMM type (measured once per machine)"
 
     @functools.cached_property
     def attention_backend_name(self) -> str:

@@ -98,6 +98,10 @@ class Worker:
         else:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
         set_quantized_activations(self.model, self.config.quantized_activations)
+        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step"):
+            from asyncengine.models.llama_native import NativeStep
+
+            self.model.native_step = NativeStep.for_model(self.model)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             import dataclasses
