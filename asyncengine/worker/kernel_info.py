@@ -18,6 +18,8 @@ def describe(config: EngineConfig) -> str:
             parts.append("quantized weights on the torch fallback (the C kernels did not build)")
         else:
             mode = quant.ACTIVATIONS if config.quantized_activations == "auto" else config.quantized_activations
-            parts.append(f"{mode} activations x quantized weights on {isa}")
+            # the fp32 kernel's SIMD is fixed at build time (-march=native); the int8 one's at run time
+            parts.append(f"int8 activations x quantized weights on {isa}" if mode == "int8"
+                         else "fp32 activations x quantized weights")
     parts.append(f"{config.attention_backend_name} attention")
     return "; ".join(parts)
