@@ -170,6 +170,12 @@ class EngineConfig:
     # "int4" = weight-only quantization of dense weights at load into Q8_0 / Q4_1 blocks (CPU);
     # "none" = dequantize everything at load (the reference the accuracy tests compare with)
     quantization: Literal["none", "int8", "int4"] | None = None
+    # how the CPU kernels multiply block-quantized weights (docs/cpu_decode.md): "int8" = each row of
+    # activations rounded once to 8-bit blocks of 32 and multiplied with integer dot products
+    # (llama.cpp's Q8_0/Q8_1 method; measured perplexity within 1% of llama.cpp's on the same GGUF),
+    # "fp32" = activations kept in fp32 (exact up to summation order, slower); "auto" = the
+    # process default (ASYNCENGINE_QUANT_ACTIVATIONS, else int8)
+    quantized_activations: Literal["auto", "int8", "fp32"] = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -225,6 +231,9 @@ class EngineConfig:
         check_device(self.device)
         check_dtype(self.dtype)
         check_backend_name(self.attention_backend)
+        if self.quantized_activations not in ("auto", "int8", "fp32"):
+            raise ConfigError(f"quantized_activations must be 'auto', 'int8' or 'fp32', "
+                              f"got {self.quantized_activations!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
@@ -246,7 +255,33 @@ class EngineConfig:
 
     @functools.cached_property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto" and self.torch_device.type == "cpu" and self.block_quantized_weights:
+            import torch
+
+            return torch.float32
         return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def block_quantized_weights(self) -> bool:
+        """Whether the weights run on the block-quantized CPU kernels: a GGUF (the default model is
+        one) kept in its blocks, or a dense checkpoint quantized at load."""
+        if self.quantization in ("int8", "int4"):
+            return True
+        model = str(self.model or "smollm2-135m-instruct").strip().lower()
+        return self.quantization is None and (model.endswith(".gguf") or model == "smollm2-135m-instruct")
+
+    @functools.cached_property
+    def dtype_reason(self) -> str:
+        """Why :attr:`torch_dtype` is what it is, for the ready line and ``status``."""
+        if self.dtype != "auto":
+            return "asked for"
+        if self.torch_device.type == "cuda":
+            return "auto: bfloat16 on a GPU"
+        if self.block_quantized_weights:
+            # measured (docs/cpu_decode.md): the quantized kernels compute in fp32 whatever x's dtype;
+            # bf16 activations only add conversions, and coarser logits flip greedy answers
+            return "auto: block-quantized weights run fp32/int8 kernels"
+        return "auto: the CPU's fastest GEMM type (measured once per machine)"
 
     @functools.cached_property
     def attention_backend_name(self) -> str:

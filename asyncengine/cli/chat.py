@@ -33,7 +33,7 @@ def _make_engine(args):
     except BaseException:
         status.done("loading failed")
         raise
-    status.done(f"ready, {engine.dtype}")
+    status.done(f"ready, {engine.kernels}")
     return engine
 
 

@@ -77,9 +77,12 @@ class EngineCore:
         self.num_overlapped_steps = 0
         self._flight_lock = threading.Lock()
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
-        log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
+        from asyncengine.worker.kernel_info import describe
+
+        self.kernels = describe(config)  # the dtype and why, the kernels (the CLI's ready line)
+        log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
-                 config.block_size, self.max_model_len, config.torch_dtype)
+                 config.block_size, self.max_model_len, self.kernels)
 
     @property
     def vocab_size(self) -> int:

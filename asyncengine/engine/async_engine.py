@@ -218,6 +218,11 @@ class AsyncLLMEngine:
         another process resolves it there: no torch needed here)."""
         return self.core.dtype
 
+    @property
+    def kernels(self) -> str:
+        """The dtype and why, and the kernels that run the model (worker/kernel_info.py)."""
+        return getattr(self.core, "kernels", "") or self.dtype
+
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for
         one that cannot compile, before a request is made of it (also warms the compiler cache)."""

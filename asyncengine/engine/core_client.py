@@ -128,6 +128,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     max_model_len: int
     dtype: str  # the resolved dtype ("float32", ...), which only the core's torch knows
+    kernels: str = ""  # the dtype and why, the kernels in use (worker/kernel_info.py)
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -200,7 +201,8 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
     except BaseException as e:
         send(_dead(e))
         os._exit(1)
-    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=core.dtype))
+    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=core.dtype,
+                   kernels=core.kernels))
     depth = 2 if config.async_scheduling else 1
     inflight: deque = deque()
     last_stats = 0.0
@@ -417,6 +419,7 @@ class DPEngineCores:
             self.shutdown()
             raise
         self.dtype = readies[0].dtype
+        self.kernels = readies[0].kernels
         self.num_blocks = min(r.num_blocks for r in readies)
         self.max_model_len = min(r.max_model_len for r in readies)
         self.owner: dict[str, int] = {}  # user request id -> core index

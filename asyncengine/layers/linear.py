@@ -91,6 +91,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.qtype: str | None = None
+        # quantized weights: "int8" | "fp32" activations, None = the process default (quant.ACTIVATIONS)
+        self.activations: str | None = None
 
     def can_quantize(self) -> bool:
         """Block formats need whole blocks of 32 input features per row."""
@@ -150,7 +152,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
             return F.linear(x, self.weight, self.bias)
-        y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias)
+        y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias, activations=self.activations)
         return y if y.dtype == self._dtype_anchor.dtype else y.to(self._dtype_anchor.dtype)
 
     def extra_repr(self) -> str:

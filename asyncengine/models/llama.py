@@ -165,6 +165,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else VocabEmbedding(rows, a.hidden_size, valid)
+        # the decoder layers of a step as one C call (models/llama_native.py), set by the worker
+        # where it applies; None = every step runs the per-op code below
+        self.native_step = None
 
     @classmethod
     def check_tensor_parallel(cls, hf_config, size: int) -> None:
@@ -198,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(local.masked_fill(outside, 0))
             x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         rope = self.rotary.lookup(positions, x.dtype)
+        if self.native_step is not None and self.native_step.accepts(x.shape[0], meta):
+            return self.native_step(x, rope, kv_caches, meta)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, rope, kv, meta, residual)

@@ -32,6 +32,15 @@ def _available_memory(device: torch.device) -> int | None:
     return available_memory_bytes(device)
 
 
+def set_quantized_activations(model, mode: str) -> None:
+    """Every block-quantized layer multiplies with ``mode`` activations ("auto": the process default)."""
+    from asyncengine.layers.linear import Linear
+
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.activations = None if mode == "auto" else mode
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None, eos_token_ids: list[int] | None = None,
@@ -79,6 +88,11 @@ class Worker:
             self._preloaded = None
         else:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
+        set_quantized_activations(self.model, self.config.quantized_activations)
+        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step"):
+            from asyncengine.models.llama_native import NativeStep
+
+            self.model.native_step = NativeStep.for_model(self.model)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             import dataclasses
@@ -91,6 +105,7 @@ class Worker:
                 raise ConfigError(f"speculative draft model {spec.model!r} has a vocabulary of "
                                   f"{self.draft_model.args.vocab_size}, the model {self.model.args.vocab_size}: "
                                   "a draft must share the tokenizer")
+            set_quantized_activations(self.draft_model, self.config.quantized_activations)
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

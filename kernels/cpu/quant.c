@@ -11,7 +11,8 @@
  * Why the math is exact: per block we compute d * sum(q * x) + m * sum(x) (Q4_0: m = -8 d), which
  * is the dequantized dot product re-associated, so results equal x @ dequant(W)^T up to fp32
  * summation order (the tests hold it to that). ae_q_gemm quantizes no activation; ae_q_gemm_i8 (at the
- * end of this file, opt-in) does, to int8 blocks, for integer dot products.
+ * end of this file) does, to int8 blocks, for integer dot products, on the instruction set chosen
+ * at run time (portable C, AVX2, AVX512-VNNI: quant_i8.h).
  *
  * Why this loop order: decode (M = 1..16) reads every weight once per step and is bound by the
  * bytes of W; each unpacked block is reused across a tile of up to 4 rows of x held in registers.
@@ -24,9 +25,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
-#define AE_Q_AVX2 1
+#define AE_Q_X86 1 /* the int8 kernel's AVX2 and VNNI copies exist (chosen at run time) */
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define AE_Q_AVX2 1 /* the fp32 kernel's SIMD path (chosen at build time, -march=native) */
 #endif
 
 enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8 }; /* GGML type ids */
@@ -310,226 +315,97 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
         }
 }
 
-#if AE_Q_AVX2
-/* The weight block as 32 bytes in element order: Q4 nibbles as u8 0..15, Q8_0 as s8. */
-static inline __attribute__((always_inline)) __m256i weight_bytes(int type, const uint8_t *b) {
-    if (type == AE_Q_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == AE_Q_Q4_1 ? 4 : 2)));
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-#endif
 
-/* res[i] = dot(dequant(W row), int8 x row i) for the mb rows of a tile (see row_tile). */
-static inline __attribute__((always_inline)) void row_tile_i8(const int type, const int mb, const uint8_t *w,
-                                                              int64_t nb, const int8_t *q, int64_t ldq,
-                                                              const float *d, const float *s, float *res) {
-    const int bs = block_bytes(type);
-    float macc[AE_Q_MB8] = {0};
-#if AE_Q_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[AE_Q_MB8];
-    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bs;
-        const __m256i wb = weight_bytes(type, blk);
-        /* maddubs takes u8 x s8: Q8_0 moves w's sign onto x (|w| * sign(w) x) */
-        const __m256i wu = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb, wb) : wb;
-        const float dw = fp16_to_fp32(blk);
-        const float m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * dw;
-        for (int i = 0; i < mb; i++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(q + i * ldq + b * 32));
-            if (type == AE_Q_Q8_0) xq = _mm256_sign_epi8(xq, wb);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xq), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[i * nb + b]), acc[i]);
-            if (type != AE_Q_Q8_0) macc[i] += m * s[i * nb + b];
-        }
-    }
-    for (int i = 0; i < mb; i++) res[i] = hsum256(acc[i]) + macc[i];
-#else
-    float acc[AE_Q_MB8] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bs;
-        int wq[32];
-        const float dw = fp16_to_fp32(blk);
-        float m = 0.0f;
-        if (type == AE_Q_Q8_0) {
-            for (int j = 0; j < 32; j++) wq[j] = (int8_t)blk[2 + j];
-        } else {
-            const uint8_t *qs = blk + (type == AE_Q_Q4_1 ? 4 : 2);
-            m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * dw;
-            for (int j = 0; j < 16; j++) {
-                wq[j] = qs[j] & 0x0F;
-                wq[j + 16] = qs[j] >> 4;
-            }
-        }
-        for (int i = 0; i < mb; i++) {
-            const int8_t *xp = q + i * ldq + b * 32;
-            int sum = 0;
-            for (int j = 0; j < 32; j++) sum += wq[j] * xp[j];
-            acc[i] += (float)sum * (dw * d[i * nb + b]);
-            if (type != AE_Q_Q8_0) macc[i] += m * s[i * nb + b];
-        }
-    }
-    for (int i = 0; i < mb; i++) res[i] = acc[i] + macc[i];
-#endif
-}
+/* ------------------------------------------------------------------------------------------------
+ * The instruction set of the int8 kernel, chosen at run time (quant_i8.h holds one copy per ISA):
+ * VNNI where the CPU reports AVX512-F/BW/VL + VNNI and the OS saves the AVX-512 state (XCR0 bits
+ * 1, 2, 5, 6, 7: a CPU flag alone is not enough, a kernel or hypervisor may not grant the
+ * registers), else AVX2 where it reports AVX2 + FMA + F16C and the OS saves the AVX state, else
+ * portable C. ae_q_set_isa forces a lower one (tests run every path this CPU can execute).
+ * ------------------------------------------------------------------------------------------------ */
 
-#if AE_Q_AVX2
 #define AE_Q_NR 8  /* rows of W per int8 tile: one 8-lane float vector of results per row of x */
 #define AE_Q_MC 64 /* rows of x whose accumulators a tile keeps (on the stack) */
 
+#define AE_CAT2(a, b) a##_##b
+#define AE_CAT(a, b) AE_CAT2(a, b)
+
+#define AE_LVL 0
+#define AE_FN(name) AE_CAT(name, c)
+#define AE_TGT
+#include "quant_i8.h"
+#undef AE_LVL
+#undef AE_FN
+#undef AE_TGT
+
+#if AE_Q_X86
 static inline int32_t load32(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
-/* The fp16 pairs at the start of 8 blocks (p, p + stride, ...) as floats: *d = bytes 0-1 of each,
- * *m = bytes 2-3 (Q4_1's min; unused otherwise). One dword load per block, no store/reload. */
-static inline __attribute__((always_inline)) void fp16x8_pairs(const uint8_t *p, int64_t stride, __m256 *d,
-                                                              __m256 *m) {
-    const __m256i v = _mm256_setr_epi32(load32(p), load32(p + stride), load32(p + 2 * stride),
-                                        load32(p + 3 * stride), load32(p + 4 * stride), load32(p + 5 * stride),
-                                        load32(p + 6 * stride), load32(p + 7 * stride));
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    /* per lane: 4 d then 4 m; the permute puts the 8 d in the low half, the 8 m in the high half */
-    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), _MM_SHUFFLE(3, 1, 2, 0));
-    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
-}
+#define AE_LVL 1
+#define AE_FN(name) AE_CAT(name, avx2)
+#define AE_TGT __attribute__((target("avx2,fma,f16c")))
+#include "quant_i8.h"
+#undef AE_LVL
+#undef AE_FN
+#undef AE_TGT
 
-/* Lane r = the sum of the 8 int32 lanes of p[r] (an 8x8 transpose-and-add). */
-static inline __m256i reduce8(const __m256i p[8]) {
-    __m256i a0 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
-    __m256i a1 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
-    __m256i a2 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[4], p[5]), _mm256_unpackhi_epi32(p[4], p[5]));
-    __m256i a3 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[6], p[7]), _mm256_unpackhi_epi32(p[6], p[7]));
-    /* a0 lanes: (p0, p1, p0, p1 | p0, p1, p0, p1) partial sums */
-    __m256i b0 = _mm256_add_epi32(_mm256_unpacklo_epi64(a0, a1), _mm256_unpackhi_epi64(a0, a1)); /* p0 p1 p2 p3 | .. */
-    __m256i b1 = _mm256_add_epi32(_mm256_unpacklo_epi64(a2, a3), _mm256_unpackhi_epi64(a2, a3)); /* p4 p5 p6 p7 | .. */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
-}
+#define AE_LVL 2
+#define AE_FN(name) AE_CAT(name, vnni)
+#define AE_TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#include "quant_i8.h"
+#undef AE_LVL
+#undef AE_FN
+#undef AE_TGT
 
-/* Block b of 8 rows of W (blk = row 0's block, rows row_bytes apart): the weight bytes (wu: as
- * maddubs's unsigned operand), the 8 scales and the 8 min terms; and the next tile's bytes fetched:
- * 8 row streams at once defeat the hardware prefetcher on a W bigger than the caches (the Q8_0 LM
- * head ran 1.5x slower than row by row without it). */
-static inline __attribute__((always_inline)) void load8(const int type, const uint8_t *blk, int64_t row_bytes,
-                                                        const uint8_t *prefetch, int64_t pf_bytes, __m256i wb[8],
-                                                        __m256i wu[8], __m256 *dw, __m256 *m) {
-    for (int64_t off = 0; off < pf_bytes; off += 64) _mm_prefetch((const char *)(prefetch + off), _MM_HINT_T0);
-    for (int r = 0; r < AE_Q_NR; r++) {
-        wb[r] = weight_bytes(type, blk + r * row_bytes);
-        wu[r] = type == AE_Q_Q8_0 ? _mm256_sign_epi8(wb[r], wb[r]) : wb[r];
-    }
-    fp16x8_pairs(blk, row_bytes, dw, m);
-    if (type == AE_Q_Q4_0) *m = _mm256_mul_ps(*dw, _mm256_set1_ps(-8.0f));
-}
-
-/* acc (8 outputs: the 8 rows of W) += this block's dot products with one int8 block of x. */
-static inline __attribute__((always_inline)) __m256 dot8(const int type, const __m256i wb[8], const __m256i wu[8],
-                                                         __m256 dw, __m256 m, const int8_t *xq8, float dx, float sx,
-                                                         __m256 acc) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i xq = _mm256_loadu_si256((const __m256i *)xq8);
-    __m256i p[AE_Q_NR];
-    for (int r = 0; r < AE_Q_NR; r++)
-        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], type == AE_Q_Q8_0 ? _mm256_sign_epi8(xq, wb[r]) : xq),
-                                 ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
-    return type == AE_Q_Q8_0 ? acc : _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc);
-}
-
-/* out rows [m0, m0 + mc) x cols [n, n + 8): 8 rows of W at once, so the per-block float work (int
- * -> float, the two scales, the min term) is one vector op per 8 outputs instead of one per output,
- * and each unpacked weight block serves all mc rows of x. fixed (1-4, a compile-time constant) keeps
- * the accumulators in registers: through memory, a store-to-load round trip per block would chain
- * the blocks of a decode row; 0 = mc rows (<= AE_Q_MC) accumulated in acc. */
-static inline __attribute__((always_inline)) void tile8_i8(const int type, const int fixed, const uint8_t *w,
-                                                           int64_t row_bytes, int64_t nb, const int8_t *q, int64_t K,
-                                                           const float *d, const float *s, int64_t mc, float *acc) {
-    const int bs = block_bytes(type);
-    const int64_t pf_step = (AE_Q_NR * row_bytes / nb + 63) / 64 * 64;
-    __m256i wb[AE_Q_NR], wu[AE_Q_NR];
-    __m256 dw, m;
-    if (fixed) {
-        __m256 av[4];
-        for (int i = 0; i < fixed; i++) av[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            load8(type, w + b * bs, row_bytes, w + AE_Q_NR * row_bytes + b * pf_step, pf_step, wb, wu, &dw, &m);
-            for (int i = 0; i < fixed; i++)
-                av[i] = dot8(type, wb, wu, dw, m, q + i * K + b * 32, d[i * nb + b], s[i * nb + b], av[i]);
-        }
-        for (int i = 0; i < fixed; i++) _mm256_store_ps(acc + 8 * i, av[i]);
-        return;
-    }
-    for (int64_t i = 0; i < mc; i++) _mm256_store_ps(acc + 8 * i, _mm256_setzero_ps());
-    for (int64_t b = 0; b < nb; b++) {
-        load8(type, w + b * bs, row_bytes, w + AE_Q_NR * row_bytes + b * pf_step, pf_step, wb, wu, &dw, &m);
-        for (int64_t i = 0; i < mc; i++)
-            _mm256_store_ps(acc + 8 * i, dot8(type, wb, wu, dw, m, q + i * K + b * 32, d[i * nb + b], s[i * nb + b],
-                                              _mm256_load_ps(acc + 8 * i)));
-    }
+static uint64_t xcr0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
 }
 #endif
 
-static inline __attribute__((always_inline)) void gemm_i8_typed(const int type, const int8_t *q, const float *d,
-                                                                const float *s, int64_t M, int64_t K,
-                                                                const uint8_t *w, int64_t N, const float *bias,
-                                                                float *out, int64_t ldo, int accumulate,
-                                                                int nthreads) {
-    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
-    const int64_t chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t n0 = c * AE_Q_CHUNK;
-        const int64_t n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
-#if AE_Q_AVX2
-        for (; n0 + AE_Q_NR <= n1; n0 += AE_Q_NR)
-            for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MC) {
-                const int64_t mc = M - m0 < AE_Q_MC ? M - m0 : AE_Q_MC;
-                float acc[AE_Q_MC * AE_Q_NR] __attribute__((aligned(32)));
-                const uint8_t *wt = w + n0 * row_bytes;
-                const int8_t *qt = q + m0 * K;
-                const float *dt = d + m0 * nb, *st = s + m0 * nb;
-                switch (mc) {
-                    case 1: tile8_i8(type, 1, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 2: tile8_i8(type, 2, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 3: tile8_i8(type, 3, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 4: tile8_i8(type, 4, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    default: tile8_i8(type, 0, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                }
-                for (int64_t i = 0; i < mc; i++)
-                    for (int r = 0; r < AE_Q_NR; r++) {
-                        float *o = out + (m0 + i) * ldo + n0 + r;
-                        const float v = acc[i * AE_Q_NR + r] + (bias ? bias[n0 + r] : 0.0f);
-                        *o = accumulate ? *o + v : v;
-                    }
-            }
+enum { AE_ISA_C = 0, AE_ISA_AVX2 = 1, AE_ISA_VNNI = 2 };
+
+/* The best int8 path this CPU can execute (see above). */
+int ae_q_cpu_isa(void) {
+#if AE_Q_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return AE_ISA_C;
+    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx || !fma || !f16c) return AE_ISA_C;
+    const uint64_t x = xcr0();
+    if ((x & 0x6) != 0x6) return AE_ISA_C; /* SSE + AVX state */
+    if (__get_cpuid_max(0, 0) < 7) return AE_ISA_C;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!((b >> 5) & 1)) return AE_ISA_C; /* AVX2 */
+    const int f = (b >> 16) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
+    if (f && bw && vl && vnni && (x & 0xE6) == 0xE6) return AE_ISA_VNNI; /* + opmask, ZMM state */
+    return AE_ISA_AVX2;
+#else
+    return AE_ISA_C;
 #endif
-        for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB8) { /* the rows left (all of them without AVX2) */
-            const int64_t mb = M - m0 < AE_Q_MB8 ? M - m0 : AE_Q_MB8;
-            const int8_t *qt = q + m0 * K;
-            const float *dt = d + m0 * nb, *st = s + m0 * nb;
-            for (int64_t n = n0; n < n1; n++) {
-                float res[AE_Q_MB8];
-                const uint8_t *wr = w + n * row_bytes;
-                switch (mb) {
-                    case 4: row_tile_i8(type, 4, wr, nb, qt, K, dt, st, res); break;
-                    case 3: row_tile_i8(type, 3, wr, nb, qt, K, dt, st, res); break;
-                    case 2: row_tile_i8(type, 2, wr, nb, qt, K, dt, st, res); break;
-                    default: row_tile_i8(type, 1, wr, nb, qt, K, dt, st, res); break;
-                }
-                const float bn = bias ? bias[n] : 0.0f;
-                for (int64_t i = 0; i < mb; i++) {
-                    float *o = out + (m0 + i) * ldo + n;
-                    *o = accumulate ? *o + res[i] + bn : res[i] + bn;
-                }
-            }
-        }
-    }
+}
+
+static int g_isa = -1; /* -1: not chosen yet */
+
+/* The int8 path in use (chosen on first use). */
+int ae_q_isa(void) {
+    if (g_isa < 0) g_isa = ae_q_cpu_isa();
+    return g_isa;
+}
+
+/* Use path `isa` (-1: the best this CPU can execute). Returns the path now in use, or -1 (and
+ * changes nothing) where the CPU cannot execute the one asked for. */
+int ae_q_set_isa(int isa) {
+    const int best = ae_q_cpu_isa();
+    if (isa < 0) isa = best;
+    if (isa > best) return -1;
+    g_isa = isa;
+    return g_isa;
 }
 
 /* x [M, K] fp32 -> its int8 blocks: q [M, K], d [M, K / 32], s [M, K / 32] (what ae_q_gemm_i8 uses;
@@ -537,6 +413,22 @@ static inline __attribute__((always_inline)) void gemm_i8_typed(const int type, 
 int ae_q_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     if (K % 32) return -1;
     quantize_rows(x, M, K, q, d, s);
+    return 0;
+}
+
+/* out (+)= x's int8 blocks (q, d, s as ae_q_quantize_act makes them) times dequant(W)^T (+ bias),
+ * on the ISA in use: for callers that quantize a row once and multiply it by several weights. */
+int ae_q_gemm_q8(int type, const int8_t *q, const float *d, const float *s, int64_t M, int64_t K,
+                 const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo, int accumulate,
+                 int nthreads) {
+    if (K % 32 || !block_bytes(type)) return -1;
+    switch (ae_q_isa()) {
+#if AE_Q_X86
+        case AE_ISA_VNNI: gemm_i8_vnni(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+        case AE_ISA_AVX2: gemm_i8_avx2(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+#endif
+        default: gemm_i8_c(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+    }
     return 0;
 }
 
@@ -555,11 +447,7 @@ int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *
         return -1;
     }
     quantize_rows(x, M, K, q, ds, ds + n);
-    switch (type) {
-        case AE_Q_Q4_0: gemm_i8_typed(AE_Q_Q4_0, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
-        case AE_Q_Q4_1: gemm_i8_typed(AE_Q_Q4_1, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
-        default: gemm_i8_typed(AE_Q_Q8_0, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
-    }
+    ae_q_gemm_q8(type, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads);
     free(q);
     free(ds);
     return 0;

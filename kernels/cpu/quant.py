@@ -76,10 +76,58 @@ def _lib():
         lib.ae_q_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
         lib.ae_q_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
-        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed):
+        lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
+        lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
+        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
+                  lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa):
             f.restype = c_int
         lib._ae_q_ready = True
+        _apply_isa_env(lib)
     return lib
+
+
+# ------------------------------------------------------------------------ the int8 kernel's ISA
+
+# The int8 kernel's instruction sets, in quant.c's order (ae_q_cpu_isa): which one runs is chosen
+# at run time from what the CPU reports and the OS grants (cpuid + XCR0), the best by default.
+ISAS = ("scalar", "avx2", "avx512_vnni")
+
+
+def _apply_isa_env(lib) -> None:
+    """``ASYNCENGINE_CPU_ISA`` = auto | scalar | avx2 | avx512_vnni forces a path (read at load)."""
+    want = os.environ.get("ASYNCENGINE_CPU_ISA", "auto").strip().lower() or "auto"
+    if want == "auto":
+        return
+    if want not in ISAS:
+        raise ValueError(f"ASYNCENGINE_CPU_ISA={want!r}: expected auto or one of {', '.join(ISAS)}")
+    if lib.ae_q_set_isa(ISAS.index(want)) < 0:
+        raise ValueError(f"ASYNCENGINE_CPU_ISA={want}: this CPU (or its OS) cannot execute it; the best it "
+                         f"can is {ISAS[lib.ae_q_cpu_isa()]}")
+
+
+def cpu_isa() -> str | None:
+    """The best int8 path this CPU can execute (None without the C library)."""
+    lib = _lib()
+    return None if lib is None else ISAS[lib.ae_q_cpu_isa()]
+
+
+def isa() -> str | None:
+    """The int8 path in use (None without the C library)."""
+    lib = _lib()
+    return None if lib is None else ISAS[lib.ae_q_isa()]
+
+
+def set_isa(name: str) -> str:
+    """Force the int8 path (``"auto"``: the best this CPU can execute); returns the one now in use.
+    Raises where the CPU cannot execute it or the library is not built."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built: there is no ISA to choose")
+    if name != "auto" and name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r} (auto or one of {', '.join(ISAS)})")
+    if lib.ae_q_set_isa(-1 if name == "auto" else ISAS.index(name)) < 0:
+        raise ValueError(f"this CPU cannot execute {name}; the best it can is {ISAS[lib.ae_q_cpu_isa()]}")
+    return ISAS[lib.ae_q_isa()]
 
 
 def kernels_available() -> bool:
@@ -217,8 +265,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
          activations: str | None = None) -> torch.Tensor:
     """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
     the result is in ``x``'s dtype). ``w`` must have passed :func:`check`. ``activations``
-    ("int8" | "fp32", default :data:`ACTIVATIONS`) picks the small-M kernel; it is ignored at
-    ``M >= LARGE_M`` and without the C library (both exact)."""
+    ("int8" | "fp32", default :data:`ACTIVATIONS`): "int8" runs the integer kernel at every M (one
+    numeric path whatever the batch; it also beats the tiled path 2x at M = 512), "fp32" the exact
+    kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -227,16 +276,17 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
         x2 = x2.to(torch.float32).contiguous()
     m = x2.shape[0]
     lib = _lib()
+    mode = _mode(activations)
     if lib is None:
         out = gemm_torch(x2, w, qtype, k, bias)
-    elif m >= LARGE_M:
+    elif mode == "fp32" and m >= LARGE_M:
         out = _gemm_tiled(lib, x2, w, qtype, k, bias)
     else:
         out = torch.empty(m, n, dtype=torch.float32)
         b = None
         if bias is not None:
             b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
-        kernel = lib.ae_q_gemm_i8 if _mode(activations) == "int8" else lib.ae_q_gemm
+        kernel = lib.ae_q_gemm_i8 if mode == "int8" else lib.ae_q_gemm
         if kernel(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
                   out.data_ptr(), n, 0, torch.get_num_threads()):
             raise MemoryError(f"quantized gemm of {m} x {k} rows failed (out of memory for the int8 copy?)")

@@ -43,6 +43,22 @@ def _kernels_on():
     assert quant.kernels_available(), f"the C kernels did not build: {build.build_error()}"
 
 
+def _isa_params():
+    """Every int8 path: those this CPU cannot execute are skipped, saying so."""
+    best = quant.ISAS.index(quant.cpu_isa()) if quant.kernels_available() else 0
+    return [pytest.param(name, marks=pytest.mark.skipif(
+        i > best, reason=f"this CPU (or its OS) cannot execute {name}; the best it can is {quant.ISAS[best]}"))
+        for i, name in enumerate(quant.ISAS)]
+
+
+@pytest.fixture(params=_isa_params())
+def isa(request):
+    """Runs the test on one int8 path, forced, then restores the automatic choice."""
+    assert quant.set_isa(request.param) == request.param
+    yield request.param
+    quant.set_isa("auto")
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_quantize_is_byte_identical_to_gguf_py(qtype):
     w = torch.randn(37, 160) * torch.rand(37, 1) * 3
@@ -97,8 +113,8 @@ def test_gemm_matches_dequantized_reference(qtype, m, n, k, bias):
     assert_matmul_close(y, x, w, b)
     if m < quant.LARGE_M:  # the register-blocked kernel itself (gemm would tile above LARGE_M)
         assert_matmul_close(quant.gemm_small_m(x, blocks, qtype, k, activations="fp32"), x, w)
-    else:  # the int8 switch does not reach the tiled path: exact there too
-        assert torch.equal(quant.gemm(x, blocks, qtype, k, b, activations="int8"), y)
+    else:  # int8 runs its own kernel at every M (not the tiled path): held to its own reference
+        assert_matmul_close(quant.gemm(x, blocks, qtype, k, b, activations="int8"), int8_rounded(x), w, b)
 
 
 # ------------------------------------------------------------------------------ int8 activations
@@ -136,7 +152,7 @@ def _i8_cases():
 
 
 @pytest.mark.parametrize("qtype,m,n,k,bias", _i8_cases())
-def test_int8_path_is_exact_on_the_int8_rounded_input(qtype, m, n, k, bias):
+def test_int8_path_is_exact_on_the_int8_rounded_input(qtype, m, n, k, bias, isa):
     """The integer dot products against float64 of dequant(W) times the int8-rounded x: equal up to
     fp32 summation (~1e-7 relative); the fp32 path misses this bound by ~1e-3, so it cannot pass."""
     torch.manual_seed(m * 7 + n)
@@ -151,7 +167,7 @@ def test_int8_path_is_exact_on_the_int8_rounded_input(qtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_int8_kernel_beyond_one_row_chunk(qtype):
+def test_int8_kernel_beyond_one_row_chunk(qtype, isa):
     """M = 70 (gemm itself would take the tiled path): the kernel's 64-row chunks of x, in turn."""
     torch.manual_seed(5)
     blocks = quant.quantize(torch.randn(24, 96), qtype)
@@ -168,7 +184,7 @@ def test_int8_kernel_beyond_one_row_chunk(qtype):
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_int8_path_against_the_fp32_product(qtype):
+def test_int8_path_against_the_fp32_product(qtype, isa):
     """Against x @ dequant(W)^T unrounded. Each x element moves by at most d / 2 = max|x_block| / 254,
     so |error| <= sum_blocks (max|x_block| / 254) * sum_block |w| (+ fp32 summation): a worst case,
     not a tuned rtol. Random rounding errors cancel, so on average the error is far inside it
@@ -188,6 +204,61 @@ def test_int8_path_against_the_fp32_product(qtype):
     assert 0 < err.mean() < 0.25 * worst.mean()
     rel = (err.pow(2).mean() / ref.pow(2).mean()).sqrt().item()
     assert 1e-5 < rel < 2e-2, rel  # typically ~4e-3: 1/254 per element, averaged over K
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_simd_paths_agree_bit_for_bit_and_rows_do_not_depend_on_the_batch(qtype):
+    """AVX2 (maddubs + madd) and VNNI (vpdpbusd) sum the same exact int32 products in the same
+    order, so they must agree to the bit; and on each path a row's result must not depend on the
+    other rows of the batch (batch invariance: M = 1, 3, 37 and 300 give that row the same bits)."""
+    torch.manual_seed(3)
+    n, k = 75, 576
+    blocks = quant.quantize(torch.randn(n, k), qtype)
+    x = torch.randn(300, k) * 3
+    simd = [name for name in quant.ISAS[1:quant.ISAS.index(quant.cpu_isa()) + 1]]
+    if not simd:
+        pytest.skip(f"this CPU runs only the portable C path ({quant.cpu_isa()})")
+    results = []
+    try:
+        for name in simd:
+            quant.set_isa(name)
+            full = quant.gemm(x, blocks, qtype, k, activations="int8")
+            for m in (1, 3, 37):
+                assert torch.equal(quant.gemm(x[:m], blocks, qtype, k, activations="int8"), full[:m]), (name, m)
+            results.append(full)
+    finally:
+        quant.set_isa("auto")
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+def test_isa_choice(monkeypatch):
+    """The automatic choice is the best this CPU can execute; forcing a path it cannot execute, or
+    an unknown name, is refused with the reason, through the API and the environment."""
+    best = quant.cpu_isa()
+    assert quant.isa() == best and best in quant.ISAS
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    if best == "avx512_vnni":
+        assert {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+    if best != "scalar":
+        assert {"avx2", "fma", "f16c"} <= set(flags)
+    try:
+        assert quant.set_isa("scalar") == "scalar" and quant.isa() == "scalar"
+        with pytest.raises(ValueError, match="unknown ISA 'sse9'"):
+            quant.set_isa("sse9")
+        assert quant.isa() == "scalar"  # a refused choice changes nothing
+        if best != "avx512_vnni":
+            with pytest.raises(ValueError, match="cannot execute avx512_vnni"):
+                quant.set_isa("avx512_vnni")
+        monkeypatch.setenv("ASYNCENGINE_CPU_ISA", "sse9")
+        with pytest.raises(ValueError, match="ASYNCENGINE_CPU_ISA='sse9'"):
+            quant._apply_isa_env(quant._lib())
+        monkeypatch.setenv("ASYNCENGINE_CPU_ISA", "avx2" if best != "scalar" else "scalar")
+        quant._apply_isa_env(quant._lib())
+        assert quant.isa() == ("avx2" if best != "scalar" else "scalar")
+    finally:
+        assert quant.set_isa("auto") == best
 
 
 def test_gemm_keeps_leading_dims_and_dtype():
@@ -261,6 +332,7 @@ def test_portable_scalar_path(tmp_path):
                     str(build.SOURCE_DIR / "runtime.c"), "-o", str(so), "-lm"], check=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     assert lib.ae_simd_level() == 0
+    assert lib.ae_q_set_isa(0) == 0  # the int8 kernel's portable C copy (its SIMD copies are tested above)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ae_q_gemm.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int]
     lib.ae_q_gemm_i8.argtypes = lib.ae_q_gemm.argtypes

@@ -1,0 +1,159 @@
+"""The Llama family's decode step as one native call (kernels/cpu/step.c), beside the per-op model.
+
+Why: at batch 1 on 2 cores the default model's layer kernels take ~70 us, and the ~10 Python-level
+calls between them cost as much again (docs/cpu_decode.md has the per-layer profile); a serving
+app's own Python also had to win the interpreter lock back at every op. One ctypes call per step
+runs every layer (ctypes releases the lock for it); Python keeps scheduling, the embedding, the
+LM head and sampling.
+
+When it runs (:func:`native_step_reason` says why not, otherwise None): CPU, fp32 activations,
+every projection in a GGUF block format, the cpu attention backend's kernels, one rank, no q/k
+norm (Qwen3 keeps the per-op path), a step of at most ``MAX_TOKENS`` rows all attended by the
+kernel. ``ASYNCENGINE_NATIVE_STEP=0`` turns it off (the per-op model is the reference, and the
+test holds the two to the same greedy tokens); ``=1`` makes a model it cannot serve an error.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from asyncengine.kernels.cpu import quant
+from asyncengine.kernels.cpu.build import load
+
+# Steps up to this many token rows (decode batches, speculative rows, short prefill chunks) run
+# natively; longer prefill chunks keep the per-op path, whose large-M GEMMs (fp32 mode: tiled
+# dequantize + torch.mm) are faster there, and which already beats llama.cpp's pp32 / pp512.
+MAX_TOKENS = 32
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
+                ("down_type", ctypes.c_int32), ("window", ctypes.c_int32), ("act_int8", ctypes.c_int32)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+                ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("num_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("nthreads", ctypes.c_int32)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("cos", ctypes.c_void_p), ("sin_signed", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("block_ids", ctypes.c_void_p), ("block_starts", ctypes.c_void_p),
+                ("query_starts", ctypes.c_void_p), ("query_lens", ctypes.c_void_p),
+                ("context_lens", ctypes.c_void_p), ("T", ctypes.c_int32), ("num_seqs", ctypes.c_int32),
+                ("attn_parallel", ctypes.c_int32)]
+
+
+def _mode() -> str:
+    mode = os.environ.get("ASYNCENGINE_NATIVE_STEP", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"ASYNCENGINE_NATIVE_STEP={mode!r}: expected auto, 0 or 1")
+    return mode
+
+
+def native_step_reason(model) -> str | None:
+    """None where :class:`NativeStep` can run ``model``'s steps, else why not."""
+    from asyncengine.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not of the Llama family"
+    if model.args.qk_norm:
+        return "q/k norms (Qwen3) are not in the native step"
+    if model.tp.size > 1:
+        return "tensor parallel"
+    if load() is None:
+        return "the C kernels are not built"
+    if model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+        return f"activations are {model.norm.weight.dtype} on {model.norm.weight.device}, not float32 on cpu"
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not lin.quantized:
+                return "a projection is dense (the native step runs block-quantized weights)"
+        if layer.mlp.act_and_mul.name != "silu":
+            return f"activation {layer.mlp.act_and_mul.name}"
+    return None
+
+
+class NativeStep:
+    """The decoder layers of one step in one C call; build with :meth:`for_model` (None where it
+    does not apply)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.lib = load()
+        self.fn = self.lib.ae_llama_step
+        self.fn.argtypes = [ctypes.c_void_p] * 6
+        self.fn.restype = ctypes.c_int
+        self._caches_key = None
+        self._layers = None
+
+    @classmethod
+    def for_model(cls, model) -> "NativeStep | None":
+        mode = _mode()
+        if mode == "0":
+            return None
+        why = native_step_reason(model)
+        if why is not None:
+            if mode == "1":
+                raise ValueError(f"ASYNCENGINE_NATIVE_STEP=1, but this model cannot run natively: {why}")
+            return None
+        return cls(model)
+
+    def accepts(self, num_tokens: int, meta) -> bool:
+        from asyncengine.attention.cpu_backend import CpuAttentionMetadata
+
+        return (num_tokens <= MAX_TOKENS and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
+                and meta.backend.kernels and meta.backend.dtype == torch.float32)
+
+    def _layer_table(self, kv_caches, backend):
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if key != self._caches_key:
+            m = self.model
+            table = (_Layer * len(m.layers))()
+            for i, (layer, (kc, vc)) in enumerate(zip(m.layers, kv_caches)):
+                at, mlp = layer.self_attn, layer.mlp
+                qkv, o, gu, down = at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj
+                acts = {lin.activations or quant.ACTIVATIONS for lin in (qkv, o, gu, down)}
+                if len(acts) != 1 or not (kc.is_contiguous() and vc.is_contiguous()):
+                    raise ValueError("native step: mixed activation modes or a non-contiguous KV cache")
+                table[i] = _Layer(
+                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                    qkv.qweight.data_ptr(), o.qweight.data_ptr(), gu.qweight.data_ptr(), down.qweight.data_ptr(),
+                    qkv.bias.data_ptr() if qkv.bias is not None else None, kc.data_ptr(), vc.data_ptr(),
+                    quant.QTYPES[qkv.qtype][0], quant.QTYPES[o.qtype][0], quant.QTYPES[gu.qtype][0],
+                    quant.QTYPES[down.qtype][0], at.sliding_window or 0, int(acts.pop() == "int8"))
+            self._layers, self._caches_key = table, key
+            self._keep = kv_caches  # the table points into them
+        return self._layers
+
+    def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor:
+        """x: the step's embeddings [T, H] fp32 (used as scratch); returns the final norm's output."""
+        from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK
+
+        m, a = self.model, self.model.args
+        backend = meta.backend
+        t = x.shape[0]
+        x = x.contiguous()
+        cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
+        kc0 = kv_caches[0][0]
+        hk, nb, bs, d = kc0.shape
+        dims = _Dims(len(m.layers), a.hidden_size, m.num_heads, m.num_kv_heads, d,
+                     m.layers[0].mlp.inter, nb, bs, m.norm.eps, backend.scale, torch.get_num_threads())
+        p = meta.paged
+        batch = _Batch(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), p.block_ids.data_ptr(),
+                       p.block_starts.data_ptr(), p.query_starts.data_ptr(), p.query_lens.data_ptr(),
+                       p.context_lens.data_ptr(), t, p.num_seqs,
+                       int(p.work * m.num_heads * d >= PARALLEL_MIN_WORK))
+        hidden = torch.empty(t, a.hidden_size, dtype=torch.float32)
+        rc = self.fn(ctypes.addressof(self._layer_table(kv_caches, backend)), ctypes.addressof(dims),
+                     ctypes.addressof(batch), x.data_ptr(), m.norm.weight.data_ptr(), hidden.data_ptr())
+        if rc:
+            raise MemoryError(f"the native decode step failed ({rc}: out of memory?)")
+        return hidden

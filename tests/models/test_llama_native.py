@@ -1,0 +1,128 @@
+"""The native decode step (asyncengine/models/llama_native.py, kernels/cpu/step.c) against the
+per-op model it replaces: the same kernels in the same order, so greedy outputs must be
+token-exact, in fp32 and in int8 activations alike, on batches of several sequences (the attention
+tables), with a QKV bias (Qwen2), a tied head, and every block format. Also: the native step really
+ran, the per-op path runs where it does not apply, and the switch refuses what it cannot do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.models import llama_native
+from gguf_utils import tiny_hf_model, write_tiny_gguf
+from model_utils import random_requests
+
+VOCAB = 320
+REQUESTS = random_requests(6, VOCAB, seed=11, plen=(3, 40), olen=(4, 14))
+COMMON = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128, num_threads=2,
+              freeze_gc_after_load=False, max_num_seqs=4)
+CASES = [("llama", "Q4_1", {}), ("qwen2", "Q8_0", {}), ("llama", "Q4_0", {"tie_word_embeddings": True})]
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("native-gguf")
+    return {(a, q): str(write_tiny_gguf(d / f"{a}-{q}.gguf", tiny_hf_model(a, VOCAB, seed=7, **kw), None, qtype=q))
+            for a, q, kw in CASES}
+
+
+def _count_native(worker):
+    """Wrap the worker's native step so that its calls are counted (None: it has none)."""
+    step = worker.model.native_step
+    if step is None:
+        return None
+    step.calls = 0
+    real = step.__call__
+
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        def accepts(self, *a):
+            return step.accepts(*a)
+
+        def __call__(self, *a):
+            self.calls += 1
+            return real(*a)
+
+    worker.model.native_step = Counting()
+    return True
+
+
+def _calls(worker):
+    s = worker.model.native_step
+    return None if s is None else s.calls
+
+
+def run(path, monkeypatch, native: str, activations: str):
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", native)
+    llm = LLM(path, quantized_activations=activations, **COMMON)
+    try:
+        core = llm.engine
+        core.collective_rpc(_count_native)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in REQUESTS],
+                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in REQUESTS],
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], core.collective_rpc(_calls)[0]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("arch,qtype", [(a, q) for a, q, _ in CASES])
+def test_native_step_is_token_exact_with_the_per_op_path(arch, qtype, activations, ggufs, monkeypatch):
+    native, calls = run(ggufs[(arch, qtype)], monkeypatch, "1", activations)
+    per_op, none = run(ggufs[(arch, qtype)], monkeypatch, "0", activations)
+    assert none is None and calls > sum(n for _, n in REQUESTS) // COMMON["max_num_seqs"]
+    assert native == per_op
+
+
+def test_hidden_states_are_bit_identical(ggufs, monkeypatch):
+    """One decode step of 3 sequences, straight through the model: the native step's hidden states
+    equal the per-op model's to the bit (same kernels, same order)."""
+    from asyncengine.attention import SeqChunk, StepBatch, get_backend
+    from asyncengine.config import EngineConfig
+    from asyncengine.models.loader import load_model
+
+    model = load_model(EngineConfig(model=ggufs[("llama", "Q4_1")], dtype="float32"), tokenizer=False).model
+    a = model.args
+    backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
+                          block_size=16, num_blocks=16, dtype=torch.float32, device=torch.device("cpu"),
+                          max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=4)
+    torch.manual_seed(0)
+    caches = backend.allocate_kv_caches(a.num_layers)
+    for k, v in caches:  # a filled context to attend over
+        k.normal_()
+        v.normal_()
+    ctx = [5, 17, 30]
+    seqs = [SeqChunk(i, 1, c, [4 * i, 4 * i + 1, 4 * i + 2]) for i, c in enumerate(ctx)]
+    meta = backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=[64 * i + c for i, c in enumerate(ctx)]))
+    ids, pos = torch.tensor([3, 100, 200]), torch.tensor(ctx)
+    with torch.inference_mode():
+        saved = [(k.clone(), v.clone()) for k, v in caches]
+        per_op = model(ids, pos, caches, meta)
+        for (k, v), (k0, v0) in zip(caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+        model.native_step = llama_native.NativeStep.for_model(model)
+        assert model.native_step is not None and model.native_step.accepts(3, meta)
+        native = model(ids, pos, caches, meta)
+    assert torch.equal(native, per_op)
+
+
+def test_where_it_does_not_apply(ggufs, monkeypatch):
+    from asyncengine.config import EngineConfig
+    from asyncengine.models.loader import load_model
+
+    dense = load_model(EngineConfig(model=ggufs[("llama", "Q4_1")], dtype="float32", quantization="none"),
+                       tokenizer=False).model
+    assert "dense" in llama_native.native_step_reason(dense)
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", "auto")
+    assert llama_native.NativeStep.for_model(dense) is None
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", "1")
+    with pytest.raises(ValueError, match="cannot run natively: a projection is dense"):
+        llama_native.NativeStep.for_model(dense)
+    monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", "yes")
+    with pytest.raises(ValueError, match="ASYNCENGINE_NATIVE_STEP='yes'"):
+        llama_native.NativeStep.for_model(dense)
