@@ -35,7 +35,7 @@ def run_serve(args) -> int:
 
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"asyncengine: `serve` needs {', '.join(missing)}: pip install 'asyncengine[serve]'", file=sys.stderr)
+        print(f"asyncengine: `serve` needs {', '.join(missing)}: reinstall asyncengine (pip install asyncengine)", file=sys.stderr)
         return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
