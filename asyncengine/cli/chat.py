@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from asyncengine.cli.args import GENERATE_MAX_TOKENS, SAMPLING_FIELDS, engine_kwargs
+from asyncengine.cli.args import GENERATE_MAX_TOKENS, SAMPLING_FIELDS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LAUNCHED, LoadStatus
 
 
@@ -19,8 +19,8 @@ def _config(args):
 
 
 async def _make_engine(args):
-    """Build the engine and pay the first request's one-time costs (engine/warmup.py) before the
-    ready line, which names the dtype and why it was chosen."""
+    """Build the engine and, for a conversation, pay the first request's one-time costs
+    (engine/warmup.py) before the ready line, which names the dtype and why it was chosen."""
     config = _config(args)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     try:
@@ -28,8 +28,9 @@ async def _make_engine(args):
         from asyncengine.engine.warmup import warm_up
 
         engine = AsyncLLMEngine.from_config(config)
-        status.step("warming up")
-        await warm_up(engine)
+        if warm_up_wanted(args):
+            status.step("warming up")
+            await warm_up(engine)
     except BaseException:
         status.done("loading failed")
         raise

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import EXIT_USAGE, REQUEST_LIMIT_FLAGS, engine_kwargs
+from asyncengine.cli.args import EXIT_USAGE, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LoadStatus
 
 
@@ -56,7 +56,7 @@ def run_serve(args) -> int:
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                      metrics_public=args.metrics_public, limits=limits,
-                     on_loaded=status_warm, **kw)
+                     on_loaded=status_warm, warm_up=warm_up_wanted(args), **kw)
     except BaseException:
         status.done("stopped")
         raise
