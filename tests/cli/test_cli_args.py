@@ -181,3 +181,12 @@ def test_chat_ends_a_looping_answer_and_aborts_it(capsys):
     assert engine.closed
     assert text.count("I like cats.") == 6  # 48 tokens in all: max(3 copies, 48 tokens)
     assert "stopped: the answer repeated itself 3 times (--stop-repeats N to change, 0 = off)" in capsys.readouterr().err
+
+
+def test_warm_up_runs_for_conversations_and_serve_only_unless_asked():
+    def wanted(argv):
+        return cli_args.warm_up_wanted(build_parser().parse_args(argv))
+
+    assert wanted(["chat"]) and wanted(["serve"])
+    assert not wanted(["chat", "--prompt", "x"]) and not wanted(["generate", "--prompt", "x"])
+    assert wanted(["generate", "--prompt", "x", "--warm-up"]) and not wanted(["serve", "--no-warm-up"])
