@@ -61,3 +61,37 @@ def test_piped_chat_answers_the_rest_and_reports_a_failed_question(tiny_gguf):
     assert _answers(r.stderr) == [2]  # the second question was still answered
     # the ready line comes after the warm-up and says which dtype runs and why
     assert re.search(r"asyncengine: ready, float32: --dtype float32 \(\d+\.\d s after launch\)", r.stderr), r.stderr
+
+
+def test_serve_warms_up_then_says_ready_with_the_dtype(tiny_gguf):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "asyncengine", "serve", tiny_gguf, "--port", str(port),
+                             "--dtype", "float32", "--max-num-seqs", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = []
+        for line in proc.stderr:  # until the ready line (or the server exits)
+            lines.append(line)
+            if "asyncengine: ready" in line:
+                break
+        ready = lines[-1]
+        assert re.search(rf"ready, float32: --dtype float32, serving on http://127\.0\.0\.1:{port} \(", ready), lines
+        for _ in range(600):  # the socket opens right after the ready line (a bounded wait)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+                    metrics = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        # the warm-up request ran before any client: its prompt already went through the prefix cache
+        queried = re.search(r"^asyncengine_prefix_cache_queries(?:_total)? ([\d.e+]+)$", metrics, re.M)
+        assert queried and float(queried.group(1)) > 0, metrics[:3000]
+    finally:
+        proc.terminate()
+        proc.wait(60)
