@@ -4,12 +4,14 @@ Everything here is imported on first use: ``import asyncengine`` (and ``asynceng
 not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
-           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError"]
+           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError",
+           "AnyioEngine"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "asyncengine.engine.llm",
     "AsyncLLMEngine": "asyncengine.engine.async_engine",
+    "AnyioEngine": "asyncengine.engine.anyio_bridge",
     "EngineConfig": "asyncengine.config",
     "SamplingParams": "asyncengine.sampling_params",
     "OutputKind": "asyncengine.sampling_params",

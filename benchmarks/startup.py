@@ -17,6 +17,12 @@ an upper bound of the peak of the sum):
   *_cpu_s       user + system CPU seconds of the command (less sensitive to a busy machine)
   serve_ready_s launch of ``asyncengine serve --port P`` -> ``GET /health`` answers 200
   serve_rss_mb  peak RSS of the idle server (its processes' VmHWM, summed, 2 s after it is ready)
+  ready_s       launch -> the chat's "ready" line, in a conversation (3 questions from a pipe)
+  q1_ttft_ms    that conversation's first question: its first token, ms after the question (as the
+                chat reports it on stderr)
+  qn_ttft_ms    the later questions' first tokens (their median within the run)
+  q1_over_qn    q1_ttft_ms / qn_ttft_ms of the run: the first question's extra cost (the warm-up
+                before "ready" is meant to bring it to ~1x; --extra "--no-warm-up" shows it without)
   decode_tok_s  single-stream decode speed the chat command reports on stderr ("N tok/s"), for a
                 longer answer (``--max-tokens 128 --ignore-eos``... as the CLI allows: a fixed prompt)
 
@@ -41,6 +47,7 @@ import time
 import urllib.request
 
 PROMPT = "What is the capital of France?"
+QUESTIONS = ("What is the capital of France?", "What is the capital of Italy?", "What is the capital of Spain?")
 LONG_PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -80,11 +87,15 @@ def _tree_peaks(root: int, peaks: dict[int, float]) -> None:
             continue
 
 
-def run_timed(args: list[str], timeout: float = 300.0) -> dict:
-    """Run to completion; wall time, time to the first stdout byte, peak RSS, stdout, stderr."""
+def run_timed(args: list[str], timeout: float = 300.0, input: str | None = None) -> dict:
+    """Run to completion (``input`` on stdin); wall time, time to the first stdout byte, peak RSS,
+    stdout, stderr."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=_env())
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    if input is not None:
+        p.stdin.write(input.encode())
+        p.stdin.close()
     first: list[float] = []
     out_chunks: list[bytes] = []
     err_chunks: list[bytes] = []
@@ -170,6 +181,48 @@ def serve_idle(model_args: list[str], timeout: float = 300.0) -> dict:
             p.wait()
 
 
+def conversation(model_args: list[str], extra: list[str]) -> dict:
+    """A piped chat of QUESTIONS: the ready time and each question's first-token latency as the
+    chat reports them."""
+    r = run_timed(cli() + ["chat", *model_args, *extra, "--max-tokens", "16"], input="\n".join(QUESTIONS) + "\n")
+    ttft = [float(x) for x in re.findall(r"first token (\d+) ms after the question", r["stderr"])]
+    ready = re.search(r"ready.*\(([\d.]+) s after launch\)", r["stderr"])
+    if len(ttft) != len(QUESTIONS) or ready is None:
+        raise RuntimeError(f"unexpected chat output:\n{r['stderr'][-2000:]}")
+    later = statistics.median(ttft[1:])
+    return {"ready_s": float(ready.group(1)), "q1_ttft_ms": ttft[0], "qn_ttft_ms": later,
+            "q1_over_qn": ttft[0] / later, "ready_line": ready.group(0)}
+
+
+def conversation_ab(model_args: list[str], a: list[str], b: list[str], rounds: int, out: str | None) -> int:
+    """The conversation figures for two flag sets, alternating A, B in each round (a noisy machine
+    drifts over minutes: alternating keeps the drift out of the difference); medians and ranges."""
+    conversation(model_args, a)  # page cache, weight cache, kernels (not counted)
+    runs: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    ready_lines = {}
+    for _ in range(rounds):
+        for name, flags in (("A", a), ("B", b)):
+            c = conversation(model_args, flags)
+            ready_lines[name] = c.pop("ready_line")
+            for k, v in c.items():
+                runs[name].setdefault(k, []).append(v)
+    report = {"flags": {"A": " ".join(a), "B": " ".join(b)}, "rounds": rounds, "runs": runs, "ready_lines": ready_lines,
+              "summary": {n: {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in r.items()}
+                          for n, r in runs.items()},
+              "cli": cli(), "model": model_args[0] if model_args else None, "python": sys.version.split()[0],
+              "platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+    for name in ("A", "B"):
+        print(f"{name}: {report['flags'][name] or '(no flags)'}   ready line: {ready_lines[name]}")
+        for k, s in report["summary"][name].items():
+            print(f"  {k:12} median {s['median']:9.2f}   range {s['min']:.2f} .. {s['max']:.2f}")
+    load = report["loadavg"]
+    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)")
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def reported_tok_s(stderr: str) -> float | None:
     m = re.findall(r"([\d.]+) tok/s", stderr)
     return float(m[-1]) if m else None
@@ -183,16 +236,22 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--conversation-ab", default=None, metavar="FLAGS",
+                    help="only the conversation figures, in interleaved rounds: --extra's flags against "
+                         "these (e.g. '--no-warm-up'), --repeat rounds")
     args = ap.parse_args()
     model_args = [args.model] if args.model else []
     extra = args.extra.split()
+    if args.conversation_ab is not None:
+        return conversation_ab(model_args, extra, args.conversation_ab.split(), args.repeat, args.out)
 
     # warm the page cache and any on-disk caches once (not counted)
     run_timed(cli() + ["chat", *model_args, *extra, "--prompt", PROMPT])
 
     results: dict[str, list[float]] = {k: [] for k in (
         "help_s", "help_cpu_s", "version_s", "chat_first_s", "chat_total_s", "chat_cpu_s", "chat_rss_mb", "serve_ready_s", "serve_rss_mb",
-        "decode_tok_s")}
+        "ready_s", "q1_ttft_ms", "qn_ttft_ms", "q1_over_qn", "decode_tok_s")}
+    ready_line = ""
     answer = ""
     for _ in range(args.repeat):
         h = run_timed(cli() + ["--help"])
@@ -208,6 +267,10 @@ def main() -> int:
         results["chat_total_s"].append(r["wall_s"])
         results["chat_cpu_s"].append(r["cpu_s"])
         results["chat_rss_mb"].append(r["rss_mb"])
+        conv = conversation(model_args, extra)
+        ready_line = conv.pop("ready_line")
+        for k, v in conv.items():
+            results[k].append(v)
         d = run_timed(cli() + ["chat", *model_args, *extra, "--temperature", "0", "--max-tokens",
                                str(args.decode_tokens), "--prompt", LONG_PROMPT])
         if (t := reported_tok_s(d["stderr"])) is not None:
@@ -219,7 +282,8 @@ def main() -> int:
 
     summary = {k: statistics.median(v) for k, v in results.items() if v}
     load = os.getloadavg()
-    report = {"summary": summary, "runs": results, "answer": answer, "cli": cli(), "model": args.model,
+    report = {"summary": summary, "runs": results, "answer": answer, "ready_line": ready_line, "cli": cli(),
+              "model": args.model,
               "extra": args.extra, "python": sys.version.split()[0], "platform": platform.platform(),
               "cpus": os.cpu_count(), "loadavg": load}
     print(f"{'figure':16} {'median':>9}   runs")
@@ -227,6 +291,7 @@ def main() -> int:
         if v:
             print(f"{k:16} {summary[k]:9.3f}   " + ", ".join(f"{x:.3f}" for x in v))
     print(f"answer: {answer[:120]!r}")
+    print(f"ready line: {ready_line}")
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)")
     if args.out:
         with open(args.out, "w") as f:

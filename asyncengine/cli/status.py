@@ -34,6 +34,10 @@ class LoadStatus:
         elif final:
             print(text, file=sys.stderr, flush=True)
 
+    def step(self, text: str) -> None:
+        """A later stage of the start (e.g. warming up), on a terminal only, as the loader's lines."""
+        self._write(f"asyncengine: {text} ...")
+
     def done(self, text: str) -> None:
         self.logger.removeHandler(self.handler)
         self.logger.setLevel(self._level)

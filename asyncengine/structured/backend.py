@@ -53,7 +53,7 @@ class GrammarCompiler:
         try:
             import xgrammar as xgr
         except ImportError:
-            raise InvalidRequestError("structured outputs need xgrammar: pip install 'asyncengine[structured]'") from None
+            raise InvalidRequestError("structured outputs need xgrammar, part of asyncengine's install: pip install 'xgrammar>=0.2.9'") from None
 
         self.xgr = xgr
         self.vocab_size = vocab_size

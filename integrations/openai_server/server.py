@@ -9,13 +9,16 @@ import os
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
-          allowed_origins=(), metrics_public: bool = False, on_loaded=None, **engine_kwargs) -> int:
+          allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
+          **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
     (default: $ASYNCENGINE_API_KEY). allowed_hosts / allowed_origins / metrics_public: see
-    build_app (security.py). on_loaded(): called once the model is loaded, before the server
-    listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
+    build_app (security.py). warm_up: run one short request on the server's loop before it
+    listens, so the first client does not pay the first step's one-time costs
+    (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
+    up, before the server listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost). Returns the exit status (0)."""
     import uvicorn
 
@@ -28,12 +31,32 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
     engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                          **engine_kwargs))
-    if on_loaded is not None:
-        on_loaded()
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                     bind_host=host, metrics_public=metrics_public)
+    _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     uvicorn.run(app, host=host, port=port, loop=loop, log_level=log_level, timeout_graceful_shutdown=5,
                 ws_max_size=engine.limits.max_request_bytes)
     return 0
+
+
+def _before_listening(app, engine, warm_up: bool, on_loaded) -> None:
+    """Warm the engine up and call ``on_loaded(engine)`` inside the app's start-up (lifespan), on
+    the loop the server runs: uvicorn opens its socket only after it."""
+    import contextlib
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            if warm_up:
+                from asyncengine.engine.warmup import warm_up as run_warm_up
+
+                await run_warm_up(engine)
+            if on_loaded is not None:
+                on_loaded(engine)
+            yield state
+
+    app.router.lifespan_context = lifespan

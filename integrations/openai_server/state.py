@@ -77,7 +77,7 @@ class ServerState:
         limit = self.max_model_len
         if num_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                                f"{what} has {num_prompt} tokens, leaving no room for the completion. "
+                                f"{what} resulted in {num_prompt} tokens, leaving no room for the completion. "
                                 f"Please shorten the {what}.", param=what, code="context_length_exceeded")
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -384,7 +384,8 @@ def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
                                            max_stop_string_chars=10, max_n=2)
     assert seen["allowed_hosts"] == ["llm.internal", "other"] and seen["allowed_origins"] == ["https://app.example"]
     assert seen["metrics_public"] is True
-    assert seen["tp_vocab_parallel"] is True and seen["ray_placement_strategy"] == "PACK"  # EngineConfig's
+    # flags not given are not passed: EngineConfig's own defaults apply
+    assert "tp_vocab_parallel" not in seen and "ray_placement_strategy" not in seen
     seen.clear()
     assert cli.main(["serve", "m", "--no-tp-vocab-parallel", "--ray-placement-strategy", "STRICT_SPREAD"]) == 0
     assert seen["tp_vocab_parallel"] is False and seen["ray_placement_strategy"] == "STRICT_SPREAD"

@@ -223,6 +223,10 @@ def test_bad_requests_are_400_in_openai_shape(server, client):
             assert err["error"]["param"] == param, (body, err)
     status, err = _error_body(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 1})
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    status, err = _error_body(server, "/v1/chat/completions",
+                              {"model": MODEL, "messages": [{"role": "user", "content": "x " * 3000}]})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    assert "your messages resulted in" in err["error"]["message"]  # grammar (was "your messages has")
     for raw in (b"", b"{not json", b"[1, 2]", b'{"model": "tiny-llama"}'):
         status, err = _error_body(server, "/v1/chat/completions", raw)
         assert status == 400 and err["error"]["type"] == "invalid_request_error", (raw, err)
