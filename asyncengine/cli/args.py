@@ -184,6 +184,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                                       "kernels, built once per machine) where a C compiler is found, else torch",
                  choices=BACKEND_CHOICES),
     EngineOption("seed", "engine random seed", type=int),
+    EngineOption("quantized_activations", "activations for the block-quantized (GGUF Q4/Q8) kernels: int8 "
+                                          "(integer dot products, llama.cpp's method) or fp32; auto = int8",
+                 choices=("auto", "int8", "fp32")),
     EngineOption("num_threads", "torch threads per worker", type=POSITIVE_INT,
                  default_text="torch's, lowered while other processes keep cores busy; a number pins it"),
     EngineOption("freeze_gc_after_load", "freeze the objects alive after the load out of the cycle "

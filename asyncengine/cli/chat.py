@@ -34,22 +34,8 @@ async def _make_engine(args):
     except BaseException:
         status.done("loading failed")
         raise
-    status.done(f"ready, {dtype_line(engine, config)}")
+    status.done(f"ready, {engine.kernels}")
     return engine
-
-
-def dtype_line(engine, config) -> str:
-    """"float32: --dtype float32": the dtype the model runs in, and why (the ready line). An engine
-    that knows its own reason (``dtype_reason``, e.g. "quantized Q4_1 weights") says it."""
-    why = getattr(engine, "dtype_reason", None)
-    if not why:
-        if config.dtype != "auto":
-            why = f"--dtype {config.dtype}"
-        elif str(config.device).startswith("cuda"):
-            why = "auto, the GPU default"
-        else:
-            why = "auto, measured fastest on this CPU"
-    return f"{engine.dtype}: {why}"
 
 
 def _params(engine, args):

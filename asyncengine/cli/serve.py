@@ -40,17 +40,16 @@ def run_serve(args) -> int:
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
-    from asyncengine.cli.chat import dtype_line
     from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
 
     limits = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS if getattr(args, k) is not None})
     kw = engine_kwargs(args)
-    config = EngineConfig(**kw)  # what the ready line reports (dtype asked for)
+    EngineConfig(**kw)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     status_warm = lambda engine: status.done(  # noqa: E731
-        f"ready, {dtype_line(engine, config)}, serving on http://{args.host}:{args.port}")
+        f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
     try:
         return serve(model=args.model, host=args.host, port=args.port,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),

@@ -60,7 +60,7 @@ def test_piped_chat_answers_the_rest_and_reports_a_failed_question(tiny_gguf):
     assert "ask a shorter question, or raise --max-model-len" in r.stderr
     assert _answers(r.stderr) == [2]  # the second question was still answered
     # the ready line comes after the warm-up and says which dtype runs and why
-    assert re.search(r"asyncengine: ready, float32: --dtype float32 \(\d+\.\d s after launch\)", r.stderr), r.stderr
+    assert re.search(r"asyncengine: ready, float32 \(asked for\);[^\n]*cpu attention \(\d+\.\d s after launch\)", r.stderr), r.stderr
 
 
 def test_serve_warms_up_then_says_ready_with_the_dtype(tiny_gguf):
@@ -81,7 +81,7 @@ def test_serve_warms_up_then_says_ready_with_the_dtype(tiny_gguf):
             if "asyncengine: ready" in line:
                 break
         ready = lines[-1]
-        assert re.search(rf"ready, float32: --dtype float32, serving on http://127\.0\.0\.1:{port} \(", ready), lines
+        assert re.search(rf"ready, float32 \(asked for\);[^\n]*cpu attention, serving on http://127\.0\.0\.1:{port} \(", ready), lines
         for _ in range(600):  # the socket opens right after the ready line (a bounded wait)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
