@@ -48,6 +48,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="run the engine core (scheduler, KV cache, model) in its own process, so the model step "
                         "never competes with this process's Python for the GIL; this process then imports no "
                         "torch, and builds the tokenizer while the core imports torch")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same tokens and logprobs for a request alone or in any batch (CPU; "
+                        "docs/batch_invariance.md)")
 
 
 def _distributed(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ def _config(args):
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs or 1, quantization=args.quantization,
-              attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
+              attention_backend=args.attention_backend, engine_core_process=args.engine_core_process,
+              batch_invariant=args.batch_invariant)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     return EngineConfig(**kw)

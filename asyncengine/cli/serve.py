@@ -53,6 +53,7 @@ def run_serve(args) -> int:
     kw["max_num_seqs"] = args.max_num_seqs or 256
     kw["quantization"] = args.quantization
     kw["attention_backend"] = args.attention_backend
+    kw["batch_invariant"] = args.batch_invariant
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
     status = LoadStatus(args.model or "smollm2-135m-instruct")
