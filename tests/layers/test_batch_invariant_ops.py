@@ -163,3 +163,38 @@ def test_torch_log_softmax_and_softmax_are_per_row(vocab, threads):
         torch.set_num_threads(n)
         assert rows_alone_equal(lambda t: t.log_softmax(-1), x, ms=(1, 2, 3, 17))
         assert rows_alone_equal(lambda t: t.softmax(-1), x, ms=(1, 2, 3, 17))
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+
+def _tp_rank(rank: int, size: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from asyncengine.layers.parallel import TPGroup
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        tp = TPGroup(rank=rank, size=size, group=dist.group.WORLD, fixed_order=True)
+        parts = [torch.randn(37, 300, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(size)]
+        got = tp.all_reduce(parts[rank].clone())
+        one_row = tp.all_reduce(parts[rank][5:6].clone())
+        if rank == size - 1:
+            torch.save({"got": got, "one_row": one_row, "parts": parts}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_fixed_order_all_reduce_sums_in_rank_order(tmp_path):
+    """Three ranks (where a ring's order would follow the tensor size): every element is
+    ((p0 + p1) + p2), for a batch of 37 rows and for one row alone."""
+    import torch.multiprocessing as mp
+
+    size, out = 3, str(tmp_path / "out.pt")
+    mp.start_processes(_tp_rank, args=(size, f"file://{tmp_path / 'init'}", out), nprocs=size, join=True,
+                       start_method="spawn")
+    res = torch.load(out)
+    p = res["parts"]
+    expect = (p[0] + p[1]) + p[2]
+    assert torch.equal(res["got"], expect)
+    assert torch.equal(res["one_row"], expect[5:6])

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Batch-invariant mode vs the default, side by side: offline throughput and single-stream decode.
+
+    python benchmarks/batch_invariance.py --model models/llama-bench [--dtype float32 bfloat16]
+        [--requests 32] [--rounds 3] [--threads 2] [--out benchmarks/results/batch_invariance.json]
+
+Both engines (``batch_invariant`` False / True) are built once per dtype and measured in
+interleaved rounds (the order alternates each round), so a noisy host's drift hits both alike:
+
+  offline   the first ``--requests`` requests of the ``offline`` workload (benchmarks/workloads.py;
+            prompts 64-512 tokens, outputs 32-256, greedy, EOS ignored) in one ``LLM.generate``:
+            output tokens per second
+  decode    one request, a 32-token prompt, 128 tokens: decode tokens per second between its first
+            and last token (RequestMetrics times)
+
+Reports the median and the spread (min-max) of the rounds, the ratio default / invariant of the
+medians (> 1: the invariant mode is slower by that factor), and the CPU it ran on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def offline(llm, requests) -> float:
+    from asyncengine import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
+def decode(llm, prompt: list[int], tokens: int) -> float:
+    from asyncengine import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    return (tokens - 1) / (m.last_token_time - m.first_token_time)
+
+
+def summary(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1), "max": round(max(xs), 1),
+            "rounds": [round(x, 1) for x in xs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--requests", type=int, default=32, help="the first N requests of the offline workload")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from asyncengine import LLM
+    from single_stream import cpu_info
+    from workloads import make_workload
+
+    requests = make_workload("offline")[:args.requests]
+    prompt = make_workload("offline")[-1][0][:32]
+    result = {"cpu": cpu_info(), "model": args.model, "threads": args.threads, "requests": args.requests,
+              "output_tokens": sum(m for _, m in requests), "rounds": args.rounds,
+              "decode_tokens": args.decode_tokens, "results": {}}
+    for dtype in args.dtype:
+        engines = {inv: LLM(args.model, dtype=dtype, batch_invariant=inv, num_threads=args.threads, seed=0,
+                            max_model_len=1024) for inv in (False, True)}
+        for llm in engines.values():  # warm-up: kernels built, first-step allocations done
+            offline(llm, requests[:2])
+        runs = {(inv, what): [] for inv in (False, True) for what in ("offline", "decode")}
+        for r in range(args.rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for inv in order:
+                runs[(inv, "offline")].append(offline(engines[inv], requests))
+                runs[(inv, "decode")].append(decode(engines[inv], prompt, args.decode_tokens))
+                print(f"{dtype} round {r} {'invariant' if inv else 'default'}: offline "
+                      f"{runs[(inv, 'offline')][-1]:.1f} tok/s, decode {runs[(inv, 'decode')][-1]:.1f} tok/s",
+                      flush=True)
+        for llm in engines.values():
+            llm.shutdown()
+        res = {}
+        for what in ("offline", "decode"):
+            d, i = summary(runs[(False, what)]), summary(runs[(True, what)])
+            res[what] = {"default_tok_s": d, "invariant_tok_s": i,
+                         "cost_x": round(d["median"] / i["median"], 3)}
+        result["results"][dtype] = res
+        print(json.dumps({dtype: res}), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
