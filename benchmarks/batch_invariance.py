@@ -3,6 +3,7 @@
 
     python benchmarks/batch_invariance.py --model models/llama-bench [--dtype float32 bfloat16]
         [--requests 32] [--rounds 3] [--threads 2] [--out benchmarks/results/batch_invariance.json]
+    python benchmarks/batch_invariance.py --kernels [--out ...]   # what costs what: the matmuls alone
 
 Both engines (``batch_invariant`` False / True) are built once per dtype and measured in
 interleaved rounds (the order alternates each round), so a noisy host's drift hits both alike:
@@ -12,6 +13,11 @@ interleaved rounds (the order alternates each round), so a noisy host's drift hi
             output tokens per second
   decode    one request, a 32-token prompt, 128 tokens: decode tokens per second between its first
             and last token (RequestMetrics times)
+
+``--kernels`` times the matmuls the mode swaps, on the bench model's shapes (hidden 512, MLP 1408,
+vocabulary 32000), one thread, CPU time (process_time: less exposed to other processes' load), best
+of 7 interleaved rounds: ``invariant.linear`` vs ``F.linear`` (fp32, bf16) and the Q8_0/Q4_0 ``gemm``
+with ``fixed_order`` vs without, at M = 1, 16, 256.
 
 Reports the median and the spread (min-max) of the rounds, the ratio default / invariant of the
 medians (> 1: the invariant mode is slower by that factor), and the CPU it ran on.
@@ -53,9 +59,49 @@ def summary(xs: list[float]) -> dict:
             "rounds": [round(x, 1) for x in xs]}
 
 
+def kernels(rounds: int = 7) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from asyncengine.kernels.cpu import invariant, quant
+
+    torch.set_num_threads(1)
+    shapes = [(512, 1024), (512, 2816), (1408, 512), (512, 32000)]  # qkv, gate_up, down, lm head (K, N)
+    g = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=g) for k, n in shapes]
+    out = {}
+    variants = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ws = [w.to(dtype) for w in dense]
+        name = str(dtype).split(".")[1]
+        variants[name] = ({"default": lambda x, w: F.linear(x, w), "invariant": invariant.linear}, ws, dtype)
+    for qtype in ("Q8_0", "Q4_0"):
+        ws = [(quant.quantize(w, qtype), w.shape[1]) for w in dense]
+        variants[qtype] = ({"default": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1]),
+                            "invariant": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1], fixed_order=True)},
+                           ws, torch.float32)
+    for name, (fns, ws, dtype) in variants.items():
+        for m in (1, 16, 256):
+            xs = [torch.randn(m, k, generator=g).to(dtype) for k, _ in shapes]
+            best = {v: float("inf") for v in fns}
+            reps = max(1, 64 // m)
+            for _ in range(rounds):
+                for v, fn in fns.items():
+                    t = time.process_time()
+                    for _ in range(reps):
+                        for x, w in zip(xs, ws):
+                            fn(x, w)
+                    best[v] = min(best[v], (time.process_time() - t) / reps * 1e3)
+            out[f"{name} M={m}"] = {"default_ms": round(best["default"], 2), "invariant_ms": round(best["invariant"], 2),
+                                    "cost_x": round(best["invariant"] / best["default"], 2)}
+            print(name, m, out[f"{name} M={m}"], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--kernels", action="store_true", help="time the swapped matmuls alone")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--requests", type=int, default=32, help="the first N requests of the offline workload")
     ap.add_argument("--rounds", type=int, default=3)
@@ -63,6 +109,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.kernels:
+        from single_stream import cpu_info
+
+        result = {"cpu": cpu_info(), "threads": 1, "unit": "ms of CPU per pass over the four matmuls",
+                  "kernels": kernels()}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+                f.write("\n")
+        return
+    if not args.model:
+        ap.error("--model is required (or --kernels)")
 
     from asyncengine import LLM
     from single_stream import cpu_info
