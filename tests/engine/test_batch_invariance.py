@@ -225,3 +225,10 @@ def test_unsupported_setups_are_refused(tiny_llama_dir):
         EngineConfig(model=tiny_llama_dir, batch_invariant=True, device="cuda")
     with pytest.raises(ConfigError, match="'torch' has no batch-invariant mode"):
         LLM(tiny_llama_dir, dtype="float32", batch_invariant=True, attention_backend="torch")
+
+
+def test_refused_without_the_c_kernels(tiny_llama_dir, kernels_off):
+    from asyncengine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs the CPU C kernels.*ASYNCENGINE_CPU_KERNELS=0"):
+        LLM(tiny_llama_dir, dtype="float32", batch_invariant=True)
