@@ -41,8 +41,8 @@ def engines(model_dir: str, dtype: str, invariant: bool, mode: str, **options) -
     common = dict(dtype=dtype, batch_invariant=invariant, max_model_len=2048, num_threads=1, seed=0, **options)
     out = {f"budget{b}": LLM(model_dir, max_num_batched_tokens=b, num_kv_blocks=768, **common) for b in BUDGETS}
     # blocks of 16 for one request but not for a batch: preemption. Prefix mode: one long-prefix
-    # request fits in 70 (at most 68 blocks), two do not; else one 80 + 8 token request fits in 12
-    out["preempt"] = LLM(model_dir, max_num_batched_tokens=64, num_kv_blocks=70 if mode == "prefix" else 12,
+    # request fits in 70 (at most 68 blocks), two do not; else one 80 + 16 token request fits in 8
+    out["preempt"] = LLM(model_dir, max_num_batched_tokens=64, num_kv_blocks=70 if mode == "prefix" else 8,
                          **common)
     return out
 
@@ -85,10 +85,13 @@ def run_trials(pool: dict[str, LLM], mode: str, trials: int, seed: int, stop_whe
         chosen = [i for i in range(len(targets)) if rng.random() < 0.7] or [rng.randrange(len(targets))]
         if name == "preempt":  # a batch the small cache cannot hold at once
             chosen = list(range(len(targets)))
-        batch = [(None, random_prompt(rng)) for _ in range(rng.randint(6 if name == "preempt" else 0, 10))]
+        if name == "preempt":  # long enough to outgrow the small cache while they decode together
+            batch = [(None, random_prompt(rng, 40, 80)) for _ in range(rng.randint(4, 8))]
+        else:
+            batch = [(None, random_prompt(rng)) for _ in range(rng.randint(0, 10))]
         for i in chosen:
             batch.insert(rng.randint(0, len(batch)), (i, targets[i]))
-        params = [sp if i is not None else SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0,
+        params = [sp if i is not None else SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0,
                                                            ignore_eos=True) for i, _ in batch]
         outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
         for (i, _), o in zip(batch, outs):
@@ -128,20 +131,23 @@ def test_deterministic(mode, arch, dtype, long_ckpt):
         assert max(distinct_default) > 1, "the default mode gave one output too: these shapes prove nothing"
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_deterministic_quantized(quantization, long_ckpt):
-    """Q8_0 / Q4_1 weights: the per-row C kernel at every M (the default hands steps of 48 rows and
-    more to dequantize + torch.mm, so a prefill chunk rounds differently from a decode)."""
+@pytest.mark.parametrize("quantization,activations", [("int8", "fp32"), ("int4", "int8")])
+def test_deterministic_quantized(quantization, activations, long_ckpt):
+    """Q8_0 / Q4_1 weights, through the native decode step (steps of <= 32 rows) and the per-op
+    model. With fp32 activations the default hands steps of 48 rows and more to dequantize +
+    torch.mm, so a prefill chunk rounds differently from a decode; invariant mode keeps the per-row
+    kernel. int8 activations run their integer kernel at every M in both modes."""
     model_dir = long_ckpt("llama")
     for invariant in (True, False):
-        pool = engines(model_dir, "float32", invariant, "mixed", quantization=quantization)
+        pool = engines(model_dir, "float32", invariant, "mixed", quantization=quantization,
+                       quantized_activations=activations)
         try:
             distinct, _ = run_trials(pool, "mixed", 8, seed=5, stop_when_differs=not invariant)
         finally:
             shutdown(pool)
         if invariant:
             assert distinct == [1] * len(distinct), f"invariant mode: distinct outputs per request {distinct}"
-        else:
+        elif activations == "fp32":
             assert max(distinct) > 1, "the default mode gave one output too: these shapes prove nothing"
 
 
