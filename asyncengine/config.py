@@ -176,6 +176,10 @@ class EngineConfig:
     # "fp32" = activations kept in fp32 (exact up to summation order, slower); "auto" = the
     # process default (ASYNCENGINE_QUANT_ACTIVATIONS, else int8)
     quantized_activations: Literal["auto", "int8", "fp32"] = "auto"
+    # every kernel computes each row in an order that does not depend on the batch, the chunk
+    # boundaries or the prefix cache, so a request gets bitwise the same tokens and logprobs alone
+    # or in any batch (docs/batch_invariance.md: what is guaranteed, what it costs). CPU only.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -226,6 +230,12 @@ class EngineConfig:
         from asyncengine.spec_decode.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.batch_invariant and str(self.device).startswith("cuda"):
+            raise ConfigError("batch_invariant=True runs on the CPU kernels only (device='cpu'); CUDA has no "
+                              "batch-invariant matmul or attention here yet")
+        if self.batch_invariant and self.attention_backend == "triton":
+            raise ConfigError("batch_invariant=True runs on the CPU kernels; the Triton attention backend has no "
+                              "batch-invariant mode yet (use attention_backend='auto' or 'cpu')")
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         check_device(self.device)

@@ -51,6 +51,11 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_sliding_window: bool = False  # layers with a window refuse a backend without (at start)
+    # batch-invariant mode (EngineConfig.batch_invariant): a backend that supports it computes each
+    # query row over its keys in one order, whatever the batch, chunking or cache hits; the runner
+    # sets batch_invariant after asking
+    supports_batch_invariant: bool = False
+    batch_invariant: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device, scale: float | None = None,

@@ -50,6 +50,8 @@ class CpuBackend(AttentionBackend):
         self.torch_backend = TorchBackend(*args, **kwargs)  # long prefill chunks, and the fallback
         self.kernels = (self.device.type == "cpu" and kernel.available()
                         and kernel.supports(self.dtype, self.head_dim, self.block_size))
+        # the C kernel walks each row's keys block by block in position order at any query length
+        self.supports_batch_invariant = self.kernels
         if not self.kernels:
             log.warning("attention_backend='cpu': the C kernels are unavailable for this engine (%s); "
                         "running the torch backend's attention", self._why_not())
@@ -73,7 +75,7 @@ class CpuBackend(AttentionBackend):
         bs = self.block_size
         short, prefills = [], []
         for s in batch.seqs:
-            if s.query_len <= KERNEL_MAX_QUERY_LEN:
+            if s.query_len <= KERNEL_MAX_QUERY_LEN or self.batch_invariant:
                 short.append((s.query_start, s.query_len, s.context_len, s.block_ids))
             else:
                 nb = -(-s.seq_len // bs)

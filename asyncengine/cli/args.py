@@ -184,6 +184,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                                       "kernels, built once per machine) where a C compiler is found, else torch",
                  choices=BACKEND_CHOICES),
     EngineOption("seed", "engine random seed", type=int),
+    EngineOption("batch_invariant", "bitwise the same tokens and logprobs for a request alone or in any batch "
+                                    "(CPU; docs/batch_invariance.md)", type=FLAG),
     EngineOption("quantized_activations", "activations for the block-quantized (GGUF Q4/Q8) kernels: int8 "
                                           "(integer dot products, llama.cpp's method) or fp32; auto = int8",
                  choices=("auto", "int8", "fp32")),

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu import quant
+from asyncengine.kernels.cpu import invariant, quant
 
 BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0
 
@@ -79,6 +79,9 @@ class QuantizedTensor:
 class Linear(nn.Module):
     """``y = x W^T (+ b)``; W dense or in a GGUF block format. ``parts``: the row sizes of the
     checkpoint tensors fused into this one (q, k, v or gate, up), for :meth:`load`."""
+
+    # fixed reduction order per output row, whatever M (layers/batch_invariant.py sets it)
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parts: tuple[int, ...] | None = None) -> None:
@@ -151,8 +154,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
+            if self.batch_invariant:
+                return invariant.linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
-        y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias, activations=self.activations)
+        y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias, activations=self.activations,
+                       fixed_order=self.batch_invariant)
         return y if y.dtype == self._dtype_anchor.dtype else y.to(self._dtype_anchor.dtype)
 
     def extra_repr(self) -> str:

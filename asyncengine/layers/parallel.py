@@ -22,6 +22,10 @@ class TPGroup:
     # embedding and LM head split by vocabulary rows (False: every rank holds them whole, rank 0
     # alone computes the logits; EngineConfig.tp_vocab_parallel, docs/distributed.md)
     vocab_parallel: bool = True
+    # batch-invariant mode: all-reduce sums the ranks' parts in rank order (gloo's ring reduces each
+    # slice of the tensor starting at a different rank, and where the slices fall depends on the
+    # tensor's size, so on the batch, from 3 ranks up)
+    fixed_order: bool = False
 
     @property
     def vocab_sharded(self) -> bool:
@@ -32,7 +36,14 @@ class TPGroup:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+            if not self.fixed_order:
+                dist.all_reduce(x, group=self.group)
+                return x
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            x.copy_(parts[0])
+            for p in parts[1:]:
+                x.add_(p)
         return x
 
     def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

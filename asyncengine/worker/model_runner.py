@@ -31,6 +31,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_spec import KVCacheConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
+from asyncengine.layers import batch_invariant
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.grammar import Grammar
@@ -71,6 +72,9 @@ class ModelRunner:
             raise ConfigError(f"attention_backend={self.attn_backend.name!r} has no sliding-window attention "
                               f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
                               f"use attention_backend='torch' or 'cpu'")
+        if config.batch_invariant:
+            batch_invariant.check_backend(self.attn_backend)
+            self.attn_backend.batch_invariant = True
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)

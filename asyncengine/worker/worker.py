@@ -78,7 +78,7 @@ class Worker:
             dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=c.distributed_timeout_s))
             self.tp = TPGroup(rank=self.rank, size=self.world_size, group=dist.group.WORLD,
-                              vocab_parallel=c.tp_vocab_parallel)
+                              vocab_parallel=c.tp_vocab_parallel, fixed_order=c.batch_invariant)
 
     def load_model(self) -> None:
         from asyncengine.models.loader import load_model
@@ -106,6 +106,12 @@ class Worker:
                                   f"{self.draft_model.args.vocab_size}, the model {self.model.args.vocab_size}: "
                                   "a draft must share the tokenizer")
             set_quantized_activations(self.draft_model, self.config.quantized_activations)
+        if self.config.batch_invariant:
+            from asyncengine.layers import batch_invariant
+
+            for model in (self.model, self.draft_model):
+                if model is not None:
+                    batch_invariant.enable(model)
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

@@ -262,12 +262,14 @@ def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None,
-         activations: str | None = None) -> torch.Tensor:
+         activations: str | None = None, fixed_order: bool = False) -> torch.Tensor:
     """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
     the result is in ``x``'s dtype). ``w`` must have passed :func:`check`. ``activations``
     ("int8" | "fp32", default :data:`ACTIVATIONS`): "int8" runs the integer kernel at every M (one
     numeric path whatever the batch; it also beats the tiled path 2x at M = 512), "fp32" the exact
-    kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact."""
+    kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact.
+    ``fixed_order`` (batch-invariant mode) keeps the exact kernel at every M in fp32 too: each output
+    is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -279,7 +281,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
     mode = _mode(activations)
     if lib is None:
         out = gemm_torch(x2, w, qtype, k, bias)
-    elif mode == "fp32" and m >= LARGE_M:
+    elif mode == "fp32" and m >= LARGE_M and not fixed_order:
         out = _gemm_tiled(lib, x2, w, qtype, k, bias)
     else:
         out = torch.empty(m, n, dtype=torch.float32)
