@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TEST_CACHE_ROOT
-
 from asyncengine.models import default_model
 from asyncengine.models.weight_cache import cache_file
+
+# tests/conftest.py's session folder (a plain `from conftest import` is ambiguous: tests/ has several)
+TEST_CACHE_ROOT = Path(os.environ["ASYNCENGINE_CACHE"]).parent
 
 
 def test_every_cache_points_into_the_session_folder():
