@@ -22,23 +22,23 @@ import time
 
 import torch
 
-from asyncengine.attention.backend import SeqChunk, StepBatch
-from asyncengine.attention.buffers import PersistentBuffers
-from asyncengine.attention.kv_cache import kv_cache_zeros
-from asyncengine.attention.registry import backend_info
-from asyncengine.attention.selector import get_backend
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import SINGLE, TPGroup
-from asyncengine.worker.cpu_malloc import keep_freed_memory
-from asyncengine.worker.grammar import Grammar
-from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
-from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
+from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.selector import get_backend
+from asyncengine.errors import ConfigError
+from asyncengine.worker.cpu_malloc import keep_freed_memory
+from asyncengine.attention.buffers import PersistentBuffers
+from asyncengine.worker.grammar import Grammar
+from asyncengine.attention.kv_cache import kv_cache_zeros
+from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
+from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
+from asyncengine.attention.registry import backend_info
+from asyncengine.core.kv_cache_spec import KVCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ class ModelRunner:
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
-        self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
-        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs and not config.enforce_eager
-                and tp.size == 1):
+        self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
+        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
+                and not config.enforce_eager and tp.size == 1):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -94,7 +94,7 @@ class ModelRunner:
         self.proposer = None  # spec_decode/proposer.py: n-gram lookup or a draft model
         if spec is not None:
             self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
-                                                      self.dtype, config.attention_backend_name)
+                                          self.dtype, config.attention_backend_name)
 
     @property
     def grammar_time_s(self) -> float:
