@@ -7,8 +7,8 @@ upward; laziness only hides it from the interpreter). ``kernels/`` and ``integra
 into the package by pyproject's ``package-dir`` and walked under those names. Importing ``a.b.c``
 also runs ``a/b/__init__.py``: an edge to ``a.b``, unless that ``__init__`` imports only its own
 submodules (a re-export: the edge goes to those) or nothing (names resolved lazily). Imports by
-string (``importlib.import_module``: the lazy ``__init__``s, the attention registry's class paths,
-the executor selector) are not seen; each of those points down its own package.
+string (``importlib.import_module``: the lazy ``__init__``s and the attention registry's class paths)
+are not seen; each of those points down its own package.
 """
 from __future__ import annotations
 
