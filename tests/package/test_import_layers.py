@@ -31,8 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executors", ("asyncengine.executor",)),
     ("worker (model runner, sampler)", ("asyncengine.worker",)),
     ("speculative proposers", ("asyncengine.spec_decode",)),
-    ("attention backends", ("asyncengine.attention",)),
+    # models run over the attention backends (as vLLM's models import vllm.attention): a model's
+    # native decode step reads the CPU backend's metadata; the backends know no model
     ("models", ("asyncengine.models",)),
+    ("attention backends", ("asyncengine.attention",)),
     ("layers", ("asyncengine.layers",)),
     ("scheduler, KV-cache manager, step messages", ("asyncengine.core",)),
     ("structured outputs", ("asyncengine.structured",)),
