@@ -13,7 +13,7 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
-from asyncengine.attention.registry import BACKEND_CHOICES, AttentionBackendName, check_backend_name
+from asyncengine.attention.registry import AttentionBackendName, check_backend_name
 from asyncengine.errors import ConfigError
 from asyncengine.request_limits import RequestLimits
 
@@ -28,7 +28,6 @@ _DTYPE_NAMES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
-ATTENTION_BACKENDS = BACKEND_CHOICES  # the table: attention/registry.py
 
 
 @lru_cache(maxsize=1)

@@ -137,3 +137,30 @@ def model_hook(engine, hook):
     finally:
         with contextlib.suppress(EngineDeadError):  # a dead engine's model is gone anyway
             core.collective_rpc(unhook_forward)
+
+
+LOGPROB_TOL = 1e-4  # fp32 logprobs, engine vs transformers
+
+
+def ref_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V]: row t = log_softmax of transformers' logits after ids[:t+1]."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int) -> None:
+    """One position's {id: Logprob}: the chosen token's logprob and rank, and the top k."""
+    assert token in entry
+    lp = entry[token]
+    assert abs(lp.logprob - float(ref_row[token])) < LOGPROB_TOL
+    assert lp.rank == int((ref_row > ref_row[token] + LOGPROB_TOL).sum()) + 1 or \
+        lp.rank == int((ref_row >= ref_row[token] - LOGPROB_TOL).sum())
+    top_vals, top_ids = ref_row.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+    others = {t: v for t, v in entry.items() if t != token or t in top_ids.tolist()}
+    assert set(others) == set(top_ids.tolist()), (sorted(others), top_ids.tolist())
+    for r, (t, v) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
+        assert abs(entry[t].logprob - v) < LOGPROB_TOL
+        if t != token:
+            assert entry[t].rank == r
+    assert len(entry) <= k + 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def descendants(pid: int) -> set[int]:
@@ -22,3 +23,21 @@ def descendants(pid: int) -> set[int]:
             out.add(c)
             todo.append(c)
     return out
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"worker processes still alive: {[p for p in pids if alive(p)]}")

@@ -7,14 +7,14 @@ bytes of a body before it is read, the nesting of JSON before it is decoded), an
 a :class:`RequestLimitError` / :class:`InvalidRequestError` whose message names the field, the
 limit and its value, so a client knows what to change.
 
-Here too: chat message shapes, token-id ranges, request ids. (The value ranges of a SamplingParams
-are its own, checked when one is built: sampling_params.py. The limits are a neutral struct that
-the config and this module both import: request_limits.py.) (The HTTP API's own OpenAI-compatible ranges, e.g. temperature <= 2,
-are in the server's request schema, integrations/openai_server/protocol.py.)
+Here too: chat message shapes, token-id ranges, request ids. Elsewhere: the value ranges of a
+SamplingParams are its own, checked when one is built (sampling_params.py); the HTTP API's
+OpenAI-compatible ranges (e.g. temperature <= 2) are in the server's request schema
+(integrations/openai_server/protocol.py).
 
-Limits live in :class:`RequestLimits` (``EngineConfig(limits=RequestLimits(...))``, or the
-``asyncengine serve`` flags); the defaults suit a public-facing server and no ordinary request
-comes near them.
+Limits live in :class:`RequestLimits` (request_limits.py, a neutral module that the config imports
+too: ``EngineConfig(limits=RequestLimits(...))``, or the ``asyncengine serve`` flags); the defaults
+suit a public-facing server and no ordinary request comes near them.
 """
 from __future__ import annotations
 

@@ -81,9 +81,9 @@ class ModelRunner:
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
-        self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
-        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs and not config.enforce_eager
-                and tp.size == 1):
+        self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
+        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
+                and not config.enforce_eager and tp.size == 1):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -98,7 +98,7 @@ class ModelRunner:
         self.proposer = None  # spec_decode/proposer.py: n-gram lookup or a draft model
         if spec is not None:
             self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
-                                                      self.dtype, config.attention_backend_name)
+                                          self.dtype, config.attention_backend_name)
 
     @property
     def grammar_time_s(self) -> float:

@@ -121,8 +121,8 @@ class Worker:
         per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
-        return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block, available_bytes=_available_memory(c.torch_device),
-                           kv_budget_bytes=budget)
+        return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block,
+                           available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget)
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:

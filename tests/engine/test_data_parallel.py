@@ -105,7 +105,7 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
     """Two engine cores, each with two tensor-parallel worker processes (one thread each): parity.
     Then one core process is SIGKILLed mid-run: every stream (on either core) fails with
     EngineDeadError, and no process is left, not the other core nor any worker of either."""
-    from test_executor_faults import wait_gone
+    from proc_utils import wait_gone
 
     requests, refs = tiny_reference("llama")
     requests, refs = requests[:10], refs[:10]

@@ -20,10 +20,10 @@ import transformers
 from asyncengine import LLM, AsyncLLMEngine, EngineConfig, InvalidRequestError, OutputKind, SamplingParams
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine.output_processor import OutputProcessor
+from model_utils import check_entry, ref_logprobs
 
 VOCAB = 512
 EOS = 1
-TOL = 1e-4  # fp32 logprobs, engine vs transformers
 HANG_GUARD_S = 120.0
 
 
@@ -50,13 +50,6 @@ def llm_chunked(model_dir) -> LLM:
     return LLM(model_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=7)
 
 
-def ref_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), V]: row t = log_softmax of transformers' logits after ids[:t+1]."""
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)
-
-
 def prompt_of(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(length)]
@@ -64,23 +57,6 @@ def prompt_of(seed: int, length: int) -> list[int]:
 
 def gen(llm: LLM, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int) -> None:
-    """One position's {id: Logprob}: the chosen token's logprob and rank, and the top k."""
-    assert token in entry
-    lp = entry[token]
-    assert abs(lp.logprob - float(ref_row[token])) < TOL
-    assert lp.rank == int((ref_row > ref_row[token] + TOL).sum()) + 1 or \
-        lp.rank == int((ref_row >= ref_row[token] - TOL).sum())
-    top_vals, top_ids = ref_row.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-    others = {t: v for t, v in entry.items() if t != token or t in top_ids.tolist()}
-    assert set(others) == set(top_ids.tolist()), (sorted(others), top_ids.tolist())
-    for r, (t, v) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
-        assert abs(entry[t].logprob - v) < TOL
-        if t != token:
-            assert entry[t].rank == r
-    assert len(entry) <= k + 1
 
 
 # ---------------------------------------------------------------------------- logprobs

@@ -17,26 +17,9 @@ import time
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+from proc_utils import alive, wait_gone
 
 HANG_GUARD_S = 120.0
-
-
-def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(alive(p) for p in pids):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"worker processes still alive: {[p for p in pids if alive(p)]}")
 
 
 def make_engine(model_dir: str) -> AsyncLLMEngine:

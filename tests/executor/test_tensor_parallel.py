@@ -247,7 +247,7 @@ async def test_replicated_vocabulary(tiny_llama_dir, tiny_reference, llama_tp1):
 
 def test_shutdown_leaves_no_worker(llama_tp2):
     """Last in this module (the fixture's shutdown is idempotent)."""
-    from test_executor_faults import wait_gone
+    from proc_utils import wait_gone
 
     pids = [r["pid"] for r in llama_tp2.collective_rpc("runner_stats")]
     llama_tp2.shutdown()

@@ -47,6 +47,6 @@ def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
         metrics = httpx.get(base + "/metrics").text
         if "--data-parallel-size" in flags:
             assert 'asyncengine_core_num_requests_running{core="1"}' in metrics
-    from test_executor_faults import wait_gone
+    from proc_utils import wait_gone
 
     wait_gone(below)  # no worker or engine-core process left behind

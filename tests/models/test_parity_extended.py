@@ -19,9 +19,8 @@ import torch
 import transformers
 
 from asyncengine import LLM, SamplingParams
-from model_utils import compare
+from model_utils import check_entry, compare, ref_logprobs
 from test_parity import REGIMES, check_no_leak, run
-from test_sampling_e2e import check_entry, ref_logprobs
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB = 512

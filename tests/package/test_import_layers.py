@@ -6,7 +6,9 @@ inside functions and under ``if TYPE_CHECKING:`` too (a lazy upward import is st
 upward; laziness only hides it from the interpreter). ``kernels/`` and ``integrations/`` are mapped
 into the package by pyproject's ``package-dir`` and walked under those names. Importing ``a.b.c``
 also runs ``a/b/__init__.py``: an edge to ``a.b``, unless that ``__init__`` imports only its own
-submodules (a re-export: the edge goes to those) or nothing (names resolved lazily).
+submodules (a re-export: the edge goes to those) or nothing (names resolved lazily). Imports by
+string (``importlib.import_module``: the lazy ``__init__``s and the attention registry's class paths)
+are not seen; each of those points down its own package.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executors", ("asyncengine.executor",)),
     ("worker (model runner, sampler)", ("asyncengine.worker",)),
     ("speculative proposers", ("asyncengine.spec_decode",)),
-    ("attention backends", ("asyncengine.attention",)),
+    # models run over the attention backends (as vLLM's models import vllm.attention): a model's
+    # native decode step reads the CPU backend's metadata; the backends know no model
     ("models", ("asyncengine.models",)),
+    ("attention backends", ("asyncengine.attention",)),
     ("layers", ("asyncengine.layers",)),
     ("scheduler, KV-cache manager, step messages", ("asyncengine.core",)),
     ("structured outputs", ("asyncengine.structured",)),
