@@ -14,6 +14,9 @@ per variant the median and the spread (min-max) over rounds, and the median of p
 to llama.cpp.
 
   decode_tok_s   (tokens - 1) / (last token time - first token time), a 32-token prompt
+  cpu_ms_per_token  CPU time (all threads) the process spent per decoded token: on a host shared
+                 with other work, the figure its load disturbs least (llama.cpp's: the CPU of a
+                 llama-bench run of tokens + 1 minus one of 1 token, over tokens)
   prefill_ms     submit -> first token, 32- and 512-token prompts (llama.cpp: pp32, pp512)
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,16 +59,32 @@ async def one_run(engine, prompt_ids: list[int], tokens: int) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     times: list[float] = []
+    cpu: list[float] = []
     t0 = time.perf_counter()
     async for out in engine.generate({"prompt_token_ids": prompt_ids}, params):
-        times.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(times)))
+        new = len(out.outputs[0].token_ids) - len(times)
+        times.extend([time.perf_counter()] * new)
+        cpu.extend([time.process_time()] * new)
     n = len(times)
     return {"prefill_ms": (times[0] - t0) * 1e3,
-            "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0}
+            "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0,
+            "cpu_ms_per_token": (cpu[-1] - cpu[0]) / (n - 1) * 1e3 if n > 1 else 0.0}
+
+
+def _cpu_of(cmd: list[str]) -> float:
+    """CPU seconds (user + system, all threads) a child process used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode:
+        raise SystemExit(f"{cmd[0]} failed:\n{res.stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 def llama_bench(binary: str, model: str, threads: int, tokens: int) -> dict:
-    out = {}
+    base = [binary, "-m", model, "-t", str(threads), "-r", "1", "-p", "0", "-o", "json", "-n"]
+    # CPU per generated token: a run of tokens + 1 minus a run of 1 (each warms up with 1 token)
+    out = {"cpu_ms_per_token": (_cpu_of(base + [str(tokens + 1)]) - _cpu_of(base + ["1"])) / tokens * 1e3}
     for args in (["-n", str(tokens), "-p", "0"], ["-p", "32,512", "-n", "0"]):
         res = subprocess.run([binary, "-m", model, "-t", str(threads), "-r", "1", "-o", "json", *args],
                              capture_output=True, text=True, timeout=900)
@@ -109,8 +129,9 @@ async def amain(a) -> dict:
                 core.collective_rpc(set_variant, VARIANTS[v])
                 dec = await one_run(engine, prompt(32, 10 * r + 1), a.tokens)
                 p512 = await one_run(engine, prompt(512, 10 * r + 2), 1)
-                rows[v].append({"decode_tok_s": dec["decode_tok_s"], "prefill32_ms": dec["prefill_ms"],
-                                "prefill512_ms": p512["prefill_ms"]})
+                rows[v].append({"decode_tok_s": dec["decode_tok_s"], "cpu_ms_per_token": dec["cpu_ms_per_token"],
+                                "prefill32_ms": dec["prefill_ms"], "prefill512_ms": p512["prefill_ms"],
+                                "load_avg_1min": os.getloadavg()[0]})
                 print(f"round {r} {v}: {rows[v][-1]}", file=sys.stderr, flush=True)
             if a.llama_bench:
                 peer.append(llama_bench(a.llama_bench, path, a.threads, a.tokens))
@@ -121,10 +142,13 @@ async def amain(a) -> dict:
               "torch_threads": torch.get_num_threads(), "variants": {}, "llama_cpp": {}}
     for v in variants:
         rs = rows[v]
-        entry = {k: spread([x[k] for x in rs]) for k in ("decode_tok_s", "prefill32_ms", "prefill512_ms")}
+        entry = {k: spread([x[k] for x in rs])
+                 for k in ("decode_tok_s", "cpu_ms_per_token", "prefill32_ms", "prefill512_ms", "load_avg_1min")}
         if peer:
             tg = f"tg{a.tokens}"
             entry["decode_vs_llama_tg"] = spread([x["decode_tok_s"] / p[tg] for x, p in zip(rs, peer)])
+            entry["cpu_per_token_vs_llama"] = spread([x["cpu_ms_per_token"] / p["cpu_ms_per_token"]
+                                                      for x, p in zip(rs, peer)])
             entry["prefill32_vs_llama_pp32"] = spread([(1e3 * 32 / x["prefill32_ms"]) / p["pp32"]
                                                        for x, p in zip(rs, peer)])
             entry["prefill512_vs_llama_pp512"] = spread([(1e3 * 512 / x["prefill512_ms"]) / p["pp512"]

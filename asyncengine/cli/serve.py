@@ -52,6 +52,7 @@ def run_serve(args) -> int:
                             ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
     kw["max_num_seqs"] = args.max_num_seqs or 256
     kw["quantization"] = args.quantization
+    kw["quantized_activations"] = args.quantized_activations
     kw["attention_backend"] = args.attention_backend
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
