@@ -30,10 +30,6 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="weights: by default the checkpoint's own format (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay "
                         "quantized and run on CPU kernels; safetensors load dense); int8 / int4 = quantize "
                         "dense weights at load (Q8_0 / Q4_1 blocks, CPU); none = dequantize everything")
-    p.add_argument("--quantized-activations", default="auto", choices=["auto", "fp32", "int8"],
-                   help="how block-quantized weights are multiplied: fp32 activations (exact), or int8 ones "
-                        "(llama.cpp's method: same perplexity, faster prefill, some greedy answers flip); "
-                        "auto = $ASYNCENGINE_QUANT_ACTIVATIONS, else fp32")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest conversation in tokens (default: the model's context length)")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",

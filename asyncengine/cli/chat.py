@@ -17,7 +17,6 @@ def _config(args):
 
     kw = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs or 1, quantization=args.quantization,
-              quantized_activations=args.quantized_activations,
               attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)

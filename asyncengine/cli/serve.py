@@ -52,7 +52,6 @@ def run_serve(args) -> int:
                             ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
     kw["max_num_seqs"] = args.max_num_seqs or 256
     kw["quantization"] = args.quantization
-    kw["quantized_activations"] = args.quantized_activations
     kw["attention_backend"] = args.attention_backend
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
@@ -67,8 +66,7 @@ def run_serve(args) -> int:
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
                      engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,
                      ray_placement_strategy=args.ray_placement_strategy,
-                     on_loaded=lambda engine: status.done(
-                         f"ready, {engine.kernels}; serving on http://{args.host}:{args.port}"), **kw)
+                     on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
     except BaseException:
         status.done("stopped")
         raise

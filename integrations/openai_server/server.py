@@ -14,8 +14,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
     (default: $ASYNCENGINE_API_KEY). allowed_hosts / allowed_origins / metrics_public: see
-    build_app (security.py). on_loaded(engine): called once the model is loaded, before the
-    server listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
+    build_app (security.py). on_loaded(): called once the model is loaded, before the server
+    listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost). Returns the exit status (0)."""
     import uvicorn
 
@@ -29,7 +29,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                          **engine_kwargs))
     if on_loaded is not None:
-        on_loaded(engine)
+        on_loaded()
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                     bind_host=host, metrics_public=metrics_public)

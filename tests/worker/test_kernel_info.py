@@ -55,13 +55,3 @@ def test_the_description_names_dtype_activations_isa_and_attention(monkeypatch):
     dense = EngineConfig(model="/models/hf", device="cpu", dtype="float32", attention_backend="cpu")
     assert describe(dense) == "float32 (asked for); cpu attention"
 
-
-def test_the_cli_flag_reaches_the_config():
-    from asyncengine.cli import build_parser
-    from asyncengine.cli.chat import _config
-
-    for cmd in (["chat"], ["serve"], ["generate", "--prompt", "x"]):
-        assert build_parser().parse_args(cmd + ["--quantized-activations", "int8"]).quantized_activations == "int8"
-        assert build_parser().parse_args(cmd).quantized_activations == "auto"
-    args = build_parser().parse_args(["chat", "/models/x.gguf", "--quantized-activations", "fp32"])
-    assert _config(args).quantized_activations == "fp32"
