@@ -9,11 +9,16 @@ correct, slower. The torch functions are also the references the tests hold the 
 :func:`quantize` turns dense weights into blocks with gguf-py's (= ggml's reference) rounding, for
 ``quantization="int8" | "int4"`` of a dense checkpoint.
 
-Activations: below ``LARGE_M`` rows, ``ASYNCENGINE_QUANT_ACTIVATIONS=fp32`` (the default) keeps x in
-fp32 (exact up to summation order); ``int8`` quantizes each row of x to int8 blocks of 32 and
-multiplies with integer dot products (llama.cpp's trick: faster, but each x element moves by up to
-max|x_block| / 254, which on the default model misses issue 11's top-1 bar: docs/quantization.md).
-``LARGE_M`` rows and up always take the exact tiled path.
+Activations (``ASYNCENGINE_QUANT_ACTIVATIONS``, per engine ``EngineConfig.quantized_activations``):
+``fp32`` (the default) keeps x in fp32 (exact up to summation order), with the tiled dequantize +
+torch.mm path from ``LARGE_M`` rows. ``int8`` quantizes each row of x once to 8-bit blocks of 32
+(scale d = max|x| / 127, and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with
+integer dot products, AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M:
+llama.cpp's method, and as accurate on real text (perplexity of the default model 15.31 vs
+llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25). Why it is not the default: with the
+native decode step it saves ~3% of a decode token's CPU, and it flips the default model's greedy
+answer to the README's own question (a 0.08-nat near-tie in fp32) exactly as llama.cpp's does
+(docs/cpu_decode.md has both measurements).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ BLOCK = 32
 # name -> (GGML type id, bytes per block of 32)
 QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
-# At or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
+# fp32 activations: at or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
 # and calls torch.mm (the BLAS's register blocking beats ours once W is reused by enough rows).
 # Measured on a 2-core AVX2 EPYC (docs/quantization.md): the kernel wins below ~48 rows.
 LARGE_M = 48

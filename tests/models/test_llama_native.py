@@ -32,7 +32,6 @@ def _count_native(worker):
     step = worker.model.native_step
     if step is None:
         return None
-    step.calls = 0
     real = step.__call__
 
     class Counting:
@@ -126,3 +125,17 @@ def test_where_it_does_not_apply(ggufs, monkeypatch):
     monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", "yes")
     with pytest.raises(ValueError, match="ASYNCENGINE_NATIVE_STEP='yes'"):
         llama_native.NativeStep.for_model(dense)
+
+
+def test_the_step_releases_the_interpreter_lock(ggufs):
+    """ctypes releases the GIL around a foreign call unless the function is a Python-API one
+    (PyDLL): the whole step then runs with the lock free for the app's own threads."""
+    import ctypes
+
+    from asyncengine.config import EngineConfig
+    from asyncengine.models.loader import load_model
+
+    model = load_model(EngineConfig(model=ggufs[("llama", "Q4_1")], dtype="float32"), tokenizer=False).model
+    step = llama_native.NativeStep.for_model(model)
+    assert isinstance(step.lib, ctypes.CDLL) and not isinstance(step.lib, ctypes.PyDLL)
+    assert not step.fn._flags_ & ctypes._FUNCFLAG_PYTHONAPI

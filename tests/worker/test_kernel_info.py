@@ -54,3 +54,4 @@ def test_the_description_names_dtype_activations_isa_and_attention(monkeypatch):
     assert "int8 activations" in describe(EngineConfig(model="/models/x.gguf", device="cpu"))
     dense = EngineConfig(model="/models/hf", device="cpu", dtype="float32", attention_backend="cpu")
     assert describe(dense) == "float32 (asked for); cpu attention"
+
