@@ -238,3 +238,19 @@ def test_refused_without_the_c_kernels(tiny_llama_dir, kernels_off):
 
     with pytest.raises(ConfigError, match="needs the CPU C kernels.*ASYNCENGINE_CPU_KERNELS=0"):
         LLM(tiny_llama_dir, dtype="float32", batch_invariant=True)
+
+
+def test_tensor_parallel_two_ranks(long_ckpt):
+    """tensor_parallel_size=2 (worker processes, gloo): the rank-ordered all-reduce and the per-rank
+    invariant kernels give one output per request; the default mode gives several."""
+    for invariant in (True, False):
+        llm = LLM(long_ckpt("llama"), dtype="float32", batch_invariant=invariant, tensor_parallel_size=2,
+                  num_threads=1, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=512)
+        try:
+            distinct, _ = run_trials({"tp2": llm}, "mixed", 6, seed=3, stop_when_differs=not invariant)
+        finally:
+            llm.shutdown()
+        if invariant:
+            assert distinct == [1] * len(distinct), f"invariant mode: distinct outputs per request {distinct}"
+        else:
+            assert max(distinct) > 1, "the default mode gave one output too: these shapes prove nothing"
