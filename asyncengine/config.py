@@ -13,7 +13,7 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
-from asyncengine.attention.registry import AttentionBackendName, check_backend_name
+from asyncengine.attention.registry import AttentionBackendName, backend_info, check_backend_name
 from asyncengine.errors import ConfigError
 from asyncengine.request_limits import RequestLimits
 
@@ -229,17 +229,13 @@ class EngineConfig:
         from asyncengine.spec_decode.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.batch_invariant and str(self.device).startswith("cuda"):
-            raise ConfigError("batch_invariant=True runs on the CPU kernels only (device='cpu'); CUDA has no "
-                              "batch-invariant matmul or attention here yet")
-        if self.batch_invariant and self.attention_backend == "triton":
-            raise ConfigError("batch_invariant=True runs on the CPU kernels; the Triton attention backend has no "
-                              "batch-invariant mode yet (use attention_backend='auto' or 'cpu')")
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
         check_device(self.device)
         check_dtype(self.dtype)
         check_backend_name(self.attention_backend)
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.quantized_activations not in ("auto", "int8", "fp32"):
             raise ConfigError(f"quantized_activations must be 'auto', 'int8' or 'fp32', "
                               f"got {self.quantized_activations!r}")
@@ -248,6 +244,15 @@ class EngineConfig:
                               f"'int4', got {self.quantization!r}")
         if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
+
+    def _check_batch_invariant(self) -> None:
+        """What cannot keep a row's bits independent of the batch is refused, not run silently."""
+        if str(self.device).startswith("cuda"):
+            raise ConfigError("batch_invariant=True runs on the CPU kernels only (device='cpu'); CUDA has no "
+                              "batch-invariant matmul or attention here yet")
+        if self.attention_backend != "auto" and not backend_info(self.attention_backend).batch_invariant:
+            raise ConfigError(f"batch_invariant=True needs the 'cpu' attention backend; the "
+                              f"{self.attention_backend!r} backend has no batch-invariant mode")
 
     def _check_quantization_device(self, device_type: str) -> None:
         if self.quantization in ("int8", "int4") and device_type != "cpu":

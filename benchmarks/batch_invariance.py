@@ -18,7 +18,7 @@ shared host; with one thread it is the work the engine does).
 ``--kernels`` times the matmuls the mode swaps, on the bench model's shapes (hidden 512, MLP 1408,
 vocabulary 32000), one thread, CPU time (process_time: less exposed to other processes' load), best
 of 7 interleaved rounds: ``invariant.linear`` vs ``F.linear`` (fp32, bf16) and the Q8_0/Q4_0 ``gemm``
-with ``fixed_order`` vs without, at M = 1, 16, 256.
+with fp32 activations, ``fixed_order`` vs without, at M = 1, 16, 256.
 
 Reports the median and the spread (min-max) of the rounds, the ratio default / invariant of the
 medians (> 1: the invariant mode is slower by that factor), and the CPU it ran on.
@@ -86,8 +86,10 @@ def kernels(rounds: int = 7) -> dict:
         variants[name] = ({"default": lambda x, w: F.linear(x, w), "invariant": invariant.linear}, ws, dtype)
     for qtype in ("Q8_0", "Q4_0"):
         ws = [(quant.quantize(w, qtype), w.shape[1]) for w in dense]
-        variants[qtype] = ({"default": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1]),
-                            "invariant": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1], fixed_order=True)},
+        # fp32 activations: where fixed_order changes the route (int8 runs one kernel at every M)
+        variants[qtype] = ({"default": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1], activations="fp32"),
+                            "invariant": lambda x, w, q=qtype: quant.gemm(x, w[0], q, w[1], activations="fp32",
+                                                                          fixed_order=True)},
                            ws, torch.float32)
     for name, (fns, ws, dtype) in variants.items():
         for m in (1, 16, 256):

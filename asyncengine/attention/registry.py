@@ -19,19 +19,22 @@ if TYPE_CHECKING:
 class BackendInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One backend: ``name`` (the config value), ``path`` ("module:Class"), the ``devices`` it runs
     on, and ``cuda_graphs``: its per-step metadata lives at fixed addresses, so a decode step can be
-    captured in a CUDA graph and replayed."""
+    captured in a CUDA graph and replayed. ``batch_invariant``: it has a mode in which each query
+    row's result does not depend on the batch, the chunking or the cache (docs/batch_invariance.md)."""
 
     name: str
     path: str
     devices: tuple[str, ...]
     cuda_graphs: bool = False
+    batch_invariant: bool = False
 
 
 BACKENDS: dict[str, BackendInfo] = {b.name: b for b in (
     # plain torch ops: the readable reference, any device
     BackendInfo(name="torch", path="asyncengine.attention.torch_backend:TorchBackend", devices=("cpu", "cuda")),
     # the C kernels (kernels/cpu): paged decode attention with no gather copy
-    BackendInfo(name="cpu", path="asyncengine.attention.cpu_backend:CpuBackend", devices=("cpu",)),
+    BackendInfo(name="cpu", path="asyncengine.attention.cpu_backend:CpuBackend", devices=("cpu",),
+                batch_invariant=True),
     # the kernels/ Triton kernels; metadata in persistent buffers (CUDA graphs)
     BackendInfo(name="triton", path="asyncengine.attention.triton_backend:TritonBackend", devices=("cuda",),
                 cuda_graphs=True),

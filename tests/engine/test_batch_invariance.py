@@ -225,12 +225,11 @@ def test_unsupported_setups_are_refused(tiny_llama_dir):
     from asyncengine import EngineConfig
     from asyncengine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="Triton attention backend has no batch-invariant mode"):
-        EngineConfig(model=tiny_llama_dir, batch_invariant=True, attention_backend="triton")
+    for name in ("triton", "torch"):
+        with pytest.raises(ConfigError, match=f"the '{name}' backend has no batch-invariant mode"):
+            EngineConfig(model=tiny_llama_dir, batch_invariant=True, attention_backend=name)
     with pytest.raises(ConfigError, match="CPU kernels only"):
         EngineConfig(model=tiny_llama_dir, batch_invariant=True, device="cuda")
-    with pytest.raises(ConfigError, match="'torch' has no batch-invariant mode"):
-        LLM(tiny_llama_dir, dtype="float32", batch_invariant=True, attention_backend="torch")
 
 
 def test_refused_without_the_c_kernels(tiny_llama_dir, kernels_off):
@@ -238,3 +237,19 @@ def test_refused_without_the_c_kernels(tiny_llama_dir, kernels_off):
 
     with pytest.raises(ConfigError, match="needs the CPU C kernels.*ASYNCENGINE_CPU_KERNELS=0"):
         LLM(tiny_llama_dir, dtype="float32", batch_invariant=True)
+
+
+def test_tensor_parallel_two_ranks(long_ckpt):
+    """tensor_parallel_size=2 (worker processes, gloo): the rank-ordered all-reduce and the per-rank
+    invariant kernels give one output per request; the default mode gives several."""
+    for invariant in (True, False):
+        llm = LLM(long_ckpt("llama"), dtype="float32", batch_invariant=invariant, tensor_parallel_size=2,
+                  num_threads=1, max_num_batched_tokens=64, num_kv_blocks=256, max_model_len=512)
+        try:
+            distinct, _ = run_trials({"tp2": llm}, "mixed", 6, seed=3, stop_when_differs=not invariant)
+        finally:
+            llm.shutdown()
+        if invariant:
+            assert distinct == [1] * len(distinct), f"invariant mode: distinct outputs per request {distinct}"
+        else:
+            assert max(distinct) > 1, "the default mode gave one output too: these shapes prove nothing"
