@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncengine.engine.validation import RequestLimits
+    from asyncengine.structured.limits import GrammarLimits
 
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
@@ -128,6 +129,10 @@ class EngineConfig:
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
     # asyncengine/engine/validation.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
+    # what one structured output may cost (compile time, schema size, enum values, repetition
+    # bounds, the compiled-grammar cache's bytes): asyncengine/structured/limits.py; None =
+    # GrammarLimits()'s documented defaults
+    grammar_limits: "GrammarLimits | None" = None
     # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
     # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
     # asyncengine[ray]); None = "uni" at tensor_parallel_size 1, else "mp".
@@ -203,6 +208,10 @@ class EngineConfig:
             from asyncengine.engine.validation import RequestLimits
 
             self.limits = RequestLimits()
+        if self.grammar_limits is None:
+            from asyncengine.structured.limits import GrammarLimits
+
+            self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         if config.freeze_gc_after_load:
             gc_policy.freeze_after_load()
         self._slots: dict[str, RequestSlot] = {}
+        self._compiling: dict[str, asyncio.Future] = {}  # request id -> its grammar's compile
         self._new: list[Request] = []
         self._aborts: set[str] = set()
         # prompt tokens of accepted requests that were never scheduled yet (in _new or waiting in
@@ -218,14 +219,13 @@ class AsyncLLMEngine:
         another process resolves it there: no torch needed here)."""
         return self.core.dtype
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for
-        one that cannot compile, before a request is made of it (also warms the compiler cache)."""
-        if params.structured_outputs is None:
-            return
-        from asyncengine.structured.backend import check_compiles
+    async def check_structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output compiled (structured/compile_service.py: worker
+        processes, within the config's GrammarLimits; cancelled with the awaiting task): an
+        InvalidRequestError for one that cannot compile, before a request is made of it."""
+        from asyncengine.structured.compile_service import prepare
 
-        await asyncio.to_thread(check_compiles, self.config, self.core, params)
+        return await prepare(self.config, self.core, params)
 
     @property
     def is_closing(self) -> bool:
@@ -344,9 +344,20 @@ class AsyncLLMEngine:
         automaton or the structured-output grammar is long to build)."""
         try:
             if params.structured_outputs is not None:  # compiled (and cached) now: a bad grammar is a 400
-                from asyncengine.structured.backend import check_compiles
+                from asyncengine.structured.compile_service import prepare
 
-                await asyncio.to_thread(check_compiles, self.config, self.core, params)
+                compiling = self._compiling[slot.request_id] = asyncio.ensure_future(
+                    prepare(self.config, self.core, params))  # an abort cancels it (_mark_abort)
+                try:
+                    params = await compiling
+                except asyncio.CancelledError:
+                    if compiling.cancelled() and (slot.request_id in self._aborts
+                                                  or self._slots.get(slot.request_id) is not slot):
+                        return  # aborted while its grammar compiled (the abort ended its stream)
+                    raise
+                finally:
+                    if self._compiling.get(slot.request_id) is compiling:
+                        del self._compiling[slot.request_id]
             async with self._tokenizing:
                 if slot.finished or self._slots.get(slot.request_id) is not slot:
                     return  # abandoned while it waited for a thread
@@ -423,6 +434,9 @@ class AsyncLLMEngine:
         live = self._slots.get(request_id)
         if live is not None and (slot is None or live is slot):
             self._aborts.add(request_id)
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is not None:
+                compiling.cancel()
             if self._wake is not None:
                 self._wake.set()
 

@@ -184,7 +184,7 @@ class ServerState:
                            param="stream")
         params = msgspec.structs.replace(params, structured_outputs=so)
         try:
-            await self.engine.check_structured_outputs(params)
+            params = await self.engine.check_structured_outputs(params)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
         return params
