@@ -29,7 +29,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from asyncengine.errors import AsyncEngineError
 
-from . import openapi
+from . import guided, openapi
 from .errors import APIError, from_engine
 from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
@@ -37,7 +37,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import SSE_DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
 from .state import ServerState
-from .tools import ToolPlan, response_format_params
+from .tools import ToolPlan
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
@@ -106,9 +106,11 @@ async def completions(request: Request) -> Response:
                              limits=st.limits,
                              defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before any prompt is tokenized
+    so, field = guided.requested(req)
     prompts = await st.completion_prompts(req.prompt)
     for _, ids in prompts:
         st.check_length(len(ids), req.max_tokens, "prompt")
+    params = await run_until_disconnect(request, st.constrain(params, None, so, False, field))
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -221,8 +223,10 @@ async def chat_completions(request: Request) -> Response:
     plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
     ids = await st.chat_prompt(req.messages, plan.prompt())  # the tools described in a system message
     st.check_length(len(ids), max_tokens, "messages")
-    params = await st.constrain(params, plan.structured(), response_format_params(req.response_format),
-                                bool(req.stream) and plan.mode in ("required", "named"))
+    so, field = guided.requested(req)
+    # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
+    params = await run_until_disconnect(request, st.constrain(
+        params, plan.structured(), so, bool(req.stream) and plan.mode in ("required", "named"), field))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())
@@ -404,7 +408,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         routes=routes,
         middleware=middleware,
         exception_handlers={APIError: _on_api_error, AsyncEngineError: _on_engine_error, HTTPException: _on_http_error,
-                            ClientDisconnect: _on_client_gone, Exception: _on_error},
+                            ClientDisconnect: _on_client_gone, ClientGone: _on_client_gone,
+                            Exception: _on_error},
         lifespan=lifespan)
     app.state.server = st
     app.state.engine = engine

@@ -46,7 +46,10 @@ def from_engine(exc: BaseException, engine) -> APIError:
         return APIError(429, str(exc), code="engine_overloaded", headers={"retry-after": "1"})
     if isinstance(exc, EngineDeadError):
         if getattr(engine, "errored", False):
-            return APIError(500, str(exc), code="engine_dead")
+            # 503, not 500: the server cannot serve, a supervisor restarts it (cli/serve.py exits
+            # non-zero). The first line only: a core's traceback goes to the log, never to clients.
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "the engine died"
+            return APIError(503, first, code="engine_dead")
         # shut down or shutting down: not a fault, the server is going away
         return APIError(503, str(exc), code="shutting_down")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

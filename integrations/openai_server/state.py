@@ -170,13 +170,15 @@ class ServerState:
 
     # ------------------------------------------------------------ engine
 
-    async def constrain(self, params, from_tools, from_format, streaming_tools: bool):
-        """``params`` with the request's structured output, compiled off the loop first: a grammar
-        that cannot compile is a 400 with the compiler's message."""
-        if from_tools is not None and from_format is not None:
-            raise APIError(400, "give response_format or a tool_choice that forces a tool call, not both",
-                           param="response_format")
-        so = from_tools or from_format
+    async def constrain(self, params, from_tools, from_request, streaming_tools: bool, param: str | None = None):
+        """``params`` with the request's structured output (``from_tools``: a forced tool call;
+        ``from_request``: response_format or vLLM's fields, named ``param``), compiled first
+        (structured/compile_service.py: off the loop, within the grammar limits): a grammar that
+        cannot compile, or is over a limit, is a 400 with the reason."""
+        if from_tools is not None and from_request is not None:
+            raise APIError(400, f"give {param or 'response_format'} or a tool_choice that forces a tool call, "
+                                "not both", param=param or "response_format")
+        so = from_tools or from_request
         if so is None:
             return params
         if streaming_tools:
@@ -186,7 +188,10 @@ class ServerState:
         try:
             params = await self.engine.check_structured_outputs(params)
         except InvalidRequestError as e:
-            raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
+            raise APIError(400, str(e), param="tools" if from_tools is not None else (param or "response_format"),
+                           code="limit_exceeded" if getattr(e, "limit", None) else None) from None
+        except AsyncEngineError as e:
+            raise from_engine(e, self.engine) from None
         return params
 
     async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,

@@ -3,7 +3,8 @@
 Client -> server:
     {"type": "chat", "id": ID, "messages": [{"role": ..., "content": ...}, ...],
      + optional max_tokens / max_completion_tokens, temperature, top_p, top_k, stop, seed,
-       presence_penalty, frequency_penalty, ignore_eos, ...}     start a generation
+       presence_penalty, frequency_penalty, ignore_eos, response_format (or vLLM's
+       structured_outputs / guided_* fields), ...}               start a generation
     {"type": "cancel", "id": ID}                                   stop it (an unknown id is ignored:
                                                                    it may have just finished)
     {"type": "ping"}                                               -> {"type": "pong"}
@@ -34,6 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError
 
+from . import guided
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
 from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
@@ -124,6 +126,9 @@ class _Connection:
         params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits,
                              defaults=st.engine.default_sampling_params)
         st.check_params(params, 1)
+        so, _ = guided.requested(frame)  # response_format or vLLM's fields: checked now, compiled by
+        if so is not None:               # the engine off this loop (errors come as this id's error frame)
+            params = msgspec.structs.replace(params, structured_outputs=so)
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")
         rid = f"ws-{uuid.uuid4().hex}"
