@@ -126,6 +126,21 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request (default 16)")
     s.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string (default 1024)")
     s.add_argument("--max-n", type=int, default=None, help="samples per request (default 128)")
+    g = s.add_argument_group("structured outputs (docs/structured_outputs.md#limits; over a limit: 400)")
+    g.add_argument("--max-grammar-compile-s", type=float, default=None,
+                   help="compile time of one schema/regex/grammar; its worker process is killed past it (default 5)")
+    g.add_argument("--max-grammar-bytes", type=int, default=None, help="size of a schema/regex/grammar (default 65536)")
+    g.add_argument("--max-schema-depth", type=int, default=None, help="JSON nesting of a schema (default 32)")
+    g.add_argument("--max-enum-values", type=int, default=None,
+                   help="enum values and consts in a schema, or choices (default 1024)")
+    g.add_argument("--max-grammar-alternatives", type=int, default=None,
+                   help="anyOf/oneOf branches, or | in a regex/grammar (default 1024)")
+    g.add_argument("--max-regex-repetition", type=int, default=None,
+                   help="largest {n,m} bound in a regex or pattern, nested bounds multiplied (default 1000)")
+    g.add_argument("--grammar-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="compiled-grammar cache per process, LRU (default 128MiB)")
+    g.add_argument("--grammar-compile-workers", type=int, default=None,
+                   help="grammar compile worker processes (default 1)")
 
 
 def _csv(value: str) -> list[str]:

@@ -42,6 +42,7 @@ def run_serve(args) -> int:
         return EXIT_USAGE
     from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
+    from asyncengine.structured.limits import GrammarLimits
 
     limits = {k: v for k, v in (("max_request_bytes", args.max_request_bytes),
                                 ("max_prompt_chars", args.max_prompt_chars),
@@ -50,6 +51,9 @@ def run_serve(args) -> int:
                                 ("max_n", args.max_n)) if v is not None}
     kw = {k: v for k, v in (("max_queued_requests", args.max_queued_requests),
                             ("max_queued_tokens", args.max_queued_tokens)) if v is not None}
+    grammar = {k: v for k in ("max_grammar_compile_s", "max_grammar_bytes", "max_schema_depth", "max_enum_values",
+                              "max_grammar_alternatives", "max_regex_repetition", "grammar_cache_bytes",
+                              "grammar_compile_workers") if (v := getattr(args, k)) is not None}
     kw["max_num_seqs"] = args.max_num_seqs or 256
     kw["quantization"] = args.quantization
     kw["attention_backend"] = args.attention_backend
@@ -62,6 +66,7 @@ def run_serve(args) -> int:
                      max_model_len=args.max_model_len, seed=args.seed,
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                      metrics_public=args.metrics_public, limits=RequestLimits(**limits),
+                     grammar_limits=GrammarLimits(**grammar),
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
                      engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,

@@ -150,7 +150,7 @@ class Matcher:
         return self.m.is_terminated()
 
 
-_compilers: dict[int, GrammarCompiler] = {}
+_compilers: dict[tuple, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
@@ -158,10 +158,12 @@ def compiler_for(key, tokenizer, vocab_size: int, eos_token_ids: list[int],
                  limits: GrammarLimits | None = None) -> GrammarCompiler:
     """The process-wide compiler of the tokenizer named ``key`` (the model or tokenizer path):
     built once, since it reads the whole vocabulary; front end and model runner share it (and its
-    cache) in one process. ``tokenizer``: the tokenizer, or a function returning it."""
+    cache) in one process, as they share the config's ``limits``. ``tokenizer``: the tokenizer, or
+    a function returning it."""
+    limits = limits or GrammarLimits()
     with _compilers_lock:
-        c = _compilers.get(key)
+        c = _compilers.get((key, limits))
         if c is None:
             tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "encode") else tokenizer
-            c = _compilers[key] = GrammarCompiler(tok, vocab_size, eos_token_ids, limits)
+            c = _compilers[(key, limits)] = GrammarCompiler(tok, vocab_size, eos_token_ids, limits)
         return c
