@@ -4,7 +4,8 @@ Everything here is imported on first use: ``import asyncengine`` (and ``asynceng
 not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
-           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError"]
+           "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError",
+           "EngineCoreDied"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -19,7 +20,7 @@ _WHERE = {
     "RequestLimitError": "asyncengine.engine.validation",
     **{name: "asyncengine.errors" for name in ("AsyncEngineError", "ConfigError", "EngineDeadError",
                                                  "EngineOverloaded", "InvalidRequestError", "ModelLoadError",
-                                                 "RequestFailedError")},
+                                                 "RequestFailedError", "EngineCoreDied")},
 }
 
 

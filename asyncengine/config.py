@@ -141,6 +141,9 @@ class EngineConfig:
     # data_parallel_size > 1: that many engine cores, each in its own process with its own
     # scheduler, KV cache and executor, behind one front end that routes each request
     data_parallel_size: int = 1
+    # data parallel: a dead core fails only its own requests and the others go on
+    # (engine/dp_health.py); True also replaces it with a fresh core process (loads the model again)
+    restart_dead_cores: bool = False
     # tensor_parallel_size > 1: embedding and LM head split by vocabulary rows across the ranks
     # (each holds ~1/N of them; one all-reduce and one gather per step), or, False, replicated on
     # every rank with rank 0 alone computing the logits (docs/distributed.md has the measurement)

@@ -573,8 +573,9 @@ class AsyncLLMEngine:
                 self._drain_inputs()
                 while self._remote_inbox:
                     index, msg = self._remote_inbox.popleft()
-                    if not hasattr(msg, "outputs"):  # CoreDead
-                        raise EngineDeadError(msg.message + (f"\n{msg.traceback}" if msg.traceback else ""))
+                    if not hasattr(msg, "outputs"):  # CoreDead: its requests fail, or the engine dies
+                        self._core_died(index, msg)
+                        continue
                     for o in msg.outputs:
                         rid = self.output_processor.request_id_of(o.req_id)
                         if rid in self._queued_tokens:
@@ -601,6 +602,25 @@ class AsyncLLMEngine:
             log.exception("asyncengine busy loop died")
             self._fail_all(dead)
             raise dead from e
+
+    def _core_died(self, index: int, msg) -> None:
+        """An engine core is gone (engine/dp_health.py): its requests fail with EngineCoreDied and
+        the other cores go on; with none left, EngineDeadError (the traceback goes to the log only)."""
+        log.error("engine core %d died: %s%s", index, msg.message, f"\n{msg.traceback}" if msg.traceback else "")
+        died = getattr(self.core, "core_died", None)
+        lost = died(index) if died is not None else None
+        if lost is None:
+            raise EngineDeadError(msg.message)
+        from asyncengine.errors import EngineCoreDied
+
+        for crid in lost:
+            rid = self.output_processor.request_id_of(crid)
+            self.output_processor.abort(rid)
+            self._unqueue(rid)
+            slot = self._slots.pop(rid, None)
+            if slot is not None and not slot.finished:
+                slot.put_error(EngineCoreDied(f"request {rid!r} was on engine core {index}, which died "
+                                              f"({msg.message}); the other cores go on: retry it"))
 
     def _abandon_all(self) -> None:
         """End every request of the loop the engine leaves (its streams get an "abort" output) and

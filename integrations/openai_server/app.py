@@ -290,6 +290,10 @@ async def health(request: Request) -> Response:
         return _json({"status": "error", "message": "the engine died"}, status=503)
     if st.shutting_down or getattr(engine, "is_closing", False):
         return _json({"status": "shutting_down"}, status=503)
+    health = getattr(getattr(engine, "core", None), "health", None)  # data-parallel cores (dp_health.py)
+    if health is not None and health.num_alive < health.num_cores:
+        # still serving on the cores left: 200, so that a load balancer keeps sending
+        return _json({"status": "degraded", "cores_alive": health.num_alive, "cores": health.num_cores})
     return _json({"status": "ok"})
 
 
@@ -344,10 +348,22 @@ async def _on_error(request, exc: Exception) -> Response:
 # ---------------------------------------------------------------- the app
 
 
+ENGINE_DEAD_GRACE_S = 1.0
+
+
+async def _watch_engine(engine, on_dead) -> None:
+    """Call ``on_dead()`` once the engine has died (and the grace has passed)."""
+    while not getattr(engine, "errored", False):
+        await asyncio.sleep(0.25)
+    log.error("the engine is dead: answering 503 for %.0f s, then stopping", ENGINE_DEAD_GRACE_S)
+    await asyncio.sleep(ENGINE_DEAD_GRACE_S)
+    on_dead()
+
+
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, *,
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
-              metrics_public: bool = False) -> Starlette:
+              metrics_public: bool = False, on_engine_dead=None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -358,6 +374,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     allowed_hosts: Host names accepted besides the defaults for ``bind_host`` (security.py; "*": all).
     allowed_origins: browser origins besides the server's own that may post and open websockets;
         they also get CORS headers (CORS is off without them; "*": every origin).
+    on_engine_dead(): called once, ``ENGINE_DEAD_GRACE_S`` after the engine died (its clients have
+        had their errors; later ones get 503s meanwhile): ``serve`` stops the server there and exits
+        non-zero, so that a supervisor restarts it.
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -377,9 +396,12 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def lifespan(app):
         await engine.start()  # bind the engine to the server's loop
         st.loop = asyncio.get_running_loop()
+        watcher = asyncio.ensure_future(_watch_engine(engine, on_engine_dead)) if on_engine_dead else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             st.shutting_down = True
             if own_engine:
                 await engine.shutdown(drain=False)

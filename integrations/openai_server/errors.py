@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError
+from asyncengine.errors import EngineCoreDied, EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -40,6 +40,8 @@ def from_engine(exc: BaseException, engine) -> APIError:
         limit = getattr(exc, "limit", None)
         return APIError(400, str(exc), param=getattr(exc, "param", None),
                         code="limit_exceeded" if limit else None)
+    if isinstance(exc, EngineCoreDied):  # its data-parallel core died; the others serve a retry
+        return APIError(503, str(exc), code="engine_core_dead", headers={"retry-after": "1"})
     if isinstance(exc, RequestFailedError):  # this request alone failed inside the engine
         return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, EngineOverloaded):

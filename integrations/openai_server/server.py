@@ -16,7 +16,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     (default: $ASYNCENGINE_API_KEY). allowed_hosts / allowed_origins / metrics_public: see
     build_app (security.py). on_loaded(): called once the model is loaded, before the server
     listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
-    one request may cost). Returns the exit status (0)."""
+    one request may cost). Returns the exit status: 0, or 1 when it stopped because the engine died
+    (after answering in-flight clients; a supervisor restarts it)."""
     import uvicorn
 
     from asyncengine import AsyncLLMEngine, EngineConfig
@@ -30,10 +31,16 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
                                          **engine_kwargs))
     if on_loaded is not None:
         on_loaded()
+    server: uvicorn.Server | None = None
+
+    def stop() -> None:
+        server.should_exit = True
+
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
-                    bind_host=host, metrics_public=metrics_public)
+                    bind_host=host, metrics_public=metrics_public, on_engine_dead=stop)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    uvicorn.run(app, host=host, port=port, loop=loop, log_level=log_level, timeout_graceful_shutdown=5,
-                ws_max_size=engine.limits.max_request_bytes)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,
+                                           timeout_graceful_shutdown=5, ws_max_size=engine.limits.max_request_bytes))
+    server.run()
+    return 1 if engine.errored else 0
