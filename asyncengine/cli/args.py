@@ -126,6 +126,12 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request (default 16)")
     s.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string (default 1024)")
     s.add_argument("--max-n", type=int, default=None, help="samples per request (default 128)")
+    s.add_argument("--max-connections", type=int, default=512,
+                   help="websockets plus in-flight /v1/ requests at once; more get 503 (websockets: close 1013)")
+    s.add_argument("--ws-idle-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="close a websocket with no frame and no generation for this long")
+    s.add_argument("--restart-dead-cores", action="store_true",
+                   help="data parallel: replace a dead engine core with a fresh one (the others serve meanwhile)")
     g = s.add_argument_group("structured outputs (docs/structured_outputs.md#limits; over a limit: 400)")
     g.add_argument("--max-grammar-compile-s", type=float, default=None,
                    help="compile time of one schema/regex/grammar; its worker process is killed past it (default 5)")

@@ -71,6 +71,8 @@ def run_serve(args) -> int:
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
                      engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,
                      ray_placement_strategy=args.ray_placement_strategy,
+                     max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
+                     restart_dead_cores=args.restart_dead_cores,
                      on_loaded=lambda: status.done(f"ready, serving on http://{args.host}:{args.port}"), **kw)
     except BaseException:
         status.done("stopped")

@@ -34,6 +34,7 @@ from .errors import APIError, from_engine
 from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .connections import ConnectionCap
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import SSE_DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
 from .state import ServerState
@@ -363,7 +364,8 @@ async def _watch_engine(engine, on_dead) -> None:
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, *,
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
-              metrics_public: bool = False, on_engine_dead=None) -> Starlette:
+              metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
+              ws_idle_timeout_s: float = 600.0) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -377,6 +379,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     on_engine_dead(): called once, ``ENGINE_DEAD_GRACE_S`` after the engine died (its clients have
         had their errors; later ones get 503s meanwhile): ``serve`` stops the server there and exits
         non-zero, so that a supervisor restarts it.
+    max_connections: websockets plus in-flight /v1/ requests at once; more get 503 (connections.py).
+    ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -426,6 +430,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
     middleware.append(Middleware(SecurityMiddleware, policy=policy))
+    middleware.append(Middleware(ConnectionCap, limit=max_connections))  # after the key check
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -434,5 +439,6 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                             Exception: _on_error},
         lifespan=lifespan)
     app.state.server = st
+    st.ws_idle_timeout_s = ws_idle_timeout_s
     app.state.engine = engine
     return app

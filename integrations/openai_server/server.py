@@ -9,7 +9,8 @@ import os
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto",
           api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
-          allowed_origins=(), metrics_public: bool = False, on_loaded=None, **engine_kwargs) -> int:
+          allowed_origins=(), metrics_public: bool = False, on_loaded=None, max_connections: int = 512,
+          ws_idle_timeout_s: float = 600.0, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -38,9 +39,13 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
-                    bind_host=host, metrics_public=metrics_public, on_engine_dead=stop)
+                    bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
+                    max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,
                                            timeout_graceful_shutdown=5, ws_max_size=engine.limits.max_request_bytes))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled (as uvicorn.run swallows it)
+        pass
     return 1 if engine.errored else 0

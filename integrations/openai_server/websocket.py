@@ -20,6 +20,9 @@ finish_reason is "abort"; when the client disconnects, every generation of the c
 aborted at once (its KV blocks are freed). When the engine dies, every generation gets an "error"
 frame (code "engine_dead") and then the server closes the connection (code 1011): nothing on it
 can work any more. A connection idle at that moment gets the same at its next chat frame.
+A connection with no frame from the client and no generation running for ``ws_idle_timeout_s``
+(build_app; ``serve --ws-idle-timeout``) is closed with code 1001 ("idle timeout"); open
+connections are capped (connections.py).
 """
 from __future__ import annotations
 
@@ -183,9 +186,16 @@ async def ws_chat(ws: WebSocket) -> None:
     offered = ws_protocols(dict(ws.scope.get("headers", ())))
     await ws.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     conn = _Connection(ws)
+    idle_s = getattr(conn.st, "ws_idle_timeout_s", None)
     try:
         while True:
-            msg = await ws.receive()
+            try:
+                msg = await asyncio.wait_for(ws.receive(), idle_s)
+            except asyncio.TimeoutError:
+                if conn.tasks:  # generating: not idle
+                    continue
+                await ws.close(code=1001, reason="idle timeout")
+                break
             if msg["type"] == "websocket.disconnect":
                 break
             data = msg.get("text")
