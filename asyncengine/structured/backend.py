@@ -16,7 +16,7 @@ import torch
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.structured.cache import CompiledEntry, GrammarCache
-from asyncengine.structured.compile_worker import compile_kind
+from asyncengine.structured.compile_worker import compile_kind, unpack
 from asyncengine.structured.limits import GrammarLimits, check_upfront
 from asyncengine.structured.params import StructuredOutputsParams
 
@@ -95,10 +95,10 @@ class GrammarCompiler:
                 except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
                     raise InvalidRequestError(f"structured_outputs: the {key[0].split('_')[0]} does not compile: "
                                               f"{e}") from None
-                entry = CompiledEntry(g.serialize_json(), g)
+                entry = CompiledEntry(None, g)  # nobody else needs it serialized
             self.cache.put(key, entry)
         if entry.grammar is None:
-            entry.grammar = self.xgr.CompiledGrammar.deserialize_json(entry.serialized, self.info)
+            entry.grammar = self.xgr.CompiledGrammar.deserialize_json(unpack(entry.serialized), self.info)
             self.cache.resized(key, entry)
         return entry.grammar
 

@@ -2,7 +2,7 @@
 bounded in bytes (not entries: one 10,000-value enum holds ~160 MB inside xgrammar, a small schema
 ~50 KB, so an entry count bounds nothing).
 
-An entry's size is what it holds: the serialized grammar (what cores in other processes receive)
+An entry's size is what it holds: the packed serialized grammar (what cores in other processes receive)
 and, once a matcher needed it, the deserialized grammar (xgrammar's own ``memory_size_bytes``).
 xgrammar's own compiler cache is off (backend.py), so this is the only place compiled grammars
 live between requests.
@@ -14,12 +14,13 @@ from collections import OrderedDict
 
 
 class CompiledEntry:
-    """One compiled grammar: ``serialized`` (xgrammar's JSON), ``grammar`` (the CompiledGrammar,
-    deserialized when first needed in this process), and ``nbytes`` as the cache counts it."""
+    """One compiled grammar: ``serialized`` (xgrammar's JSON, zlib-packed: compile_worker.pack),
+    ``grammar`` (the CompiledGrammar, deserialized when first needed in this process), and
+    ``nbytes`` as the cache counts it."""
 
     __slots__ = ("serialized", "grammar", "nbytes")
 
-    def __init__(self, serialized: str | None, grammar=None) -> None:
+    def __init__(self, serialized: bytes | None, grammar=None) -> None:
         self.serialized = serialized
         self.grammar = grammar
         self.nbytes = self.size()

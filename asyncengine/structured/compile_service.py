@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import EngineOverloaded, InvalidRequestError
 from asyncengine.structured import compile_worker as cw
 from asyncengine.structured.cache import CompiledEntry
 from asyncengine.structured.limits import GrammarLimitError, GrammarLimits, check_upfront
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0  # importing xgrammar and reading the tokenizer: ~4 s on a busy 2-core host
 _POLL_S = 0.05  # how soon a cancelled or overdue compile notices
+WALL_FACTOR = 4  # a compile's wall-clock backstop, in multiples of its CPU budget
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _FAILED_KEYS = 1024  # failed grammars remembered (a 32-byte digest and a message each)
 
 
@@ -69,16 +71,15 @@ class _Worker:
         self.proc.stdin.write(cw._HEADER.pack(len(body)) + body)
         self.proc.stdin.flush()
 
-    def _read_exact(self, n: int, deadline: float, cancel: threading.Event | None) -> bytes:
+    def _read_exact(self, n: int, overdue, cancel: threading.Event | None) -> bytes:
         fd = self.proc.stdout.fileno()
         buf = bytearray()
         while len(buf) < n:
             if cancel is not None and cancel.is_set():
                 raise _Cancelled
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if overdue():
                 raise _Overdue
-            r, _, _ = select.select([fd], [], [], min(left, _POLL_S))
+            r, _, _ = select.select([fd], [], [], _POLL_S)
             if r:
                 chunk = os.read(fd, n - len(buf))
                 if not chunk:
@@ -86,19 +87,43 @@ class _Worker:
                 buf += chunk
         return bytes(buf)
 
-    def _recv(self, deadline: float, cancel: threading.Event | None):
-        (size,) = cw._HEADER.unpack(self._read_exact(cw._HEADER.size, deadline, cancel))
-        return self._dec.decode(self._read_exact(size, deadline, cancel))
+    def _recv(self, overdue, cancel: threading.Event | None):
+        (size,) = cw._HEADER.unpack(self._read_exact(cw._HEADER.size, overdue, cancel))
+        return self._dec.decode(self._read_exact(size, overdue, cancel))
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds the worker has used (Linux /proc; None elsewhere)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _TICKS
+        except (OSError, IndexError, ValueError):
+            return None
 
     def wait_ready(self, cancel: threading.Event) -> None:
         if not self.ready:
-            msg = self._recv(time.monotonic() + WORKER_START_TIMEOUT_S, cancel)
+            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+            try:
+                msg = self._recv(lambda: time.monotonic() > deadline, cancel)
+            except _Overdue:
+                raise OSError(f"the grammar compile worker did not start in {WORKER_START_TIMEOUT_S:.0f} s") from None
             assert isinstance(msg, cw.Ready), msg
             self.ready = True
 
     def compile(self, kind: str, text: str, budget_s: float, cancel: threading.Event) -> cw.Result:
+        """The budget is the worker's CPU time (a compile starved by a busy host, at nice 10, is
+        not the client's fault), with ``WALL_FACTOR`` x of wall time as the backstop."""
+        cpu0 = self.cpu_s()
+        wall = time.monotonic() + WALL_FACTOR * budget_s
         self._send(cw.Job(kind, text))
-        return self._recv(time.monotonic() + budget_s, cancel)
+
+        def overdue() -> bool:
+            if time.monotonic() > wall:
+                return True
+            cpu = self.cpu_s() if cpu0 is not None else None
+            return cpu is not None and cpu - cpu0 > budget_s
+
+        return self._recv(overdue, cancel)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -249,14 +274,17 @@ class CompileService:
             if isinstance(e, _Overdue):
                 self.stats["timeouts"] += 1
                 err = (GrammarLimitError, f"structured_outputs: the {kind.split('_')[0]} did not compile within "
-                       f"max_grammar_compile_s={self.limits.max_grammar_compile_s:g} s (server flag "
+                       f"max_grammar_compile_s={self.limits.max_grammar_compile_s:g} s of CPU time (server flag "
                        "--max-grammar-compile-s): simplify it (fewer enum values or alternatives, smaller "
                        "repetition bounds)", {"limit": "max_grammar_compile_s"})
                 self._remember_failure(key, err)
                 raise err[0](err[1], **err[2])
             log.warning("grammar compile worker failed: %s", e)
-            raise GrammarLimitError(f"structured_outputs: the {kind.split('_')[0]} could not be compiled "
-                                    "(its compile worker died)") from None
+            if isinstance(e, EOFError):  # it died on this grammar (a crash in the compiler)
+                raise GrammarLimitError(f"structured_outputs: the {kind.split('_')[0]} could not be compiled "
+                                        "(the compiler crashed on it)") from None
+            raise EngineOverloaded("structured_outputs: the grammar compiler is not available right now: "
+                                   f"retry ({e})") from None
         finally:
             self._workers.put(worker)
         if not result.ok:

