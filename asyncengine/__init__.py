@@ -5,7 +5,7 @@ not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
            "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError",
-           "AnyioEngine"]
+           "AnyioEngine", "EngineCoreDied"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -21,7 +21,7 @@ _WHERE = {
     "RequestLimitError": "asyncengine.request_limits",
     **{name: "asyncengine.errors" for name in ("AsyncEngineError", "ConfigError", "EngineDeadError",
                                                  "EngineOverloaded", "InvalidRequestError", "ModelLoadError",
-                                                 "RequestFailedError")},
+                                                 "RequestFailedError", "EngineCoreDied")},
 }
 
 

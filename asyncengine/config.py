@@ -20,6 +20,8 @@ from asyncengine.request_limits import RequestLimits
 if TYPE_CHECKING:
     import torch
 
+    from asyncengine.structured.limits import GrammarLimits
+
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
 _DTYPE_NAMES = {
@@ -127,6 +129,10 @@ class EngineConfig:
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
     # asyncengine/request_limits.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
+    # what one structured output may cost (compile time, schema size, enum values, repetition
+    # bounds, the compiled-grammar cache's bytes): asyncengine/structured/limits.py; None =
+    # GrammarLimits()'s documented defaults
+    grammar_limits: "GrammarLimits | None" = None
     # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
     # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
     # asyncengine[ray]); None = "uni" at tensor_parallel_size 1, else "mp".
@@ -135,6 +141,9 @@ class EngineConfig:
     # data_parallel_size > 1: that many engine cores, each in its own process with its own
     # scheduler, KV cache and executor, behind one front end that routes each request
     data_parallel_size: int = 1
+    # data parallel: a dead core fails only its own requests and the others go on
+    # (engine/dp_health.py); True also replaces it with a fresh core process (loads the model again)
+    restart_dead_cores: bool = False
     # tensor_parallel_size > 1: embedding and LM head split by vocabulary rows across the ranks
     # (each holds ~1/N of them; one all-reduce and one gather per step), or, False, replicated on
     # every rank with rank 0 alone computing the logits (docs/distributed.md has the measurement)
@@ -210,6 +219,10 @@ class EngineConfig:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         if self.limits is None:
             self.limits = RequestLimits()
+        if self.grammar_limits is None:
+            from asyncengine.structured.limits import GrammarLimits
+
+            self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

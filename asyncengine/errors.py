@@ -28,3 +28,8 @@ class EngineDeadError(AsyncEngineError):
 class RequestFailedError(AsyncEngineError):
     """One request failed inside the engine (e.g. its output could not be detokenized); only that
     request ends with it, the engine and every other request go on. `__cause__` holds why."""
+
+
+class EngineCoreDied(RequestFailedError):
+    """The data-parallel engine core running this request died; the engine goes on with its other
+    cores, so a retry is served (HTTP 503)."""

@@ -176,6 +176,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                            "field, aged)", choices=("fcfs", "priority"), commands=("serve",)),
     EngineOption("priority_aging_s", "with --policy priority: a waiting request's priority improves by 1 "
                                      "every this many seconds", type=POSITIVE_FLOAT, commands=("serve",)),
+    EngineOption("restart_dead_cores", "data parallel: replace a dead engine core with a fresh one (the others "
+                                       "serve meanwhile)", type=FLAG, commands=("serve",)),
     EngineOption("max_queued_requests", "waiting requests before the server answers 429", type=POSITIVE_INT,
                  commands=("serve",)),
     EngineOption("max_queued_tokens", "waiting prompt tokens before the server answers 429", type=POSITIVE_INT,
@@ -225,6 +227,7 @@ NOT_ON_THE_COMMAND_LINE = {
     "model": "the MODEL argument (serve, chat) or --model (generate)",
     "skip_tokenizer_init": "every command reads and writes text",
     "limits": "serve's request-limit flags (--max-request-bytes, --max-prompt-chars, ...)",
+    "grammar_limits": "serve's structured-output limit flags (--max-grammar-compile-s, --max-enum-values, ...)",
 }
 
 
@@ -364,9 +367,31 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int, default=None, help="stop strings per request (default 16)")
     g.add_argument("--max-stop-string-chars", type=int, default=None, help="characters per stop string (default 1024)")
     g.add_argument("--max-n", type=int, default=None, help="samples per request (default 128)")
+    s.add_argument("--max-connections", type=int, default=512,
+                   help="websockets plus in-flight /v1/ requests at once; more get 503 (websockets: close 1013)")
+    s.add_argument("--ws-idle-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="close a websocket with no frame and no generation for this long")
+    g = s.add_argument_group("structured outputs (GrammarLimits, docs/structured_outputs.md#limits; over a limit: 400)")
+    g.add_argument("--max-grammar-compile-s", type=float, default=None,
+                   help="compile time of one schema/regex/grammar; its worker process is killed past it (default 5)")
+    g.add_argument("--max-grammar-bytes", type=int, default=None, help="size of a schema/regex/grammar (default 65536)")
+    g.add_argument("--max-schema-depth", type=int, default=None, help="JSON nesting of a schema (default 32)")
+    g.add_argument("--max-enum-values", type=int, default=None,
+                   help="enum values and consts in a schema, or choices (default 1024)")
+    g.add_argument("--max-grammar-alternatives", type=int, default=None,
+                   help="anyOf/oneOf branches, or | in a regex/grammar (default 1024)")
+    g.add_argument("--max-regex-repetition", type=int, default=None,
+                   help="largest {n,m} bound in a regex or pattern, nested bounds multiplied (default 1000)")
+    g.add_argument("--grammar-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="compiled-grammar cache per process, LRU (default 128MiB)")
+    g.add_argument("--grammar-compile-workers", type=int, default=None,
+                   help="grammar compile worker processes (default 1)")
 
 
 REQUEST_LIMIT_FLAGS = ("max_request_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_string_chars", "max_n")
+GRAMMAR_LIMIT_FLAGS = ("max_grammar_compile_s", "max_grammar_bytes", "max_schema_depth", "max_enum_values",
+                       "max_grammar_alternatives", "max_regex_repetition", "grammar_cache_bytes",
+                       "grammar_compile_workers")
 
 
 def _csv(value: str) -> list[str]:

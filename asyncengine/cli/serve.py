@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import EXIT_USAGE, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LoadStatus
 
 
@@ -43,8 +43,10 @@ def run_serve(args) -> int:
     from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
+    from asyncengine.structured.limits import GrammarLimits
 
     limits = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS if getattr(args, k) is not None})
+    grammar_limits = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS if getattr(args, k) is not None})
     kw = engine_kwargs(args)
     EngineConfig(**kw)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
@@ -54,7 +56,8 @@ def run_serve(args) -> int:
         return serve(model=args.model, host=args.host, port=args.port,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                     metrics_public=args.metrics_public, limits=limits,
+                     metrics_public=args.metrics_public, limits=limits, grammar_limits=grammar_limits,
+                     max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
                      on_loaded=status_warm, warm_up=warm_up_wanted(args), **kw)
     except BaseException:
         status.done("stopped")

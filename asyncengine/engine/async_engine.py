@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         if config.freeze_gc_after_load:
             gc_policy.freeze_after_load()
         self._slots: dict[str, RequestSlot] = {}
+        self._compiling: dict[str, asyncio.Future] = {}  # request id -> its grammar's compile
         self._new: list[Request] = []
         self._aborts: set[str] = set()
         # prompt tokens of accepted requests that were never scheduled yet (in _new or waiting in
@@ -223,14 +224,13 @@ class AsyncLLMEngine:
         """The dtype and why, and the kernels that run the model (worker/kernel_info.py)."""
         return getattr(self.core, "kernels", "") or self.dtype
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile ``params.structured_outputs`` now, off the event loop: an InvalidRequestError for
-        one that cannot compile, before a request is made of it (also warms the compiler cache)."""
-        if params.structured_outputs is None:
-            return
-        from asyncengine.structured.backend import check_compiles
+    async def check_structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output compiled (structured/compile_service.py: worker
+        processes, within the config's GrammarLimits; cancelled with the awaiting task): an
+        InvalidRequestError for one that cannot compile, before a request is made of it."""
+        from asyncengine.structured.compile_service import prepare
 
-        await asyncio.to_thread(check_compiles, self.config, self.core, params)
+        return await prepare(self.config, self.core, params)
 
     @property
     def is_closing(self) -> bool:
@@ -349,9 +349,20 @@ class AsyncLLMEngine:
         automaton or the structured-output grammar is long to build)."""
         try:
             if params.structured_outputs is not None:  # compiled (and cached) now: a bad grammar is a 400
-                from asyncengine.structured.backend import check_compiles
+                from asyncengine.structured.compile_service import prepare
 
-                await asyncio.to_thread(check_compiles, self.config, self.core, params)
+                compiling = self._compiling[slot.request_id] = asyncio.ensure_future(
+                    prepare(self.config, self.core, params))  # an abort cancels it (_mark_abort)
+                try:
+                    params = await compiling
+                except asyncio.CancelledError:
+                    if compiling.cancelled() and (slot.request_id in self._aborts
+                                                  or self._slots.get(slot.request_id) is not slot):
+                        return  # aborted while its grammar compiled (the abort ended its stream)
+                    raise
+                finally:
+                    if self._compiling.get(slot.request_id) is compiling:
+                        del self._compiling[slot.request_id]
             async with self._tokenizing:
                 if slot.finished or self._slots.get(slot.request_id) is not slot:
                     return  # abandoned while it waited for a thread
@@ -428,6 +439,9 @@ class AsyncLLMEngine:
         live = self._slots.get(request_id)
         if live is not None and (slot is None or live is slot):
             self._aborts.add(request_id)
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is not None:
+                compiling.cancel()
             if self._wake is not None:
                 self._wake.set()
 
@@ -564,8 +578,9 @@ class AsyncLLMEngine:
                 self._drain_inputs()
                 while self._remote_inbox:
                     index, msg = self._remote_inbox.popleft()
-                    if not hasattr(msg, "outputs"):  # CoreDead
-                        raise EngineDeadError(msg.message + (f"\n{msg.traceback}" if msg.traceback else ""))
+                    if not hasattr(msg, "outputs"):  # CoreDead: its requests fail, or the engine dies
+                        self._core_died(index, msg)
+                        continue
                     for o in msg.outputs:
                         rid = self.output_processor.request_id_of(o.req_id)
                         if rid in self._queued_tokens:
@@ -592,6 +607,25 @@ class AsyncLLMEngine:
             log.exception("asyncengine busy loop died")
             self._fail_all(dead)
             raise dead from e
+
+    def _core_died(self, index: int, msg) -> None:
+        """An engine core is gone (engine/dp_health.py): its requests fail with EngineCoreDied and
+        the other cores go on; with none left, EngineDeadError (the traceback goes to the log only)."""
+        log.error("engine core %d died: %s%s", index, msg.message, f"\n{msg.traceback}" if msg.traceback else "")
+        died = getattr(self.core, "core_died", None)
+        lost = died(index) if died is not None else None
+        if lost is None:
+            raise EngineDeadError(msg.message)
+        from asyncengine.errors import EngineCoreDied
+
+        for crid in lost:
+            rid = self.output_processor.request_id_of(crid)
+            self.output_processor.abort(rid)
+            self._unqueue(rid)
+            slot = self._slots.pop(rid, None)
+            if slot is not None and not slot.finished:
+                slot.put_error(EngineCoreDied(f"request {rid!r} was on engine core {index}, which died "
+                                              f"({msg.message}); the other cores go on: retry it"))
 
     def _abandon_all(self) -> None:
         """End every request of the loop the engine leaves (its streams get an "abort" output) and

@@ -35,6 +35,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine import gc_policy
+from asyncengine.engine.dp_health import CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.models.model_info import ModelInfo
@@ -427,6 +428,9 @@ class DPEngineCores:
         # request whose prompt prefix it holds (engine/dp_router.py)
         self.router = PrefixAffinityRouter(len(self.clients), config.block_size,
                                            slack=max(2, config.max_num_seqs // 8))
+        # a dead core fails only its own requests; the others go on (engine/dp_health.py)
+        self.health = CoreHealth(len(self.clients))
+        self._core_cfg, self._make, self._info = core_cfg, make, info
 
     # the same face as EngineCore where the front end needs it
     @property
@@ -459,7 +463,9 @@ class DPEngineCores:
     def add_request(self, req: Request) -> int:
         """Send to the core that holds the prompt's prefix if it is not much busier, else to the
         least loaded core; returns its index."""
-        i = self.router.pick(req.prompt_token_ids, req.cache_salt, [c.load for c in self.clients])
+        if self.health.num_alive == 0:
+            raise EngineDeadError("every engine core is dead")
+        i = self.router.pick(req.prompt_token_ids, req.cache_salt, self.health.loads([c.load for c in self.clients]))
         self.owner[req.request_id] = i
         self.clients[i].add_request(req)
         return i
@@ -473,7 +479,36 @@ class DPEngineCores:
             if i is not None:
                 by_core.setdefault(i, []).append(rid)
         for i, rids in by_core.items():
-            self.clients[i].abort_requests(rids)
+            if self.health.is_alive(i):  # a dead core's requests are already gone
+                self.clients[i].abort_requests(rids)
+
+    def core_died(self, index: int) -> list[str] | None:
+        """Core ``index`` is gone: the ids of the requests it held (now failed), or None when no
+        core is left (the engine is dead). With ``restart_dead_cores`` a fresh core replaces it."""
+        if self.health.mark_dead(index):
+            self.router.seen[index].clear()
+            if getattr(self.config, "restart_dead_cores", False) and self.health.num_alive > 0:
+                self._restart(index)
+        lost = requests_of(self.owner, index)
+        return lost if self.health.num_alive > 0 else None
+
+    def _restart(self, index: int) -> None:
+        """A new process for core ``index`` (it loads the model: seconds), on a thread; the core
+        counts as alive again once it is ready."""
+        def run() -> None:
+            try:
+                self.clients[index].shutdown(timeout=1.0)
+                c = self._make(self._core_cfg, index, self._deliver)
+                c.start(self._info)
+                c.wait_ready()
+            except Exception:
+                log.exception("engine core %d could not be restarted", index)
+                return
+            self.clients[index] = c
+            self.health.mark_alive(index)
+            log.warning("engine core %d restarted (pid %s)", index, c.proc.pid)
+
+        threading.Thread(target=run, daemon=True, name=f"asyncengine-core-{index}-restart").start()
 
     def finished(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
@@ -487,9 +522,10 @@ class DPEngineCores:
                 pass
 
     def check_health(self) -> None:
-        for c in self.clients:
-            if not c.is_alive():
-                raise EngineDeadError(f"engine core {c.index} (pid {c.proc.pid}) exited with code {c.proc.exitcode}")
+        """Raises once no core is left; a single dead core is reported by its reader thread."""
+        if all(not c.is_alive() for c in self.clients):
+            c = self.clients[0]
+            raise EngineDeadError(f"every engine core is dead (core 0: pid {c.proc.pid}, exit code {c.proc.exitcode})")
 
     def stats(self) -> dict:
         """Sums over the cores (means for rates), plus each core's own under "cores"."""
@@ -509,6 +545,7 @@ class DPEngineCores:
         out["data_parallel_size"] = len(per)
         out["dp_prefix_affinity_routed"] = self.router.num_affinity_routed
         out["cores"] = per
+        out["cores_alive"] = self.health.num_alive
         return out
 
     def shutdown(self) -> None:

@@ -90,8 +90,8 @@ class LLM:
                 sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)
             try:
                 if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
-                    from asyncengine.structured.backend import check_compiles
-                    check_compiles(self.config, self.engine, sp)
+                    from asyncengine.structured.compile_service import prepare_blocking
+                    sp = prepare_blocking(self.config, self.engine, sp)
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
             except InvalidRequestError as e:  # the same error (e.g. a RequestLimitError), naming the prompt

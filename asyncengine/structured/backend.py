@@ -1,27 +1,24 @@
-"""The xgrammar backend: one compiler per tokenizer, compiled grammars cached by (kind, text), and
+"""The xgrammar backend: one compiler per tokenizer, compiled grammars in one byte-bounded LRU
+(cache.py; xgrammar's own compiler cache is off: unbounded, and ~8x slower on a 10k enum), and
 per-request matchers that fill token bitmasks and advance only on accepted tokens.
 
-Compiling is the slow part (milliseconds to seconds for a big schema): front ends compile in a
-worker thread before a request enters the engine (:func:`compile_async`), which both fails a bad
-schema early (an ``InvalidRequestError`` with the compiler's message) and warms the cache the
-model runner then reads from (same process; other processes compile once for themselves).
+Compiling is the slow part (milliseconds to seconds for a big schema): front ends compile through
+the compile service (compile_service.py: worker processes, a time budget, cancellable) before a
+request enters the engine, and the request then carries the serialized grammar. A model runner
+takes a grammar from its process's cache, else deserializes the one the request carries
+(milliseconds), and compiles inline only for a request that bypassed every front end.
 """
 from __future__ import annotations
 
-import json
 import threading
-from collections import OrderedDict
 
 import torch
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.structured.cache import CompiledEntry, GrammarCache
+from asyncengine.structured.compile_worker import compile_kind, unpack
+from asyncengine.structured.limits import GrammarLimits, check_upfront
 from asyncengine.structured.params import StructuredOutputsParams
-
-_CACHE_SIZE = 512
-
-
-def _ebnf_string(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # xgrammar's EBNF string literals use JSON escapes
 
 
 def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -49,7 +46,8 @@ def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):
 class GrammarCompiler:
     """Compiles and caches the grammars of one tokenizer (thread-safe)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 limits: GrammarLimits | None = None) -> None:
         try:
             import xgrammar as xgr
         except ImportError:
@@ -58,7 +56,9 @@ class GrammarCompiler:
         self.xgr = xgr
         self.vocab_size = vocab_size
         self.info = _tokenizer_info(xgr, tokenizer, vocab_size, list(eos_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.limits = limits or GrammarLimits()
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.cache = GrammarCache(self.limits.grammar_cache_bytes)
         # compact JSON never needs a raw control byte (JSON forbids them unescaped inside strings,
         # and there is no free whitespace), but xgrammar's string rule lets them through: JSON
         # matchers AND their masks with this one, which drops every token holding a byte < 0x20
@@ -78,37 +78,29 @@ class GrammarCompiler:
                 stop[t] = True
         packed = (stop.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
         self.stop_only_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-        self._cache: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
 
     def compile(self, p: StructuredOutputsParams):
+        """The CompiledGrammar of ``p``: from the cache, else deserialized from ``p.compiled`` (what
+        the front end's compile service attached), else compiled here (checked upfront, no time
+        budget: only a caller that bypassed every front end gets here)."""
         key = p.key
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        c = self.compiler
-        kind, text = key
-        try:
-            if kind.startswith("json_object"):
-                g = (c.compile_builtin_json_grammar() if kind.endswith("_ws") else
-                     c.compile_json_schema('{"type": "object"}', any_whitespace=False))
-            elif kind.startswith("json"):
-                g = c.compile_json_schema(text, any_whitespace=kind.endswith("_ws"))
-            elif kind == "regex":
-                g = c.compile_regex(text)
-            elif kind == "choice":
-                g = c.compile_grammar("root ::= " + " | ".join(_ebnf_string(s) for s in json.loads(text)))
+        entry = self.cache.get(key)
+        if entry is None:
+            if p.compiled is not None:
+                entry = CompiledEntry(p.compiled)
             else:
-                g = c.compile_grammar(text)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
-            raise InvalidRequestError(f"structured_outputs: the {kind.split('_')[0]} does not compile: {e}") from None
-        with self._lock:
-            self._cache[key] = g
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return g
+                check_upfront(*key, self.limits)
+                try:
+                    g = compile_kind(self.compiler, *key)
+                except Exception as e:  # xgrammar raises RuntimeError / ValueError with its message
+                    raise InvalidRequestError(f"structured_outputs: the {key[0].split('_')[0]} does not compile: "
+                                              f"{e}") from None
+                entry = CompiledEntry(None, g)  # nobody else needs it serialized
+            self.cache.put(key, entry)
+        if entry.grammar is None:
+            entry.grammar = self.xgr.CompiledGrammar.deserialize_json(unpack(entry.serialized), self.info)
+            self.cache.resized(key, entry)
+        return entry.grammar
 
     def matcher(self, p: StructuredOutputsParams) -> "Matcher":
         compact_json = (p.json is not None or p.json_object) and not p.any_whitespace
@@ -158,35 +150,20 @@ class Matcher:
         return self.m.is_terminated()
 
 
-_compilers: dict[int, GrammarCompiler] = {}
+_compilers: dict[tuple, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(key, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarCompiler:
+def compiler_for(key, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 limits: GrammarLimits | None = None) -> GrammarCompiler:
     """The process-wide compiler of the tokenizer named ``key`` (the model or tokenizer path):
     built once, since it reads the whole vocabulary; front end and model runner share it (and its
-    cache) in one process. ``tokenizer``: the tokenizer, or a function returning it."""
+    cache) in one process, as they share the config's ``limits``. ``tokenizer``: the tokenizer, or
+    a function returning it."""
+    limits = limits or GrammarLimits()
     with _compilers_lock:
-        c = _compilers.get(key)
+        c = _compilers.get((key, limits))
         if c is None:
             tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "encode") else tokenizer
-            c = _compilers[key] = GrammarCompiler(tok, vocab_size, eos_token_ids)
+            c = _compilers[(key, limits)] = GrammarCompiler(tok, vocab_size, eos_token_ids, limits)
         return c
-
-
-async def compile_async(compiler: GrammarCompiler, p: StructuredOutputsParams) -> None:
-    """Compile off the event loop (raises InvalidRequestError on a grammar that cannot compile)."""
-    import asyncio
-
-    await asyncio.to_thread(compiler.compile, p)
-
-
-def check_compiles(config, core, params) -> None:
-    """Front ends: compile ``params.structured_outputs`` now (InvalidRequestError if it cannot),
-    which also caches it for the model runner in this process."""
-    p = params.structured_outputs
-    if p is None:
-        return
-    if core.tokenizer is None:
-        raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is on)")
-    compiler_for(config.tokenizer or config.model, core.tokenizer, core.vocab_size, core.eos_token_ids).compile(p)

@@ -19,6 +19,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # JSON: a compact form by default (no free whitespace between tokens): a model cannot pad its
     # output with whitespace runs until it hits max_tokens. True allows any whitespace.
     any_whitespace: bool = False
+    # set by the front end's compile service (compile_service.py), never by callers: xgrammar's
+    # serialized grammar (zlib-packed), so that an engine core in another process deserializes it
+    # instead of compiling inside its step loop. Not part of ``key``.
+    compiled: bytes | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, n)]

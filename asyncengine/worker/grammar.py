@@ -27,7 +27,7 @@ class Grammar:
 
             key = self.config.tokenizer or self.config.model
             self._compiler = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
-                                          self.eos_token_ids)
+                                          self.eos_token_ids, self.config.grammar_limits)
         return self._compiler
 
     def start(self, st: RunnerRequestState) -> None:

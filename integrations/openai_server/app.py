@@ -29,15 +29,16 @@ from starlette.routing import Route, WebSocketRoute
 
 from asyncengine.errors import AsyncEngineError
 
-from . import openapi
+from . import guided, openapi
 from .errors import APIError, error_response, from_engine
 from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .connections import ConnectionCap
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import SSE_DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
 from .state import ServerState
-from .tools import ToolPlan, response_format_params
+from .tools import ToolPlan
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
@@ -102,9 +103,11 @@ async def completions(request: Request) -> Response:
                              limits=st.limits,
                              defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before any prompt is tokenized
+    so, field = guided.requested(req)
     prompts = await st.completion_prompts(req.prompt)
     for _, ids in prompts:
         st.check_length(len(ids), req.max_tokens, "prompt")
+    params = await run_until_disconnect(request, st.constrain(params, None, so, False, field))
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -217,8 +220,10 @@ async def chat_completions(request: Request) -> Response:
     plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
     ids = await st.chat_prompt(req.messages, plan.prompt())  # the tools described in a system message
     st.check_length(len(ids), max_tokens, "messages")
-    params = await st.constrain(params, plan.structured(), response_format_params(req.response_format),
-                                bool(req.stream) and plan.mode in ("required", "named"))
+    so, field = guided.requested(req)
+    # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
+    params = await run_until_disconnect(request, st.constrain(
+        params, plan.structured(), so, bool(req.stream) and plan.mode in ("required", "named"), field))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     created = int(time.time())
@@ -282,6 +287,10 @@ async def health(request: Request) -> Response:
         return _json({"status": "error", "message": "the engine died"}, status=503)
     if st.shutting_down or getattr(engine, "is_closing", False):
         return _json({"status": "shutting_down"}, status=503)
+    health = getattr(getattr(engine, "core", None), "health", None)  # data-parallel cores (dp_health.py)
+    if health is not None and health.num_alive < health.num_cores:
+        # still serving on the cores left: 200, so that a load balancer keeps sending
+        return _json({"status": "degraded", "cores_alive": health.num_alive, "cores": health.num_cores})
     return _json({"status": "ok"})
 
 
@@ -336,10 +345,23 @@ async def _on_error(request, exc: Exception) -> Response:
 # ---------------------------------------------------------------- the app
 
 
+ENGINE_DEAD_GRACE_S = 1.0
+
+
+async def _watch_engine(engine, on_dead) -> None:
+    """Call ``on_dead()`` once the engine has died (and the grace has passed)."""
+    while not getattr(engine, "errored", False):
+        await asyncio.sleep(0.25)
+    log.error("the engine is dead: answering 503 for %.0f s, then stopping", ENGINE_DEAD_GRACE_S)
+    await asyncio.sleep(ENGINE_DEAD_GRACE_S)
+    on_dead()
+
+
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None, *,
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
-              metrics_public: bool = False) -> Starlette:
+              metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
+              ws_idle_timeout_s: float = 600.0) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -350,6 +372,11 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     allowed_hosts: Host names accepted besides the defaults for ``bind_host`` (security.py; "*": all).
     allowed_origins: browser origins besides the server's own that may post and open websockets;
         they also get CORS headers (CORS is off without them; "*": every origin).
+    on_engine_dead(): called once, ``ENGINE_DEAD_GRACE_S`` after the engine died (its clients have
+        had their errors; later ones get 503s meanwhile): ``serve`` stops the server there and exits
+        non-zero, so that a supervisor restarts it.
+    max_connections: websockets plus in-flight /v1/ requests at once; more get 503 (connections.py).
+    ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -369,9 +396,12 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def lifespan(app):
         await engine.start()  # bind the engine to the server's loop
         st.loop = asyncio.get_running_loop()
+        watcher = asyncio.ensure_future(_watch_engine(engine, on_engine_dead)) if on_engine_dead else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             st.shutting_down = True
             if own_engine:
                 await engine.shutdown(drain=False)
@@ -396,12 +426,15 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
     middleware.append(Middleware(SecurityMiddleware, policy=policy))
+    middleware.append(Middleware(ConnectionCap, limit=max_connections))  # after the key check
     app = Starlette(
         routes=routes,
         middleware=middleware,
         exception_handlers={APIError: _on_api_error, AsyncEngineError: _on_engine_error, HTTPException: _on_http_error,
-                            ClientDisconnect: _on_client_gone, Exception: _on_error},
+                            ClientDisconnect: _on_client_gone, ClientGone: _on_client_gone,
+                            Exception: _on_error},
         lifespan=lifespan)
     app.state.server = st
+    st.ws_idle_timeout_s = ws_idle_timeout_s
     app.state.engine = engine
     return app

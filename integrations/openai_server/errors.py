@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncengine.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError
+from asyncengine.errors import EngineCoreDied, EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -40,13 +40,18 @@ def from_engine(exc: BaseException, engine) -> APIError:
         limit = getattr(exc, "limit", None)
         return APIError(400, str(exc), param=getattr(exc, "param", None),
                         code="limit_exceeded" if limit else None)
+    if isinstance(exc, EngineCoreDied):  # its data-parallel core died; the others serve a retry
+        return APIError(503, str(exc), code="engine_core_dead", headers={"retry-after": "1"})
     if isinstance(exc, RequestFailedError):  # this request alone failed inside the engine
         return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, EngineOverloaded):
         return APIError(429, str(exc), code="engine_overloaded", headers={"retry-after": "1"})
     if isinstance(exc, EngineDeadError):
         if getattr(engine, "errored", False):
-            return APIError(500, str(exc), code="engine_dead")
+            # 503, not 500: the server cannot serve, a supervisor restarts it (cli/serve.py exits
+            # non-zero). The first line only: a core's traceback goes to the log, never to clients.
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "the engine died"
+            return APIError(503, first, code="engine_dead")
         # shut down or shutting down: not a fault, the server is going away
         return APIError(503, str(exc), code="shutting_down")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

@@ -4,7 +4,8 @@ wrong type or out of range is a 400 naming that field.
 
 Besides OpenAI's fields, the vLLM extras that map onto SamplingParams are accepted too (top_k,
 min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens): clients send them with ``extra_body``.
+skip_special_tokens, and the structured-output fields of guided.py): clients send them with
+``extra_body``.
 """
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[NonNegInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, or vLLM's fields (one of them; guided.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -89,8 +101,7 @@ class ChatFields(SamplingFields, kw_only=True):
 
 class ChatCompletionRequest(ChatFields, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
-    # structured outputs (integrations/openai_server/tools.py)
-    response_format: dict[str, Any] | None = None
+    # tool calls (integrations/openai_server/tools.py)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -209,6 +209,9 @@ class RedactQuerySecrets(logging.Filter):
 
 
 def install_log_redaction() -> None:
-    logger = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, RedactQuerySecrets) for f in logger.filters):
-        logger.addFilter(RedactQuerySecrets())
+    """On uvicorn's access log and its error log (where a refused websocket handshake is logged
+    with its URL, ``?api_key=`` included) and on ours."""
+    for name in ("uvicorn.access", "uvicorn.error", "asyncengine.integrations.openai_server"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactQuerySecrets) for f in logger.filters):
+            logger.addFilter(RedactQuerySecrets())

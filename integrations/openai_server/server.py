@@ -10,7 +10,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
-          **engine_kwargs) -> int:
+          max_connections: int = 512, ws_idle_timeout_s: float = 600.0, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -19,7 +19,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     listens, so the first client does not pay the first step's one-time costs
     (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
     up, before the server listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
-    one request may cost). Returns the exit status (0)."""
+    one request may cost). Returns the exit status: 0, or 1 when it stopped because the engine died
+    (after answering in-flight clients; a supervisor restarts it)."""
     import uvicorn
 
     from asyncengine import AsyncLLMEngine, EngineConfig
@@ -31,14 +32,24 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
     engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                          **engine_kwargs))
+    server: uvicorn.Server | None = None
+
+    def stop() -> None:
+        server.should_exit = True
+
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
-                    bind_host=host, metrics_public=metrics_public)
+                    bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
+                    max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s)
     _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    uvicorn.run(app, host=host, port=port, loop=loop, log_level=log_level, timeout_graceful_shutdown=5,
-                ws_max_size=engine.limits.max_request_bytes)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,
+                                           timeout_graceful_shutdown=5, ws_max_size=engine.limits.max_request_bytes))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled (as uvicorn.run swallows it)
+        pass
+    return 1 if engine.errored else 0
 
 
 def _before_listening(app, engine, warm_up: bool, on_loaded) -> None:

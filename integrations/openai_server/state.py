@@ -22,7 +22,25 @@ from .security import SecurityPolicy
 from ..tool_calls import openai_history, with_tools_prompt
 
 _OFF_LOOP_BYTES = 256 * 1024
-_CLOSE = {"connection": "close"}  # the rest of an oversized body is never read: end the connection
+DRAIN_FACTOR = 4  # an oversized body is read and dropped up to this many times the limit...
+DRAIN_S = 2.0  # ...for at most this long, so that the client reads its 413 (read_json)
+
+
+async def _drain(stream, budget: int) -> None:
+    async def run() -> None:
+        left = budget
+        async for chunk in stream:
+            left -= len(chunk)
+            if left < 0:
+                return
+
+    try:
+        await asyncio.wait_for(run(), DRAIN_S)
+    except (asyncio.TimeoutError, Exception):
+        pass  # a slow or vanished client: answered (and closed) now
+
+
+_CLOSE = {"connection": "close"}  # an oversized body is not read on past the drain: end the connection
 
 
 def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
@@ -89,23 +107,35 @@ class ServerState:
 
     async def read_json(self, request: Request, typ: type):
         """The body as a validated ``typ``: its size bounded before it is read in full (413, for
-        chunked bodies too), its nesting before it is decoded."""
+        chunked bodies too), its nesting before it is decoded.
+
+        An oversized body is read on and discarded (at most ``DRAIN_FACTOR`` x the limit, for at most
+        ``DRAIN_S``) before the 413 goes out: a server that closes while the client still sends makes
+        the client's TCP stack drop the answer (AsyncOpenAI saw ``ReadError``, not the 413). A body
+        announced larger than that bound, or not finished in time, is answered at once."""
         limits = self.limits
+        cap = limits.max_request_bytes
         length = request.headers.get("content-length")
+        declared = None
         if length is not None:
             try:
-                validation.check_body_size(int(length), limits)
+                declared = int(length)
+                validation.check_body_size(declared, limits)
             except validation.RequestLimitError as e:
+                if declared > DRAIN_FACTOR * cap:
+                    raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
+                await _drain(request.stream(), DRAIN_FACTOR * cap)
                 raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
             except ValueError:
                 raise APIError(400, "invalid Content-Length") from None
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        async for chunk in stream:
             size += len(chunk)
-            if size > limits.max_request_bytes:
+            if size > cap:
+                await _drain(stream, DRAIN_FACTOR * cap - size)
                 raise APIError(413, f"the request body is over the limit max_request_bytes="
-                                    f"{limits.max_request_bytes}", param="body", code="request_too_large",
-                               headers=_CLOSE)
+                                    f"{cap}", param="body", code="request_too_large", headers=_CLOSE)
             chunks.append(chunk)
         body = b"".join(chunks)
         if len(body) > _OFF_LOOP_BYTES:  # scanning and decoding megabytes: not on the event loop
@@ -170,13 +200,15 @@ class ServerState:
 
     # ------------------------------------------------------------ engine
 
-    async def constrain(self, params, from_tools, from_format, streaming_tools: bool):
-        """``params`` with the request's structured output, compiled off the loop first: a grammar
-        that cannot compile is a 400 with the compiler's message."""
-        if from_tools is not None and from_format is not None:
-            raise APIError(400, "give response_format or a tool_choice that forces a tool call, not both",
-                           param="response_format")
-        so = from_tools or from_format
+    async def constrain(self, params, from_tools, from_request, streaming_tools: bool, param: str | None = None):
+        """``params`` with the request's structured output (``from_tools``: a forced tool call;
+        ``from_request``: response_format or vLLM's fields, named ``param``), compiled first
+        (structured/compile_service.py: off the loop, within the grammar limits): a grammar that
+        cannot compile, or is over a limit, is a 400 with the reason."""
+        if from_tools is not None and from_request is not None:
+            raise APIError(400, f"give {param or 'response_format'} or a tool_choice that forces a tool call, "
+                                "not both", param=param or "response_format")
+        so = from_tools or from_request
         if so is None:
             return params
         if streaming_tools:
@@ -184,9 +216,12 @@ class ServerState:
                            param="stream")
         params = msgspec.structs.replace(params, structured_outputs=so)
         try:
-            await self.engine.check_structured_outputs(params)
+            params = await self.engine.check_structured_outputs(params)
         except InvalidRequestError as e:
-            raise APIError(400, str(e), param="tools" if from_tools is not None else "response_format") from None
+            raise APIError(400, str(e), param="tools" if from_tools is not None else (param or "response_format"),
+                           code="limit_exceeded" if getattr(e, "limit", None) else None) from None
+        except AsyncEngineError as e:
+            raise from_engine(e, self.engine) from None
         return params
 
     async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,

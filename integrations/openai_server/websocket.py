@@ -3,7 +3,8 @@
 Client -> server:
     {"type": "chat", "id": ID, "messages": [{"role": ..., "content": ...}, ...],
      + optional max_tokens / max_completion_tokens, temperature, top_p, top_k, stop, seed,
-       presence_penalty, frequency_penalty, ignore_eos, ...}     start a generation
+       presence_penalty, frequency_penalty, ignore_eos, response_format (or vLLM's
+       structured_outputs / guided_* fields), ...}               start a generation
     {"type": "cancel", "id": ID}                                   stop it (an unknown id is ignored:
                                                                    it may have just finished)
     {"type": "ping"}                                               -> {"type": "pong"}
@@ -19,6 +20,9 @@ finish_reason is "abort"; when the client disconnects, every generation of the c
 aborted at once (its KV blocks are freed). When the engine dies, every generation gets an "error"
 frame (code "engine_dead") and then the server closes the connection (code 1011): nothing on it
 can work any more. A connection idle at that moment gets the same at its next chat frame.
+A connection with no frame from the client and no generation running for ``ws_idle_timeout_s``
+(build_app; ``serve --ws-idle-timeout``) is closed with code 1001 ("idle timeout"); open
+connections are capped (connections.py).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError
 
+from . import guided
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
 from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
@@ -124,6 +129,9 @@ class _Connection:
         params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits,
                              defaults=st.engine.default_sampling_params)
         st.check_params(params, 1)
+        so, _ = guided.requested(frame)  # response_format or vLLM's fields: checked now, compiled by
+        if so is not None:               # the engine off this loop (errors come as this id's error frame)
+            params = msgspec.structs.replace(params, structured_outputs=so)
         ids = await st.chat_prompt(frame.messages)
         st.check_length(len(ids), max_tokens, "messages")
         rid = f"ws-{uuid.uuid4().hex}"
@@ -178,9 +186,16 @@ async def ws_chat(ws: WebSocket) -> None:
     offered = ws_protocols(dict(ws.scope.get("headers", ())))
     await ws.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     conn = _Connection(ws)
+    idle_s = getattr(conn.st, "ws_idle_timeout_s", None)
     try:
         while True:
-            msg = await ws.receive()
+            try:
+                msg = await asyncio.wait_for(ws.receive(), idle_s)
+            except asyncio.TimeoutError:
+                if conn.tasks:  # generating: not idle
+                    continue
+                await ws.close(code=1001, reason="idle timeout")
+                break
             if msg["type"] == "websocket.disconnect":
                 break
             data = msg.get("text")

@@ -2,8 +2,8 @@
 busy loop, scheduler, KV cache and executor, behind one AsyncLLMEngine that routes each request
 to the least loaded core. Parity with transformers (DP=2, and DP=2 x TP=2 on the 2-layer tiny
 llama with one thread per worker), routing (least loaded, or the core holding the prompt's prefix),
-abort reaching the owning core, stats aggregated per core, a killed core failing every stream and
-leaving no process behind."""
+abort reaching the owning core, stats aggregated per core, a killed core failing its own streams
+(the other core's complete), the last one failing the engine, and no process left behind."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+from asyncengine import AsyncLLMEngine, EngineConfig, EngineCoreDied, EngineDeadError, SamplingParams
 from model_utils import compare
 from proc_utils import descendants
 
@@ -101,10 +101,16 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
     assert not any(c.proc.is_alive() for c in eng.core.clients), pids
 
 
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_reference):
     """Two engine cores, each with two tensor-parallel worker processes (one thread each): parity.
-    Then one core process is SIGKILLed mid-run: every stream (on either core) fails with
-    EngineDeadError, and no process is left, not the other core nor any worker of either."""
+    Then one core process is SIGKILLed mid-run: its streams fail with EngineCoreDied, the other
+    core's complete; the last one killed, the engine is dead (EngineDeadError), and no process is
+    left, not the cores nor any worker of either."""
     from proc_utils import wait_gone
 
     requests, refs = tiny_reference("llama")
@@ -121,15 +127,28 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
         cores = [cl.proc.pid for cl in eng.core.clients]
         pids = set(cores) | {w for p in cores for w in descendants(p)}
         assert len(pids) >= 6, pids  # two cores, two workers each
-        streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(400)) for i in range(4)]
+        streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(200)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(st.__anext__() for st in streams)), HANG_GUARD_S)
+        on = [eng.core.owner[st.request_id] for st in streams]
+        assert set(on) == {0, 1}, on
 
-        async def consume(st):
-            with pytest.raises(EngineDeadError):
-                async for _ in st:
+        async def consume(st, dies: bool):
+            if dies:
+                with pytest.raises(EngineCoreDied):
+                    async for _ in st:
+                        pass
+            else:
+                async for out in st:
                     pass
-        await asyncio.wait_for(streams[0].__anext__(), HANG_GUARD_S)
+                assert out.finished and len(out.outputs[0].token_ids) == 200
         os.kill(cores[1], signal.SIGKILL)
-        await asyncio.wait_for(asyncio.gather(*(consume(st) for st in streams)), HANG_GUARD_S)
+        await asyncio.wait_for(asyncio.gather(*(consume(st, o == 1) for st, o in zip(streams, on))), HANG_GUARD_S)
+        assert eng.core.health.num_alive == 1 and not eng.errored
+        out = [o async for o in eng.generate({"prompt_token_ids": [9, 9, 9]}, greedy(4))][-1]
+        assert len(out.outputs[0].token_ids) == 4  # served by the core left
+        os.kill(cores[0], signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_drain(eng.generate({"prompt_token_ids": [5, 6, 7]}, greedy(400))), HANG_GUARD_S)
     wait_gone(pids, timeout=60.0)
 
 
