@@ -170,6 +170,14 @@ class EngineConfig:
     # "int4" = weight-only quantization of dense weights at load into Q8_0 / Q4_1 blocks (CPU);
     # "none" = dequantize everything at load (the reference the accuracy tests compare with)
     quantization: Literal["none", "int8", "int4"] | None = None
+    # KV offload (docs/kv_connector.md): a host-memory tier of this many bytes for prefix-cache
+    # blocks evicted from the KV cache, and/or a directory that keeps full prompt blocks across
+    # restarts (bounded by kv_offload_dir_bytes, least recently used files deleted first; several
+    # engines may share it). The disk tier reads through the host pool: with a directory and no
+    # kv_offload_bytes the pool gets 512 MiB. None and None = off (today's code path).
+    kv_offload_bytes: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_dir_bytes: int = 8 * 2**30
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -234,6 +242,26 @@ class EngineConfig:
                               f"'int4', got {self.quantization!r}")
         if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_bytes is None and self.kv_offload_dir is None:
+            return
+        if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:
+            raise ConfigError(f"kv_offload_bytes must be > 0, got {self.kv_offload_bytes}")
+        if self.kv_offload_dir_bytes <= 0:
+            raise ConfigError(f"kv_offload_dir_bytes must be > 0, got {self.kv_offload_dir_bytes}")
+        if not self.enable_prefix_caching:
+            raise ConfigError("KV offload extends the prefix cache: it needs enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("KV offload is not supported with tensor_parallel_size > 1 yet")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
+
+    @property
+    def host_offload_bytes(self) -> int:
+        """The host pool's size (a disk tier alone still stages through 512 MiB of it)."""
+        return self.kv_offload_bytes if self.kv_offload_bytes is not None else 512 * 2**20
 
     def _check_quantization_device(self, device_type: str) -> None:
         if self.quantization in ("int8", "int4") and device_type != "cpu":

@@ -27,6 +27,12 @@ prompt's last block (the partial one; or the last full one when the prompt ends 
 boundary, since the last prompt token is always recomputed to sample from). With prefix caching off
 nothing can be shared and the samples are independent requests from the start (n prefills).
 Aborting the user's id aborts every sample still running.
+
+KV connector (``kv_connector/base.py``; None = none, and none of its calls): a waiting request's
+prompt tokens past its prefix-cache hit may come from outside. Loaded synchronously, they count as
+computed and only the rest is scheduled; loaded asynchronously, the request waits in
+``_kv_waiting`` (no sequence slot, no blocks) until the connector reports the load ended, then
+queues again at the front.
 """
 from __future__ import annotations
 
@@ -62,8 +68,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0) -> None:
+                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0, kv_connector=None) -> None:
         self.kv = kv
+        self.connector = kv_connector
+        self._kv_waiting: dict[str, Request] = {}  # asynchronous loads in flight
         self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,11 +142,13 @@ class Scheduler:
         return done
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in the engine, or KV transfers still to hear back from (a read for a request
+        aborted meanwhile still holds host slots until the worker reports it)."""
+        return bool(self.requests) or (self.connector is not None and self.connector.has_pending_transfers())
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._held)
+        return len(self.waiting) + len(self._held) + len(self._kv_waiting)
 
     @property
     def num_running(self) -> int:
@@ -150,10 +160,14 @@ class Scheduler:
         elif req.hold_for is not None:
             self._held.remove(req)
             req.hold_for = None
+        elif self._kv_waiting.pop(req.request_id, None) is not None:
+            pass
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        if self.connector is not None:
+            self.connector.request_finished(req)
         del self.requests[req.request_id]
         if req.parent_id is not None:
             kids = self.parents.get(req.parent_id)
@@ -276,12 +290,19 @@ class Scheduler:
                     budget = self.max_num_batched_tokens - sum(num_scheduled.values())
                     continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                n = req.num_tokens - num_hit
+                num_ext = 0
+                if self.connector is not None:
+                    num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if load_async:
+                        self.waiting.pop()
+                        self._kv_waiting[req.request_id] = req
+                        continue
+                n = req.num_tokens - num_hit - num_ext
                 if n > budget:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
-                blocks = self.kv.allocate_slots(req, n, hit_blocks)
+                blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
                 if blocks is None:
                     # priority policy: a better waiting request may take a worse one's blocks
                     if priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs):
@@ -292,6 +313,10 @@ class Scheduler:
                 if self.kv.enable_caching:
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(req, self.kv.req_to_blocks[req.request_id],
+                                                            num_hit, num_ext)
+                    num_hit += num_ext
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
@@ -325,13 +350,14 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1 + spec.get(rid, 0)
         total = sum(num_scheduled.values())
+        meta = self.connector.build_meta(idle=total == 0) if self.connector is not None else None
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += total > 0
         self.stats.num_scheduled_tokens += total
         return SchedulerOutput(new_requests=new_data, cached_requests=cached_data,
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
                                finished_req_ids=finished, num_preempted=preempted,
-                               num_spec_tokens=spec)
+                               num_spec_tokens=spec, kv_connector_metadata=meta)
 
     # ------------------------------------------------------------------ results back
 
@@ -348,10 +374,19 @@ class Scheduler:
         req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
         return new or None
 
+    def _kv_loaded(self, request_ids: list[str]) -> None:
+        """Asynchronous loads ended: those requests queue again, at the front (they were first)."""
+        for rid in reversed(request_ids):
+            req = self._kv_waiting.pop(rid, None)
+            if req is not None:
+                self.waiting.push_front(req)
+
     def update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Fold a finished step's sampled tokens into request states; emit per-request outputs
         (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
+        if out.kv_connector_output is not None and self.connector is not None:
+            self._kv_loaded(self.connector.update_connector_output(out.kv_connector_output))
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
         if prompt_lps:
