@@ -382,6 +382,31 @@ def test_config_refuses_what_it_cannot_do(tiny_llama_dir):
 # ---------------------------------------------------------------------------- no leak
 
 
+def test_abort_while_waiting_for_disk_read(tiny, tmp_path):
+    first = make(tiny, kv_offload_dir=str(tmp_path))
+    one_by_one(first, shared_prompts()[:1])
+    first.shutdown()
+    core = make(tiny, kv_offload_dir=str(tmp_path))
+    try:
+        core.add_request(shared_prompts()[1])
+        so = core.schedule()  # the lookup finds the system prompt on disk: a read starts, the request waits
+        assert list(core.scheduler._kv_waiting) == ["q1"] and core.scheduler.connector.has_pending_transfers()
+        assert so.kv_connector_metadata.stage_from_disk and not so.num_scheduled_tokens
+        assert core.kv.num_free_blocks == core.num_blocks  # waiting for a read holds no device block
+        core.abort_requests(["q1"])
+        assert not core.scheduler._kv_waiting
+        core.update(so, core.execute(so))
+        for _ in range(1000):
+            if not core.has_unfinished():
+                break
+            core.step()
+        assert_whole(core)
+        assert len(core.scheduler.connector.host) == 5  # the read landed: the host tier has the 5 blocks
+    finally:
+        core.shutdown()
+
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 7)),
                     min_size=5, max_size=40))
