@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # check what we can before loading the model (seconds): bad input fails at once
-    if args.kv_cache_memory is not None:
-        try:
-            parse_size(args.kv_cache_memory)
-        except argparse.ArgumentTypeError as e:
-            ap.error(str(e))
+    for size in (args.kv_cache_memory, args.kv_offload_memory):
+        if size is not None:
+            try:
+                parse_size(size)
+            except argparse.ArgumentTypeError as e:
+                ap.error(str(e))
     for name in ("max_model_len", "max_num_seqs", "max_tokens", "tensor_parallel_size", "data_parallel_size",
                  "num_threads"):
         v = getattr(args, name, None)

@@ -36,6 +36,12 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="KV cache size, e.g. 512MiB or 2GiB (default: what --max-num-seqs sequences of "
                         "--max-model-len tokens need, at most 1/4 of the available memory; memory is only "
                         "used as conversations fill it)")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="host-memory tier for prefix-cache blocks evicted from the KV cache, e.g. 4GiB "
+                        "(default: off; 512MiB when --kv-offload-dir is given)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="directory that keeps computed prompt blocks across restarts (bounded at 8 GiB, least "
+                        "recently used first out; several engines may share it; default: off)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences decoded at once (default: 1 for chat/generate, 256 for serve)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],

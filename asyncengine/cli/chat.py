@@ -20,6 +20,9 @@ def _config(args):
               attention_backend=args.attention_backend, engine_core_process=args.engine_core_process)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
+    if args.kv_offload_memory is not None:
+        kw["kv_offload_bytes"] = parse_size(args.kv_offload_memory)
+    kw["kv_offload_dir"] = args.kv_offload_dir
     return EngineConfig(**kw)
 
 

@@ -55,6 +55,9 @@ def run_serve(args) -> int:
     kw["attention_backend"] = args.attention_backend
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = parse_size(args.kv_cache_memory)
+    if args.kv_offload_memory is not None:
+        kw["kv_offload_bytes"] = parse_size(args.kv_offload_memory)
+    kw["kv_offload_dir"] = args.kv_offload_dir
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     try:
         return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,

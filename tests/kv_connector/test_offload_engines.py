@@ -89,3 +89,14 @@ def test_multiprocess_executor_token_exact(tiny_llama_dir, tmp_path):
     got, s = run(kv_offload_dir=str(tmp_path))
     assert got == want
     assert s["kv_offload_disk_hit_tokens"] >= 48
+
+
+def test_cli_flags_reach_the_config(tmp_path):
+    from asyncengine.cli.args import build_parser
+    from asyncengine.cli.chat import _config
+
+    args = build_parser().parse_args(["chat", "some-model", "--kv-offload-memory", "64MiB",
+                                      "--kv-offload-dir", str(tmp_path)])
+    cfg = _config(args)
+    assert (cfg.kv_offload_bytes, cfg.kv_offload_dir) == (64 << 20, str(tmp_path))
+    assert _config(build_parser().parse_args(["chat"])).kv_offload_dir is None
