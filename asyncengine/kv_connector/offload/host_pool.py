@@ -47,10 +47,16 @@ class HostPool:
             for j, t in enumerate((k, v)):
                 t.index_copy_(self.bdim, blocks, self.slots[slots, 2 * layer + j].to(dev).movedim(0, self.bdim))
 
-    def block_bytes(self, block_id: int) -> torch.Tensor:
-        """A copy of one device block in the slot layout (what a disk file holds), as bytes."""
-        out = torch.stack([t.select(self.bdim, block_id) for kv in self.kv_caches for t in kv]).cpu()
-        return out.contiguous().view(torch.uint8).reshape(-1)
+    def blocks_bytes(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of device blocks in the slot layout (what a disk file holds): ``[n, block bytes]``
+        uint8, one gather per layer and per K/V for all of them."""
+        dev = self.kv_caches[0][0].device
+        idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        out = torch.empty((len(block_ids), *self.slots.shape[1:]), dtype=self.slots.dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            for j, t in enumerate((k, v)):
+                out[:, 2 * layer + j] = t.index_select(self.bdim, idx).movedim(self.bdim, 0).cpu()
+        return out.view(torch.uint8).reshape(len(block_ids), -1)
 
     def slot_buffer(self, slot: int):
         """A writable uint8 view of one slot (a disk read lands here)."""

@@ -91,9 +91,10 @@ class OffloadWorker(WorkerConnector):
             return
         if not self.writable:
             return
-        for block_id, h in meta.persist:
+        payloads = self.pool.blocks_bytes([b for b, _ in meta.persist])
+        for (_, h), payload in zip(meta.persist, payloads):
             try:
-                self._writes.put_nowait((h, self.pool.block_bytes(block_id)))
+                self._writes.put_nowait((h, payload))
             except queue.Full:
                 self._count(disk_writes_dropped=1)
 
