@@ -190,5 +190,5 @@ class EngineCore:
                                      if s.spec_num_draft_tokens else 0.0),
             "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                                           if s.spec_num_drafts else 0.0),
-            **(self.scheduler.connector.stats() if self.scheduler.connector is not None else {}),
+            **self.scheduler.kv_connector_stats(),
         }

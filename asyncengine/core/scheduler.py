@@ -32,7 +32,10 @@ KV connector (``kv_connector/base.py``; None = none, and none of its calls): a w
 prompt tokens past its prefix-cache hit may come from outside. Loaded synchronously, they count as
 computed and only the rest is scheduled; loaded asynchronously, the request waits in
 ``_kv_waiting`` (no sequence slot, no blocks) until the connector reports the load ended, then
-queues again at the front.
+queues again at the front. When a request finishes, the connector may ask to hold its blocks for
+a transfer (a prefill whose KV another core reads): they stay allocated under a lease until the
+connector reports the transfer done or the lease runs out (then they are freed and the connector
+told); an aborted request's blocks are the connector's to refuse to hold.
 """
 from __future__ import annotations
 
@@ -72,6 +75,8 @@ class Scheduler:
         self.kv = kv
         self.connector = kv_connector
         self._kv_waiting: dict[str, Request] = {}  # asynchronous loads in flight
+        self._leases: dict[str, tuple[Request, float]] = {}  # finished, blocks held until (monotonic)
+        self.num_leases_expired = 0
         self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -91,7 +96,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests or req.request_id in self.parents:
+        if req.request_id in self.requests or req.request_id in self.parents or req.request_id in self._leases:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         if req.sampling_params.n == 1:
             self.requests[req.request_id] = req
@@ -144,7 +149,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Requests in the engine, or KV transfers still to hear back from (a read for a request
         aborted meanwhile still holds host slots until the worker reports it)."""
-        return bool(self.requests) or (self.connector is not None and self.connector.has_pending_transfers())
+        return bool(self.requests) or (self.connector is not None and (
+            bool(self._leases) or self.connector.has_pending_transfers()))
 
     @property
     def num_waiting(self) -> int:
@@ -165,9 +171,11 @@ class Scheduler:
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
-        if self.connector is not None:
-            self.connector.request_finished(req)
+        lease_s = self.connector.request_finished(req) if self.connector is not None else None
+        if lease_s is None:
+            self.kv.free(req)
+        else:
+            self._leases[req.request_id] = (req, time.monotonic() + lease_s)
         del self.requests[req.request_id]
         if req.parent_id is not None:
             kids = self.parents.get(req.parent_id)
@@ -234,6 +242,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._held:
             self._release_held()
+        if self._leases:
+            self._expire_leases()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -374,6 +384,26 @@ class Scheduler:
         req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
         return new or None
 
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, (_, deadline) in self._leases.items() if deadline <= now]:
+            self._release_lease(rid)
+            self.num_leases_expired += 1
+            self.connector.lease_expired(rid)
+
+    def _release_lease(self, rid: str) -> None:
+        lease = self._leases.pop(rid, None)
+        if lease is not None:
+            self.kv.free(lease[0])
+
+    def kv_connector_stats(self) -> dict:
+        """The connector's counters, and the blocks held for transfers (empty without a connector)."""
+        if self.connector is None:
+            return {}
+        held = sum(len(self.kv.req_to_blocks.get(rid, ())) for rid in self._leases)
+        return {**self.connector.stats(), "kv_leases_held": len(self._leases), "kv_blocks_held_for_transfer": held,
+                "kv_leases_expired": self.num_leases_expired}
+
     def _kv_loaded(self, request_ids: list[str]) -> None:
         """Asynchronous loads ended: those requests queue again, at the front (they were first)."""
         for rid in reversed(request_ids):
@@ -386,7 +416,10 @@ class Scheduler:
         (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
         if out.kv_connector_output is not None and self.connector is not None:
-            self._kv_loaded(self.connector.update_connector_output(out.kv_connector_output))
+            loaded, sent = self.connector.update_connector_output(out.kv_connector_output)
+            self._kv_loaded(loaded)
+            for rid in sent:
+                self._release_lease(rid)
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
         if prompt_lps:

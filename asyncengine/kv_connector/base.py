@@ -11,8 +11,11 @@ Scheduler side, called by ``core/scheduler.py`` while a step is built:
 * ``update_state_after_alloc(req, blocks, num_computed, num_external)`` once blocks are allocated.
 * ``build_meta(idle)`` at the end of ``schedule()``: this step's :class:`KVConnectorMetadata`.
 * ``update_connector_output(out)`` with what the worker reported; returns the ids of requests whose
-  asynchronous transfer ended (successfully or not: a failed block is simply computed).
-* ``request_finished(req)`` when a request leaves the engine (finished, aborted): drop its state.
+  asynchronous load ended (successfully or not: a failed block is simply computed), and of finished
+  requests whose blocks a transfer no longer reads.
+* ``request_finished(req)`` when a request leaves the engine (finished, aborted): drop its state,
+  and return None (free its blocks now) or a lease in seconds: the blocks stay allocated until the
+  connector reports them sent or the lease runs out (``lease_expired``: fail the transfer).
 
 Worker side, called by ``worker/model_runner.py`` around each step: ``before_forward(meta)``,
 ``after_forward(meta)``, ``take_output()``; ``close()`` at shutdown (flush pending writes).
@@ -49,12 +52,17 @@ class SchedulerConnector(ABC):
         """This step's transfers (None: nothing). ``idle``: no token is scheduled this step."""
 
     @abstractmethod
-    def update_connector_output(self, out: KVConnectorOutput) -> list[str]:
-        """Fold the worker's report in; returns request ids whose asynchronous load ended."""
+    def update_connector_output(self, out: KVConnectorOutput) -> tuple[list[str], list[str]]:
+        """Fold the worker's report in; returns (ids whose asynchronous load ended, ids whose held
+        blocks may be freed)."""
 
     @abstractmethod
-    def request_finished(self, req: "Request") -> None:
-        """The request is gone (finished, aborted): release whatever it pinned."""
+    def request_finished(self, req: "Request") -> float | None:
+        """The request is gone (``req.status`` says how): release whatever it pinned. None: free
+        its blocks now; seconds: hold them under a lease of that length."""
+
+    def lease_expired(self, request_id: str) -> None:
+        """A lease ran out before the transfer was reported done: its blocks are freed already."""
 
     def has_pending_transfers(self) -> bool:
         """Transfers the worker has not reported yet (the engine keeps stepping until it has)."""

@@ -43,4 +43,5 @@ class StageResult(msgspec.Struct, array_like=True):
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):
     finished_stages: list[StageResult] = []
+    finished_sending: list[str] = []  # finished requests whose held blocks no transfer reads any more
     counters: dict[str, int] = {}  # increments since the last report (bytes moved, bad files...)

@@ -168,7 +168,7 @@ class OffloadScheduler(SchedulerConnector):
         self._evicted, self._cached, self._loads, self._new_jobs, self._step_pins = [], [], [], [], []
         return None if meta.is_empty else meta
 
-    def update_connector_output(self, out: KVConnectorOutput) -> list[str]:
+    def update_connector_output(self, out: KVConnectorOutput) -> tuple[list[str], list[str]]:
         for k, v in out.counters.items():
             self.worker_counters[k] = self.worker_counters.get(k, 0) + v
         ready = []
@@ -185,11 +185,12 @@ class OffloadScheduler(SchedulerConnector):
                     self.host.commit(h)
                     self.counters["kv_offload_disk_hit_tokens"] += self.block_size
             ready.append(rid)
-        return ready
+        return ready, []
 
-    def request_finished(self, req: "Request") -> None:
+    def request_finished(self, req: "Request") -> float | None:
         self._release_request(req.request_id)
         self._staged_once.discard(req.request_id)
+        return None  # nothing reads a finished request's blocks: free them now
 
     def _release_request(self, rid: str) -> None:
         for s in self._req_pins.pop(rid, ()):
