@@ -44,14 +44,14 @@ def req(rid: str, prompt: list[int], max_tokens: int = 5) -> Request:
 
 
 def run_all(core: EngineCore, reqs: list[Request], max_steps: int = 4000) -> dict[str, list[int]]:
-    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs if r.sampling_params.n == 1}
     for r in reqs:
         core.add_request(r)
     for _ in range(max_steps):
         if not core.has_unfinished():
             return outs
         for o in core.step():
-            outs[o.req_id].extend(o.new_token_ids)
+            outs.setdefault(o.req_id, []).extend(o.new_token_ids)  # "<id>#<i>": a sample of n > 1
     raise AssertionError("engine did not finish")
 
 
@@ -223,6 +223,35 @@ def test_chunked_prefill_and_preemption_exact(tiny, tmp_path):
         again.shutdown()
 
 
+def test_parallel_samples_and_ngram_speculation_exact(tiny, tmp_path):
+    """n > 1 (samples share the prompt's blocks) and n-gram drafts, over disk and host hits."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+    pattern = random.Random(3).sample(range(3, VOCAB), 8)
+
+    def reqs():  # a repetitive 40-token system prompt: the n-gram proposer finds its suffixes
+        return [Request(request_id=f"q{i}", prompt_token_ids=pattern * 5 + pattern[:3 + i], max_tokens=6,
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=6, n=2)) for i in range(4)]
+
+    def run(core):
+        got = one_by_one(core, reqs())
+        assert_whole(core)
+        return got, core.stats()
+
+    want, _ = run(make(tiny, speculative_config=spec))
+    assert set(want) == {f"q{i}#{j}" for i in range(4) for j in range(2)}
+    first = make(tiny, speculative_config=spec, kv_offload_dir=str(tmp_path), kv_offload_bytes=1 << 20)
+    assert run(first)[0] == want
+    first.shutdown()
+    again = make(tiny, speculative_config=spec, kv_offload_dir=str(tmp_path), kv_offload_bytes=1 << 20)
+    try:
+        got, s = run(again)
+    finally:
+        again.shutdown()
+    assert got == want
+    assert s["kv_offload_disk_hit_tokens"] >= 40 and s["spec_num_drafts"] > 0
+
+
 # ---------------------------------------------------------------------------- hostile disk
 
 
@@ -315,6 +344,14 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
     assert total <= 10 * (n + HEADER_SIZE)
     assert store.exists(hashes[-1])
     assert not store.exists(hashes[1])  # old and unused: gone first
+    assert store.exists(hashes[0])  # old but used since: kept
+    # a temporary file a dead writer left: deleted once old, kept while it may still be written
+    old, fresh = os.path.join(store.dir, "dead.1.tmp"), os.path.join(store.dir, "live.2.tmp")
+    for p in (old, fresh):
+        open(p, "wb").write(b"partial")
+    os.utime(old, (1000, 1000))
+    store.enforce_bound()
+    assert not os.path.exists(old) and os.path.exists(fresh)
 
 
 def test_unwritable_dir_only_reads(tiny, baseline_shared, tmp_path, caplog):
