@@ -476,3 +476,30 @@ def test_random_aborts_leave_everything_whole(tiny, tmp_path_factory, ops):
         assert_whole(core)
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_host_pool_copies_both_layouts(backend):
+    """Device -> slot -> device and device -> file payload, for the head-major (cpu, torch) and the
+    block-major (triton) cache layouts, on CPU tensors."""
+    import torch
+
+    from asyncengine.kv_connector.offload.host_pool import HostPool, block_dim
+
+    g = torch.Generator().manual_seed(0)
+    nb, heads, bs, hd, layers = 6, 2, 4, 3, 2
+    shape = (nb, bs, heads, hd) if backend == "triton" else (heads, nb, bs, hd)
+    caches = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(layers)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    d = block_dim(backend)
+    pool = HostPool(caches, d, num_slots=4)
+    assert pool.block_nbytes == 2 * layers * heads * bs * hd * 4
+    pool.save([(1, 0), (4, 3)])
+    payload = pool.blocks_bytes([4])[0]
+    assert torch.equal(payload, pool.slots[3].view(torch.uint8).reshape(-1))
+    pool.load([(3, 0), (0, 5)])  # block 4's content into block 0, block 1's into block 5
+    for (k, v), (k0, v0) in zip(caches, before):
+        for t, t0 in ((k, k0), (v, v0)):
+            assert torch.equal(t.select(d, 0), t0.select(d, 4))
+            assert torch.equal(t.select(d, 5), t0.select(d, 1))
+            assert torch.equal(t.select(d, 2), t0.select(d, 2))  # untouched

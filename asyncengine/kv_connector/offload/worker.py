@@ -4,8 +4,8 @@ threads that keep disk I/O off the step's critical path.
 * The **reader** executes stage jobs (disk -> host slots). Results are reported in the next steps'
   outputs; the scheduler keeps the request waiting meanwhile, without a sequence slot or blocks.
 * The **writer** writes persisted blocks (copied out of the cache right after the forward that
-  computed them) to the disk tier. Its queue is bounded: when the disk cannot keep up, blocks are
-  dropped and counted, the step never waits. ``close()`` drains it (a clean shutdown keeps every
+  computed them) to the disk tier. Its queue is bounded (64 MiB of copies): when the disk cannot
+  keep up, blocks are dropped and counted, the step never waits. ``close()`` drains it (a clean shutdown keeps every
   block computed); an ``atexit`` hook does the same for an engine nobody shut down.
 
 A read-only directory disables writes with one warning; a full disk disables them at the first
@@ -27,7 +27,7 @@ from asyncengine.kv_connector.offload.host_pool import HostPool
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING_WRITES = 1024  # blocks queued for the writer (beyond: dropped, counted)
+MAX_PENDING_WRITE_BYTES = 64 << 20  # copies queued for the writer (beyond: dropped, counted)
 POLL_WAIT_S = 0.005  # an idle step waits this long for a disk read to finish
 
 
@@ -40,7 +40,7 @@ class OffloadWorker(WorkerConnector):
         self._finished: list[StageResult] = []
         self._stage_done = threading.Event()
         self._reads: queue.Queue = queue.Queue()
-        self._writes: queue.Queue = queue.Queue(maxsize=MAX_PENDING_WRITES)
+        self._writes: queue.Queue = queue.Queue(maxsize=max(16, MAX_PENDING_WRITE_BYTES // pool.block_nbytes))
         self.writable = False
         self._threads: list[threading.Thread] = []
         self._closed = False
