@@ -178,6 +178,14 @@ class EngineConfig:
     kv_offload_bytes: int | None = None
     kv_offload_dir: str | None = None
     kv_offload_dir_bytes: int = 8 * 2**30
+    # disaggregated prefill/decode on one host (docs/kv_connector.md): kv_role makes this core a
+    # "prefill" core (it writes each prompt's KV to a transfer file in kv_transfer_dir, shared memory
+    # by default) or a "decode" core (it loads a request's transfer file instead of computing its
+    # prompt). Files nobody claimed within kv_transfer_lease_s are deleted. The P/D front end
+    # (engine/pd_client.py) sets these for the cores it starts.
+    kv_role: Literal["prefill", "decode"] | None = None
+    kv_transfer_dir: str | None = None
+    kv_transfer_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -245,6 +253,15 @@ class EngineConfig:
         self._check_kv_offload()
 
     def _check_kv_offload(self) -> None:
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
+        if self.kv_transfer_lease_s <= 0:
+            raise ConfigError(f"kv_transfer_lease_s must be > 0, got {self.kv_transfer_lease_s}")
+        if self.kv_role is not None:
+            if self.kv_offload_bytes is not None or self.kv_offload_dir is not None:
+                raise ConfigError("a core has one KV connector: kv_role (P/D) or KV offload, not both")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
         if self.kv_offload_bytes is None and self.kv_offload_dir is None:
             return
         if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:

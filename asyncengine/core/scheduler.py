@@ -360,7 +360,7 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1 + spec.get(rid, 0)
         total = sum(num_scheduled.values())
-        meta = self.connector.build_meta(idle=total == 0) if self.connector is not None else None
+        meta = self.connector.build_meta(num_scheduled, self.requests) if self.connector is not None else None
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += total > 0
         self.stats.num_scheduled_tokens += total

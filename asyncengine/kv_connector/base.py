@@ -9,7 +9,8 @@ Scheduler side, called by ``core/scheduler.py`` while a step is built:
   KV blocks until ``update_connector_output`` says its transfer finished; then it is looked at again.
   Sync: those tokens count as computed, and their blocks are filled before this step's forward.
 * ``update_state_after_alloc(req, blocks, num_computed, num_external)`` once blocks are allocated.
-* ``build_meta(idle)`` at the end of ``schedule()``: this step's :class:`KVConnectorMetadata`.
+* ``build_meta(scheduled, requests)`` at the end of ``schedule()``: this step's
+  :class:`KVConnectorMetadata`.
 * ``update_connector_output(out)`` with what the worker reported; returns the ids of requests whose
   asynchronous load ended (successfully or not: a failed block is simply computed), and of finished
   requests whose blocks a transfer no longer reads.
@@ -48,8 +49,9 @@ class SchedulerConnector(ABC):
         ``[num_computed, num_computed + num_external)``."""
 
     @abstractmethod
-    def build_meta(self, idle: bool) -> KVConnectorMetadata | None:
-        """This step's transfers (None: nothing). ``idle``: no token is scheduled this step."""
+    def build_meta(self, scheduled: dict[str, int], requests: dict[str, "Request"]) -> KVConnectorMetadata | None:
+        """This step's transfers (None: nothing). ``scheduled``: request id -> tokens this step
+        (their ``num_computed_tokens`` already counts them); empty: an idle step."""
 
     @abstractmethod
     def update_connector_output(self, out: KVConnectorOutput) -> tuple[list[str], list[str]]:

@@ -26,7 +26,7 @@ class HoldingConnector(SchedulerConnector):
     def update_state_after_alloc(self, req, blocks, num_computed, num_external):
         pass
 
-    def build_meta(self, idle):
+    def build_meta(self, scheduled, requests):
         return None
 
     def update_connector_output(self, out):

@@ -40,12 +40,16 @@ class HostPool:
 
     def load(self, ops: list[tuple[int, int]]) -> None:
         """(slot, device block) pairs: copy the slots into the blocks."""
-        dev = self.kv_caches[0][0].device
         slots = torch.tensor([s for s, _ in ops], dtype=torch.long)
-        blocks = torch.tensor([b for _, b in ops], dtype=torch.long, device=dev)
+        self.scatter([b for _, b in ops], self.slots[slots])
+
+    def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Copy ``rows`` (``[n, 2 * num_layers, *block_shape]``, the slot layout) into the blocks."""
+        dev = self.kv_caches[0][0].device
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=dev)
         for layer, (k, v) in enumerate(self.kv_caches):
             for j, t in enumerate((k, v)):
-                t.index_copy_(self.bdim, blocks, self.slots[slots, 2 * layer + j].to(dev).movedim(0, self.bdim))
+                t.index_copy_(self.bdim, blocks, rows[:, 2 * layer + j].to(dev).movedim(0, self.bdim))
 
     def blocks_bytes(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of device blocks in the slot layout (what a disk file holds): ``[n, block bytes]``

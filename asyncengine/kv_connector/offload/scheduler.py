@@ -142,7 +142,8 @@ class OffloadScheduler(SchedulerConnector):
         self.counters["kv_offload_miss_tokens"] += req.num_tokens - num_computed - num_external
         self._release_request(req.request_id)
 
-    def build_meta(self, idle: bool) -> KVConnectorMetadata | None:
+    def build_meta(self, scheduled: dict[str, int], requests: dict) -> KVConnectorMetadata | None:
+        idle = not scheduled
         saves = []
         for block_id, h in self._evicted:
             if self.host.lookup(h) is not None:
