@@ -184,6 +184,10 @@ class EngineConfig:
     # prompt). Files nobody claimed within kv_transfer_lease_s are deleted. The P/D front end
     # (engine/pd_client.py) sets these for the cores it starts.
     kv_role: Literal["prefill", "decode"] | None = None
+    # PDEngine.from_config (engine/pd_client.py): this many prefill-only and decode-only cores,
+    # each a process (0 and 0: no disaggregation)
+    prefill_cores: int = 0
+    decode_cores: int = 0
     kv_transfer_dir: str | None = None
     kv_transfer_lease_s: float = 30.0
 
@@ -253,6 +257,9 @@ class EngineConfig:
         self._check_kv_offload()
 
     def _check_kv_offload(self) -> None:
+        if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):
+            raise ConfigError(f"prefill_cores and decode_cores are both >= 1 (disaggregated) or both 0, got "
+                              f"{self.prefill_cores} and {self.decode_cores}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_transfer_lease_s <= 0:
