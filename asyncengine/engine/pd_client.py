@@ -37,8 +37,9 @@ class PDEngine:
         self.config = config
         base = config.kv_transfer_dir or tf.default_dir()
         os.makedirs(base, exist_ok=True)
-        # a folder per front end: its cores' files, swept with it
-        self.transfer_dir = tempfile.mkdtemp(prefix="pd-", dir=base)
+        _remove_dead_folders(base)
+        # a folder per front end (named by its pid): its cores' files, removed with it
+        self.transfer_dir = tempfile.mkdtemp(prefix=f"pd-{os.getpid()}-", dir=base)
 
         def core(role: str) -> AsyncLLMEngine:
             return AsyncLLMEngine(dataclasses.replace(
@@ -99,20 +100,22 @@ class PDEngine:
         p, d = self._pick(self.prefill), self._pick(self.decode)
         one = SamplingParams(max_tokens=1, temperature=0.0)
         kw = dict(request_id=rid, priority=priority, cache_salt=cache_salt)
-        self._load[id(p)] += 1
-        try:
-            async for _ in p.generate(prompt, one, **kw):
-                pass
-        finally:
-            self._load[id(p)] -= 1
-        self._load[id(d)] += 1
         finished = False
         try:
-            async for out in d.generate(prompt, sampling_params, **kw):
-                finished = out.finished
-                yield out
+            self._load[id(p)] += 1
+            try:
+                async for _ in p.generate(prompt, one, **kw):
+                    pass
+            finally:
+                self._load[id(p)] -= 1
+            self._load[id(d)] += 1
+            try:
+                async for out in d.generate(prompt, sampling_params, **kw):
+                    finished = out.finished
+                    yield out
+            finally:
+                self._load[id(d)] -= 1
         finally:
-            self._load[id(d)] -= 1
             if not finished:  # aborted or failed before the decode core claimed the file
                 try:
                     os.unlink(tf.file_path(self.transfer_dir, rid))
@@ -131,3 +134,19 @@ class PDEngine:
         """Per core: its engine's stats (``prefill``/``decode`` lists), and the transfer files now."""
         return {"prefill": [e.stats() for e in self.prefill], "decode": [e.stats() for e in self.decode],
                 "transfer_files": len(os.listdir(self.transfer_dir)) if not self._closed else 0}
+
+
+def _remove_dead_folders(base: str) -> None:
+    """Transfer folders of front ends that died without shutting down (their cores died with them)."""
+    import shutil
+
+    for name in os.listdir(base):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "pd" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except PermissionError:
+            pass

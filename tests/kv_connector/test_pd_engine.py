@@ -93,3 +93,16 @@ def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
 def test_config_needs_both_sides():
     with pytest.raises(ConfigError, match="prefill_cores"):
         EngineConfig(prefill_cores=1)
+
+
+def test_folders_of_dead_front_ends_are_removed(tmp_path):
+    from asyncengine.engine.pd_client import _remove_dead_folders
+
+    dead = tmp_path / "pd-999999999-abc"
+    live = tmp_path / f"pd-{os.getpid()}-def"
+    other = tmp_path / "unrelated"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "x.kv").write_bytes(b"1")
+    _remove_dead_folders(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
