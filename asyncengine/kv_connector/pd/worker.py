@@ -35,6 +35,7 @@ class PDWorker(WorkerConnector):
     def before_forward(self, meta: KVConnectorMetadata | None) -> None:
         if meta is None or not meta.import_kv:
             return
+        t0 = time.perf_counter()
         nbytes = self.pool.block_nbytes
         row_shape = self.pool.slots.shape[1:]
         for job in meta.import_kv:
@@ -51,6 +52,7 @@ class PDWorker(WorkerConnector):
             self.pool.scatter(job.block_ids, buf)
             os.unlink(job.path)
             self._count("transfer_read_bytes", n * nbytes)
+        self._count("transfer_read_us", int((time.perf_counter() - t0) * 1e6))
 
     def after_forward(self, meta: KVConnectorMetadata | None) -> None:
         if self.sweeps and time.monotonic() - self._last_sweep >= SWEEP_EVERY_S:
