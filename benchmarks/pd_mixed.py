@@ -80,8 +80,8 @@ async def run(variant: str, args) -> dict:
     short = [r for r, k in zip(res, kinds) if k == "short"]
     long_ = [r for r, k in zip(res, kinds) if k == "long"]
     return {"requests": len(res), "long": len(long_), "wall_s": wall,
-            "tpot_short_p50_ms": 1000 * pct([t for _, t in short if t], 0.5),
-            "tpot_short_p90_ms": 1000 * pct([t for _, t in short if t], 0.9),
+            "tpot_short_p50_ms": 1000 * pct([t for _, t in short if t is not None], 0.5),
+            "tpot_short_p90_ms": 1000 * pct([t for _, t in short if t is not None], 0.9),
             "ttft_short_p50_s": pct([t for t, _ in short], 0.5), "ttft_long_p50_s": pct([t for t, _ in long_], 0.5)}
 
 
@@ -106,15 +106,20 @@ def main() -> int:
             rows[v].append(res)
             print(v, json.dumps(res), flush=True)
             load.append(os.getloadavg())
-    summary = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in rows.items()}
+            write(args, rows, load)  # after every run: a slow sitting that is cut short keeps what it measured
+    print(json.dumps(write(args, rows, load)["median"], indent=1))
+    return 0
+
+
+def write(args, rows: dict, load: list) -> dict:
+    summary = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in rows.items() if rs}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "cpu": cpu_model(), "nproc": os.cpu_count(), "command": " ".join(["python"] + sys.argv),
               "load_avg": load, "args": vars(args), "median": summary, "rounds": rows}
-    print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
