@@ -188,6 +188,26 @@ class EngineConfig:
     # boundaries or the prefix cache, so a request gets bitwise the same tokens and logprobs alone
     # or in any batch (docs/batch_invariance.md: what is guaranteed, what it costs). CPU only.
     batch_invariant: bool = False
+    # KV offload (docs/kv_connector.md): a host-memory tier of this many bytes for prefix-cache
+    # blocks evicted from the KV cache, and/or a directory that keeps full prompt blocks across
+    # restarts (bounded by kv_offload_dir_bytes, least recently used files deleted first; several
+    # engines may share it). The disk tier reads through the host pool: with a directory and no
+    # kv_offload_bytes the pool gets 512 MiB. None and None = off (today's code path).
+    kv_offload_bytes: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_dir_bytes: int = 8 * 2**30
+    # disaggregated prefill/decode on one host (docs/kv_connector.md): kv_role makes this core a
+    # "prefill" core (it writes each prompt's KV to a transfer file in kv_transfer_dir, shared memory
+    # by default) or a "decode" core (it loads a request's transfer file instead of computing its
+    # prompt). Files nobody claimed within kv_transfer_lease_s are deleted. The P/D front end
+    # (engine/pd_client.py) sets these for the cores it starts.
+    kv_role: Literal["prefill", "decode"] | None = None
+    # PDEngine.from_config (engine/pd_client.py): this many prefill-only and decode-only cores,
+    # each a process (0 and 0: no disaggregation)
+    prefill_cores: int = 0
+    decode_cores: int = 0
+    kv_transfer_dir: str | None = None
+    kv_transfer_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -257,6 +277,38 @@ class EngineConfig:
                               f"'int4', got {self.quantization!r}")
         if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):
+            raise ConfigError(f"prefill_cores and decode_cores are both >= 1 (disaggregated) or both 0, got "
+                              f"{self.prefill_cores} and {self.decode_cores}")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
+        if self.kv_transfer_lease_s <= 0:
+            raise ConfigError(f"kv_transfer_lease_s must be > 0, got {self.kv_transfer_lease_s}")
+        if self.kv_role is not None:
+            if self.kv_offload_bytes is not None or self.kv_offload_dir is not None:
+                raise ConfigError("a core has one KV connector: kv_role (P/D) or KV offload, not both")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
+        if self.kv_offload_bytes is None and self.kv_offload_dir is None:
+            return
+        if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:
+            raise ConfigError(f"kv_offload_bytes must be > 0, got {self.kv_offload_bytes}")
+        if self.kv_offload_dir_bytes <= 0:
+            raise ConfigError(f"kv_offload_dir_bytes must be > 0, got {self.kv_offload_dir_bytes}")
+        if not self.enable_prefix_caching:
+            raise ConfigError("KV offload extends the prefix cache: it needs enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("KV offload is not supported with tensor_parallel_size > 1 yet")
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
+
+    @property
+    def host_offload_bytes(self) -> int:
+        """The host pool's size (a disk tier alone still stages through 512 MiB of it)."""
+        return self.kv_offload_bytes if self.kv_offload_bytes is not None else 512 * 2**20
 
     def _check_batch_invariant(self) -> None:
         """What cannot keep a row's bits independent of the batch is refused, not run silently."""

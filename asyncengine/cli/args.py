@@ -159,6 +159,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  default_text="what --max-num-seqs sequences of --max-model-len tokens need, at most "
                               "--kv-cache-memory-fraction of the available memory; memory is only used as "
                               "conversations fill it"),
+    EngineOption("kv_offload_bytes", "host-memory tier for prefix-cache blocks evicted from the KV cache, "
+                                     "e.g. 4GiB (docs/kv_connector.md)", type=parse_size, flag="--kv-offload-memory",
+                 metavar="SIZE", default_text="off; 512MiB when --kv-offload-dir is given"),
+    EngineOption("kv_offload_dir", "directory that keeps computed prompt blocks across restarts (several "
+                                   "engines may share it)", metavar="DIR", default_text="off"),
+    EngineOption("kv_offload_dir_bytes", "size bound of --kv-offload-dir, least recently used files out first",
+                 type=parse_size, flag="--kv-offload-dir-size", metavar="SIZE", default_text="8GiB"),
     EngineOption("kv_cache_memory_fraction", "the most of the available memory a KV cache sized by need "
                                              "may reserve, (0, 1]", type=POSITIVE_FLOAT),
     EngineOption("num_kv_blocks", "KV cache size in blocks (instead of --kv-cache-memory)", type=POSITIVE_INT,
@@ -227,6 +234,11 @@ NOT_ON_THE_COMMAND_LINE = {
     "model": "the MODEL argument (serve, chat) or --model (generate)",
     "skip_tokenizer_init": "every command reads and writes text",
     "limits": "serve's request-limit flags (--max-request-bytes, --max-prompt-chars, ...)",
+    "kv_role": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
+    "kv_transfer_dir": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
+    "kv_transfer_lease_s": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
+    "prefill_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
+    "decode_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
     "grammar_limits": "serve's structured-output limit flags (--max-grammar-compile-s, --max-enum-values, ...)",
 }
 

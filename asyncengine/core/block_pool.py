@@ -97,6 +97,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # called with (block, hash) when allocation evicts a cached block (a KV connector saves it)
+        self.on_evict = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +119,8 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict the cached prefix it held
+                if self.on_evict is not None:
+                    self.on_evict(b, b.block_hash)
                 del self.cached[b.block_hash]
                 b.block_hash = None
                 self.num_evictions += 1

@@ -23,6 +23,7 @@ from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, S
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
+from asyncengine.kv_connector.factory import make_scheduler_connector
 from asyncengine.models.model_info import ModelInfo, load_model_info
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,13 @@ class EngineCore:
         self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
         self.num_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_connector = make_scheduler_connector(config, self.kv, spec.bytes_per_block)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
-            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
+            kv_connector=kv_connector)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
@@ -191,4 +194,5 @@ class EngineCore:
                                      if s.spec_num_draft_tokens else 0.0),
             "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                                           if s.spec_num_drafts else 0.0),
+            **self.scheduler.kv_connector_stats(),
         }

@@ -20,6 +20,9 @@ class KVCacheManager:
         # prefix-cache counters, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # called with (request, its blocks, first, end) when blocks [first, end) were just registered
+        # in the prefix cache (a KV connector persists them)
+        self.on_blocks_cached = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,6 +112,8 @@ class KVCacheManager:
         for i in range(start, n_full):
             self.pool.cache_block(blocks[i], req.block_hashes[i])
         self._num_cached_blocks[req.request_id] = n_full
+        if self.on_blocks_cached is not None:
+            self.on_blocks_cached(req, blocks, start, n_full)
 
     def uncache_unscheduled(self, req: Request) -> bool:
         """``req`` is being taken back out of the step being built (preempted for another request):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput
 from asyncengine.sampling_params import SamplingParams
 
 
@@ -38,10 +39,13 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # speculative decoding: req_id -> k, the last k of that request's scheduled tokens are slots
     # (budget and KV) for draft tokens the runner proposes and verifies in this same step
     num_spec_tokens: dict[str, int] = {}
+    # the KV connector's transfers for this step (None: no connector, or nothing to move)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the workers to do: no token to compute and no KV to move."""
+        return self.total_num_scheduled_tokens == 0 and self.kv_connector_metadata is None
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
@@ -60,6 +64,7 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # p + i + 1 (the sampler's logprobs format), computed from the logits at position p + i
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
     execute_time_s: float = 0.0
+    kv_connector_output: KVConnectorOutput | None = None  # transfers that ended, counters
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):

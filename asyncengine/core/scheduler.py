@@ -27,6 +27,15 @@ prompt's last block (the partial one; or the last full one when the prompt ends 
 boundary, since the last prompt token is always recomputed to sample from). With prefix caching off
 nothing can be shared and the samples are independent requests from the start (n prefills).
 Aborting the user's id aborts every sample still running.
+
+KV connector (``kv_connector/base.py``; None = none, and none of its calls): a waiting request's
+prompt tokens past its prefix-cache hit may come from outside. Loaded synchronously, they count as
+computed and only the rest is scheduled; loaded asynchronously, the request waits in
+``_kv_waiting`` (no sequence slot, no blocks) until the connector reports the load ended, then
+queues again at the front. When a request finishes, the connector may ask to hold its blocks for
+a transfer (a prefill whose KV another core reads): they stay allocated under a lease until the
+connector reports the transfer done or the lease runs out (then they are freed and the connector
+told); an aborted request's blocks are the connector's to refuse to hold.
 """
 from __future__ import annotations
 
@@ -62,8 +71,12 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0) -> None:
+                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0, kv_connector=None) -> None:
         self.kv = kv
+        self.connector = kv_connector
+        self._kv_waiting: dict[str, Request] = {}  # asynchronous loads in flight
+        self._leases: dict[str, tuple[Request, float]] = {}  # finished, blocks held until (monotonic)
+        self.num_leases_expired = 0
         self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -83,7 +96,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests or req.request_id in self.parents:
+        if req.request_id in self.requests or req.request_id in self.parents or req.request_id in self._leases:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         if req.sampling_params.n == 1:
             self.requests[req.request_id] = req
@@ -134,11 +147,14 @@ class Scheduler:
         return done
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in the engine, or KV transfers still to hear back from (a read for a request
+        aborted meanwhile still holds host slots until the worker reports it)."""
+        return bool(self.requests) or (self.connector is not None and (
+            bool(self._leases) or self.connector.has_pending_transfers()))
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._held)
+        return len(self.waiting) + len(self._held) + len(self._kv_waiting)
 
     @property
     def num_running(self) -> int:
@@ -150,10 +166,16 @@ class Scheduler:
         elif req.hold_for is not None:
             self._held.remove(req)
             req.hold_for = None
+        elif self._kv_waiting.pop(req.request_id, None) is not None:
+            pass
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        lease_s = self.connector.request_finished(req) if self.connector is not None else None
+        if lease_s is None:
+            self.kv.free(req)
+        else:
+            self._leases[req.request_id] = (req, time.monotonic() + lease_s)
         del self.requests[req.request_id]
         if req.parent_id is not None:
             kids = self.parents.get(req.parent_id)
@@ -220,6 +242,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._held:
             self._release_held()
+        if self._leases:
+            self._expire_leases()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -276,12 +300,19 @@ class Scheduler:
                     budget = self.max_num_batched_tokens - sum(num_scheduled.values())
                     continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                n = req.num_tokens - num_hit
+                num_ext = 0
+                if self.connector is not None:
+                    num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if load_async:
+                        self.waiting.pop()
+                        self._kv_waiting[req.request_id] = req
+                        continue
+                n = req.num_tokens - num_hit - num_ext
                 if n > budget:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
-                blocks = self.kv.allocate_slots(req, n, hit_blocks)
+                blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
                 if blocks is None:
                     # priority policy: a better waiting request may take a worse one's blocks
                     if priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs):
@@ -292,6 +323,10 @@ class Scheduler:
                 if self.kv.enable_caching:
                     self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.status = RequestStatus.RUNNING
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(req, self.kv.req_to_blocks[req.request_id],
+                                                            num_hit, num_ext)
+                    num_hit += num_ext
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
@@ -325,13 +360,14 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1 + spec.get(rid, 0)
         total = sum(num_scheduled.values())
+        meta = self.connector.build_meta(num_scheduled, self.requests) if self.connector is not None else None
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += total > 0
         self.stats.num_scheduled_tokens += total
         return SchedulerOutput(new_requests=new_data, cached_requests=cached_data,
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
                                finished_req_ids=finished, num_preempted=preempted,
-                               num_spec_tokens=spec)
+                               num_spec_tokens=spec, kv_connector_metadata=meta)
 
     # ------------------------------------------------------------------ results back
 
@@ -348,10 +384,42 @@ class Scheduler:
         req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
         return new or None
 
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, (_, deadline) in self._leases.items() if deadline <= now]:
+            self._release_lease(rid)
+            self.num_leases_expired += 1
+            self.connector.lease_expired(rid)
+
+    def _release_lease(self, rid: str) -> None:
+        lease = self._leases.pop(rid, None)
+        if lease is not None:
+            self.kv.free(lease[0])
+
+    def kv_connector_stats(self) -> dict:
+        """The connector's counters, and the blocks held for transfers (empty without a connector)."""
+        if self.connector is None:
+            return {}
+        held = sum(len(self.kv.req_to_blocks.get(rid, ())) for rid in self._leases)
+        return {**self.connector.stats(), "kv_leases_held": len(self._leases), "kv_blocks_held_for_transfer": held,
+                "kv_leases_expired": self.num_leases_expired}
+
+    def _kv_loaded(self, request_ids: list[str]) -> None:
+        """Asynchronous loads ended: those requests queue again, at the front (they were first)."""
+        for rid in reversed(request_ids):
+            req = self._kv_waiting.pop(rid, None)
+            if req is not None:
+                self.waiting.push_front(req)
+
     def update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Fold a finished step's sampled tokens into request states; emit per-request outputs
         (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
+        if out.kv_connector_output is not None and self.connector is not None:
+            loaded, sent = self.connector.update_connector_output(out.kv_connector_output)
+            self._kv_loaded(loaded)
+            for rid in sent:
+                self._release_lease(rid)
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
         if prompt_lps:

@@ -57,4 +57,5 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
+            self._pool.submit(self.worker.shutdown)  # after the steps queued (flushes KV writes)
             self._pool.shutdown(wait=True)

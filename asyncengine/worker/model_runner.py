@@ -31,6 +31,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_spec import KVCacheConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
+from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.layers import batch_invariant
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
@@ -77,6 +78,8 @@ class ModelRunner:
             self.attn_backend.batch_invariant = True
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
+        # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
+        self.kv_connector = make_worker_connector(config, self.attn_backend.name, self.kv_caches)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
@@ -175,9 +178,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """This step's output on rank 0; None on the other ranks."""
+        conn = self.kv_connector
+        if conn is None:
+            return self._execute(so)
+        conn.before_forward(so.kv_connector_metadata)
+        out = self._execute(so)
+        conn.after_forward(so.kv_connector_metadata)
+        if out is not None:
+            out.kv_connector_output = conn.take_output()
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.perf_counter()
         self._update_states(so)
-        if so.is_empty:
+        if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
         bs = self.block_size
         decodes: list[RunnerRequestState] = []

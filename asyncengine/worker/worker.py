@@ -205,6 +205,8 @@ class Worker:
             self.runner.reset_requests()
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -1,0 +1,79 @@
+"""Which connector a config asks for, on each side: the P/D connector for a core with a
+``kv_role``, the offload connector whenever ``kv_offload_bytes`` or ``kv_offload_dir`` is set, else
+none (None on both sides: not one extra call per step)."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
+    from asyncengine.core.kv_cache_manager import KVCacheManager
+    from asyncengine.kv_connector.base import SchedulerConnector, WorkerConnector
+
+log = logging.getLogger(__name__)
+
+
+def offload_enabled(config: "EngineConfig") -> bool:
+    return config.kv_offload_bytes is not None or config.kv_offload_dir is not None
+
+
+def _disk_store(config: "EngineConfig", payload_bytes: int):
+    if config.kv_offload_dir is None:
+        return None
+    from asyncengine.kv_connector.offload.disk_store import DiskStore
+    from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
+
+    return DiskStore(config.kv_offload_dir, kv_fingerprint(config), payload_bytes, config.kv_offload_dir_bytes)
+
+
+def num_host_slots(config: "EngineConfig", bytes_per_block: int) -> int:
+    return max(1, config.host_offload_bytes // bytes_per_block)
+
+
+def transfer_dir(config: "EngineConfig") -> str:
+    from asyncengine.kv_connector.pd.transfer_file import default_dir
+
+    return config.kv_transfer_dir or default_dir()
+
+
+def make_scheduler_connector(config: "EngineConfig", kv: "KVCacheManager",
+                             bytes_per_block: int) -> "SchedulerConnector | None":
+    """``bytes_per_block``: one block of this rank's cache (what a host slot and a file hold)."""
+    if config.kv_role == "prefill":
+        from asyncengine.kv_connector.pd.scheduler import PrefillExporter
+
+        return PrefillExporter(kv, transfer_dir(config))
+    if config.kv_role == "decode":
+        from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
+        from asyncengine.kv_connector.pd.scheduler import DecodeImporter
+
+        return DecodeImporter(kv, transfer_dir(config), kv_fingerprint(config), bytes_per_block)
+    if not offload_enabled(config):
+        return None
+    from asyncengine.kv_connector.offload.scheduler import OffloadScheduler
+
+    slots = num_host_slots(config, bytes_per_block)
+    log.info("kv offload: host pool of %d blocks (%.0f MiB)%s", slots, slots * bytes_per_block / 2**20,
+             f", disk tier {config.kv_offload_dir}" if config.kv_offload_dir else "")
+    return OffloadScheduler(kv, slots, _disk_store(config, bytes_per_block))
+
+
+def make_worker_connector(config: "EngineConfig", backend_name: str, kv_caches) -> "WorkerConnector | None":
+    if not offload_enabled(config) and config.kv_role is None:
+        return None
+    from asyncengine.kv_connector.offload.host_pool import HostPool, block_dim
+
+    k0 = kv_caches[0][0]
+    bytes_per_block = 2 * len(kv_caches) * k0.numel() // k0.shape[block_dim(backend_name)] * k0.element_size()
+    if config.kv_role is not None:
+        from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
+        from asyncengine.kv_connector.pd.worker import PDWorker
+
+        return PDWorker(HostPool(kv_caches, block_dim(backend_name), 1), transfer_dir(config),
+                        kv_fingerprint(config), config.kv_transfer_lease_s, sweeps=config.kv_role == "prefill")
+    from asyncengine.kv_connector.offload.worker import OffloadWorker
+
+    pool = HostPool(kv_caches, block_dim(backend_name), num_host_slots(config, bytes_per_block))
+    assert pool.block_nbytes == bytes_per_block
+    return OffloadWorker(pool, _disk_store(config, bytes_per_block))

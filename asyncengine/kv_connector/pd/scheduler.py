@@ -1,0 +1,158 @@
+"""The P/D connector's scheduler sides.
+
+Prefill core (:class:`PrefillExporter`): in the step that computes the end of a request's prompt,
+ask the worker to write the prompt's blocks to the request's transfer file right after the forward.
+The request then finishes as usual (the front end asks a prefill core for one token) and its blocks
+are freed at once: the file is the transfer, so no block is held for a decode core that may never
+come (the file's own lease is the sweep's).
+
+Decode core (:class:`DecodeImporter`): when a request is looked at, a transfer file for it (whole,
+same fingerprint, same prompt) is claimed and its tokens up to the prompt's last count as external:
+they are copied in before this step's forward and only the last prompt token is computed, as with a
+prefix-cache hit. No file (the prefill core failed, the transfer was swept, the request came
+straight here): the decode core computes the prompt itself, counted as a miss.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from asyncengine.kv_connector.base import SchedulerConnector
+from asyncengine.kv_connector.messages import ExportJob, ImportJob, KVConnectorMetadata
+from asyncengine.kv_connector.pd import transfer_file as tf
+
+if TYPE_CHECKING:
+    from asyncengine.core.kv_cache_manager import KVCacheManager
+    from asyncengine.core.request import Request
+
+
+def transfer_key(req: "Request") -> str | None:
+    """The id a transfer file is named by: the user's request id (sample 0 of an ``n > 1`` request
+    imports it; the other samples share sample 0's blocks through the prefix cache)."""
+    if req.parent_id is None:
+        return req.request_id
+    from asyncengine.core.request import child_request_id
+
+    return req.parent_id if req.request_id == child_request_id(req.parent_id, 0) else None
+
+
+class PrefillExporter(SchedulerConnector):
+    def __init__(self, kv: "KVCacheManager", directory: str) -> None:
+        self.kv = kv
+        self.dir = directory
+        self.counters = {"kv_transfer_exported_requests": 0, "kv_transfer_exported_tokens": 0}
+
+    def get_num_new_matched_tokens(self, req, num_computed):
+        return 0, False
+
+    def update_state_after_alloc(self, req, blocks, num_computed, num_external):
+        pass
+
+    def build_meta(self, scheduled: dict[str, int], requests: dict) -> KVConnectorMetadata | None:
+        jobs = []
+        bs = self.kv.block_size
+        for rid, n in scheduled.items():
+            req = requests[rid]
+            end, p = req.num_computed_tokens, req.num_prompt_tokens
+            key = transfer_key(req)
+            if key is None or not end - n < p <= end:
+                continue
+            jobs.append(ExportJob(path=tf.file_path(self.dir, key), block_ids=self.kv.block_ids(rid)[:-(-p // bs)],
+                                  num_tokens=p, prompt_digest=tf.prompt_digest(req.prompt_token_ids)))
+            self.counters["kv_transfer_exported_requests"] += 1
+            self.counters["kv_transfer_exported_tokens"] += p
+        return KVConnectorMetadata(export=jobs) if jobs else None
+
+    def update_connector_output(self, out):
+        for k, v in out.counters.items():
+            self.counters["kv_" + k] = self.counters.get("kv_" + k, 0) + v
+        return [], []
+
+    def request_finished(self, req):
+        return None
+
+    def stats(self) -> dict:
+        return dict(self.counters)
+
+
+class DecodeImporter(SchedulerConnector):
+    def __init__(self, kv: "KVCacheManager", directory: str, fingerprint: bytes, block_nbytes: int) -> None:
+        self.kv = kv
+        self.dir = directory
+        self.fingerprint = fingerprint
+        self.block_nbytes = block_nbytes
+        self._claims: dict[str, tuple[str, int]] = {}  # request id -> (claimed file, tokens in it)
+        self._imports: list[ImportJob] = []
+        self.counters = {"kv_transfer_imported_requests": 0, "kv_transfer_imported_tokens": 0,
+                         "kv_transfer_misses": 0, "kv_transfer_rejected_files": 0}
+
+    def _claim(self, req: "Request") -> tuple[str, int] | None:
+        claim = self._claims.get(req.request_id)
+        if claim is not None:
+            return claim
+        key = transfer_key(req)
+        if key is None:
+            return None
+        src = tf.file_path(self.dir, key)
+        h = tf.read_header(src)
+        if h is None:
+            return None
+        if (h.fingerprint != self.fingerprint or h.block_nbytes != self.block_nbytes
+                or h.num_tokens != req.num_prompt_tokens or h.digest != tf.prompt_digest(req.prompt_token_ids)):
+            self.counters["kv_transfer_rejected_files"] += 1  # another model/layout, or not this prompt
+            return None
+        dst = tf.claimed_path(self.dir, key)
+        try:
+            os.rename(src, dst)
+        except OSError:  # taken away meanwhile (aborted, swept)
+            return None
+        self._claims[req.request_id] = claim = (dst, h.num_tokens)
+        return claim
+
+    def get_num_new_matched_tokens(self, req, num_computed):
+        if req.sampling_params.prompt_logprobs is not None:
+            return 0, False
+        claim = self._claim(req)
+        if claim is None:
+            return 0, False
+        return max(0, min(claim[1], req.num_tokens - 1) - num_computed), False
+
+    def update_state_after_alloc(self, req, blocks, num_computed, num_external):
+        if not num_external:
+            if req.request_id not in self._claims and req.num_preemptions == 0 and transfer_key(req) is not None:
+                self.counters["kv_transfer_misses"] += 1
+            self._drop(req.request_id)  # a prefix hit covered it all, or nothing to import
+            return
+        path, _ = self._claims.pop(req.request_id)
+        bs = self.kv.block_size
+        first, last = num_computed // bs, -(-(num_computed + num_external) // bs)
+        self._imports.append(ImportJob(path=path, first=first, block_ids=[b.block_id for b in blocks[first:last]]))
+        self.counters["kv_transfer_imported_requests"] += 1
+        self.counters["kv_transfer_imported_tokens"] += num_external
+
+    def build_meta(self, scheduled, requests):
+        if not self._imports:
+            return None
+        meta = KVConnectorMetadata(import_kv=self._imports)
+        self._imports = []
+        return meta
+
+    def update_connector_output(self, out):
+        for k, v in out.counters.items():
+            self.counters["kv_" + k] = self.counters.get("kv_" + k, 0) + v
+        return [], []
+
+    def request_finished(self, req):
+        self._drop(req.request_id)
+        return None
+
+    def _drop(self, rid: str) -> None:
+        claim = self._claims.pop(rid, None)
+        if claim is not None:
+            try:
+                os.unlink(claim[0])
+            except OSError:
+                pass
+
+    def stats(self) -> dict:
+        return {**self.counters, "kv_transfer_claimed_files": len(self._claims)}

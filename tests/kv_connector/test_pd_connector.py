@@ -1,0 +1,213 @@
+"""The P/D connector between two engine cores in one process (the front end's routing done by
+hand): a prefill core writes the prompt's KV to a transfer file, a decode core loads it and
+computes only the last prompt token. Token-exact against one colocated core, in plain, chunked-
+prefill, preemption and n > 1 regimes; an abort at every phase leaves both pools whole and no file
+behind; a file for another prompt or model is not loaded."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.engine_core import EngineCore
+from asyncengine.core.request import Request
+from asyncengine.errors import ConfigError
+from asyncengine.kv_connector.pd import transfer_file as tf
+from asyncengine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BS = 8
+VOCAB = 512
+
+
+def make(tiny, **kw) -> EngineCore:
+    model_dir, loaded = tiny
+    kw.setdefault("num_kv_blocks", 32)
+    return EngineCore(EngineConfig(model=model_dir, dtype="float32", block_size=BS, **kw), loaded)
+
+
+def req(rid, prompt, max_tokens, n=1):
+    return Request(request_id=rid, prompt_token_ids=list(prompt), max_tokens=max_tokens,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n))
+
+
+def drain(core, outs=None, max_steps=3000):
+    outs = {} if outs is None else outs
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return outs
+        for o in core.step():
+            outs.setdefault(o.req_id, []).extend(o.new_token_ids)
+    raise AssertionError("not finished")
+
+
+def whole(core):
+    assert core.kv.num_free_blocks == core.num_blocks, "blocks leaked"
+    core.kv.pool.check_invariants()
+    assert not core.scheduler.requests
+
+
+def files(d) -> list[str]:
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def prompts(seed=0, k=5):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(9, 60))] for _ in range(k)]
+
+
+def pd_run(p_core, d_core, ps, max_tokens=6, n=1):
+    """Each request: one token on the prefill core, then the whole request on the decode core."""
+    out = {}
+    for i, p in enumerate(ps):
+        rid = f"r{i}"
+        p_core.add_request(req(rid, p, 1))
+        drain(p_core)
+        d_core.add_request(req(rid, p, max_tokens, n=n))
+        drain(d_core, out)
+    return out
+
+
+@pytest.fixture
+def pd(tiny, tmp_path):
+    made = []
+
+    def get(p_opts=None, d_opts=None):
+        d = str(tmp_path / "xfer")
+        p_core = make(tiny, kv_role="prefill", kv_transfer_dir=d, **(p_opts or {}))
+        d_core = make(tiny, kv_role="decode", kv_transfer_dir=d, **(d_opts or {}))
+        made.extend([p_core, d_core])
+        return p_core, d_core, d
+
+    yield get
+    for c in made:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("regime", ["plain", "chunked", "preempt", "n2"])
+def test_token_exact_against_colocated(tiny, pd, regime):
+    opts = {"chunked": dict(max_num_batched_tokens=16), "preempt": dict(num_kv_blocks=10)}.get(regime, {})
+    n = 2 if regime == "n2" else 1
+    ps = prompts(seed=len(regime))
+    colo = make(tiny, **opts)
+    want = {}
+    for i, p in enumerate(ps):
+        colo.add_request(req(f"r{i}", p, 6, n=n))
+    drain(colo, want)
+    colo.shutdown()
+    p_core, d_core, d = pd(opts, opts)
+    if regime == "preempt":  # all at once on the decode core: its small cache preempts
+        for i, p in enumerate(ps):
+            p_core.add_request(req(f"r{i}", p, 1))
+        drain(p_core)
+        for i, p in enumerate(ps):
+            d_core.add_request(req(f"r{i}", p, 6))
+        got = drain(d_core)
+        assert d_core.stats()["num_preemptions"] > 0
+    else:
+        got = pd_run(p_core, d_core, ps, n=n)
+    assert got == want
+    s = d_core.stats()
+    assert s["kv_transfer_imported_requests"] == len(ps)
+    assert s["kv_transfer_imported_tokens"] == sum(len(p) - 1 for p in ps)
+    assert p_core.stats()["kv_transfer_exported_requests"] == len(ps)
+    whole(p_core)
+    whole(d_core)
+    assert files(d) == []  # every transfer file consumed
+
+
+def test_no_file_means_the_decode_core_computes(tiny, pd):
+    p_core, d_core, d = pd()
+    ps = prompts(seed=9, k=2)
+    colo = make(tiny)
+    for i, p in enumerate(ps):
+        colo.add_request(req(f"r{i}", p, 5))
+    want = drain(colo)
+    colo.shutdown()
+    for i, p in enumerate(ps):  # straight to the decode core (a short prompt skipping the hop)
+        d_core.add_request(req(f"r{i}", p, 5))
+    assert drain(d_core) == want
+    assert d_core.stats()["kv_transfer_misses"] == 2
+
+
+def test_a_file_for_another_prompt_is_not_loaded(tiny, pd):
+    p_core, d_core, d = pd()
+    a, b = prompts(seed=4, k=2)
+    p_core.add_request(req("x", a, 1))
+    drain(p_core)
+    colo = make(tiny)
+    colo.add_request(req("x", b, 5))
+    want = drain(colo)
+    colo.shutdown()
+    d_core.add_request(req("x", b, 5))  # same id, another prompt
+    assert drain(d_core) == want
+    s = d_core.stats()
+    assert s["kv_transfer_rejected_files"] >= 1 and s["kv_transfer_imported_requests"] == 0
+
+
+def test_aborts_at_every_phase_leave_nothing(tiny, pd):
+    p_core, d_core, d = pd(dict(max_num_batched_tokens=16), {})
+    p = prompts(seed=2, k=1)[0] + prompts(seed=3, k=1)[0]  # > 16 tokens: prefilled in chunks
+    # 1. queued on the prefill core
+    p_core.add_request(req("a", p, 1))
+    p_core.abort_requests(["a"])
+    drain(p_core)
+    # 2. prefilling: a first chunk done, aborted before the last one
+    p_core.add_request(req("b", p, 1))
+    p_core.step()
+    p_core.abort_requests(["b"])
+    drain(p_core)
+    assert files(d) == []  # nothing exported before the prompt's last chunk
+    whole(p_core)
+    # 3. transferring: exported, the decode core claims it and is aborted in the step that loads it
+    p_core.add_request(req("c", p, 1))
+    drain(p_core)
+    assert len(files(d)) == 1
+    d_core.add_request(req("c", p, 6))
+    so = d_core.schedule()
+    assert so.kv_connector_metadata.import_kv and files(d)[0].endswith(".claimed")
+    d_core.abort_requests(["c"])
+    d_core.update(so, d_core.execute(so))
+    drain(d_core)
+    assert files(d) == []
+    # 3b. exported, the front end aborts before the decode core saw it: it deletes the file
+    p_core.add_request(req("e", p, 1))
+    drain(p_core)
+    os.unlink(tf.file_path(d, "e"))
+    # 4. decoding
+    p_core.add_request(req("f", p, 1))
+    drain(p_core)
+    d_core.add_request(req("f", p, 50))
+    for _ in range(3):
+        d_core.step()
+    d_core.abort_requests(["f"])
+    drain(d_core)
+    whole(p_core)
+    whole(d_core)
+    assert files(d) == []
+
+
+def test_an_unclaimed_file_outlives_no_lease(tiny, pd, tmp_path):
+    p_core, d_core, d = pd()
+    p = prompts(seed=5, k=1)[0]
+    p_core.add_request(req("g", p, 1))
+    drain(p_core)  # exported, and the decode side never comes
+    path = tf.file_path(d, "g")
+    assert os.path.exists(path)
+    os.utime(path, (time.time() - 100, time.time() - 100))  # older than the 30 s lease
+    assert tf.sweep(d, 30.0) == 1 and files(d) == []
+    # a claim whose process is gone is swept at once; one whose process lives is kept
+    open(os.path.join(d, "k.999999999.claimed"), "w").close()
+    open(os.path.join(d, f"l.{os.getpid()}.claimed"), "w").close()
+    assert tf.sweep(d, 30.0) == 1
+    assert files(d) == [f"l.{os.getpid()}.claimed"]
+
+
+def test_config(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="one KV connector"):
+        EngineConfig(model=tiny_llama_dir, kv_role="prefill", kv_offload_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="kv_role"):
+        EngineConfig(model=tiny_llama_dir, kv_role="both")

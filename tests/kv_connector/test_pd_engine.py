@@ -1,0 +1,108 @@
+"""PDEngine: one prefill core and one decode core, each a process, against one colocated engine:
+the same tokens, the transfer really used, aborts leave both cores' pools whole and no file, a
+killed core fails its request promptly with EngineDeadError."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+from asyncengine.engine.pd_client import PDEngine
+from asyncengine.errors import ConfigError
+
+HANG_GUARD_S = 180.0  # only a guard against a hang
+VOCAB = 512
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompts(k: int = 4) -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(12, 50))] for _ in range(k)]
+
+
+async def collect(eng, p, rid, n=6):
+    toks = []
+    async for o in eng.generate({"prompt_token_ids": p}, greedy(n), request_id=rid):
+        toks.extend(o.token_ids_delta)
+    return toks
+
+
+def cfg(model_dir, tmp_path, **kw):
+    return EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8,
+                        kv_transfer_dir=str(tmp_path), **kw)
+
+
+def test_pd_engine_matches_colocated_and_cleans_up(tiny_llama_dir, tmp_path):
+    async def main():
+        async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
+            want = await asyncio.wait_for(asyncio.gather(*(collect(colo, p, f"r{i}") for i, p in enumerate(prompts()))),
+                                          HANG_GUARD_S)
+        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+            got = await asyncio.wait_for(asyncio.gather(*(collect(pd, p, f"r{i}") for i, p in enumerate(prompts()))),
+                                         HANG_GUARD_S)
+            assert got == want
+            s = pd.stats()
+            assert s["decode"][0]["kv_transfer_imported_requests"] == 4
+            assert s["prefill"][0]["kv_transfer_exported_requests"] == 4
+            # aborts: one right away, one after its first tokens
+            stream = pd.generate({"prompt_token_ids": prompts()[0]}, greedy(200), request_id="x")
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await stream.aclose()
+            stream = pd.generate({"prompt_token_ids": prompts()[1]}, greedy(200), request_id="y")
+            await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
+            await stream.aclose()
+            for _ in range(500):
+                s = pd.stats()
+                cores = s["prefill"] + s["decode"]
+                if all(c["num_running"] + c["num_waiting"] == 0 and c["num_free_kv_blocks"] == c["num_kv_blocks"]
+                       for c in cores) and s["transfer_files"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert all(c["num_free_kv_blocks"] == c["num_kv_blocks"] for c in cores), cores
+            assert s["transfer_files"] == 0
+        assert not os.listdir(tmp_path)  # the front end's transfer folder is gone
+
+    asyncio.run(main())
+
+
+def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
+    async def main():
+        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+            stream = pd.generate({"prompt_token_ids": prompts()[0]}, greedy(400), request_id="k")
+            await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
+            os.kill(pd.decode[0].core.clients[0].proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async def rest():
+                    async for _ in stream:
+                        pass
+                await asyncio.wait_for(rest(), HANG_GUARD_S)
+
+    asyncio.run(main())
+
+
+def test_config_needs_both_sides():
+    with pytest.raises(ConfigError, match="prefill_cores"):
+        EngineConfig(prefill_cores=1)
+
+
+def test_folders_of_dead_front_ends_are_removed(tmp_path):
+    from asyncengine.engine.pd_client import _remove_dead_folders
+
+    dead = tmp_path / "pd-999999999-abc"
+    live = tmp_path / f"pd-{os.getpid()}-def"
+    other = tmp_path / "unrelated"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "x.kv").write_bytes(b"1")
+    _remove_dead_folders(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
