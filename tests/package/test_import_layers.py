@@ -30,16 +30,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("front end and engine core", ("asyncengine.engine", "asyncengine.core.engine_core")),
     ("executors", ("asyncengine.executor",)),
     ("worker (model runner, sampler)", ("asyncengine.worker",)),
+    # beside the KV-cache manager (scheduler side) and the model runner (worker side): the engine
+    # core and the runner make theirs; its step messages sit with the scheduler's
+    ("KV connectors", ("asyncengine.kv_connector",)),
     ("speculative proposers", ("asyncengine.spec_decode",)),
     # models run over the attention backends (as vLLM's models import vllm.attention): a model's
     # native decode step reads the CPU backend's metadata; the backends know no model
     ("models", ("asyncengine.models",)),
     ("attention backends", ("asyncengine.attention",)),
     ("layers", ("asyncengine.layers",)),
-    ("scheduler, KV-cache manager, step messages", ("asyncengine.core",)),
+    ("scheduler, KV-cache manager, step messages", ("asyncengine.core", "asyncengine.kv_connector.messages")),
     ("structured outputs", ("asyncengine.structured",)),
     ("configuration", ("asyncengine.config", "asyncengine.spec_decode.config", "asyncengine.attention.registry",
-                       "asyncengine.platforms")),
+                       "asyncengine.platforms", "asyncengine.structured.limits")),
     ("kernels", ("asyncengine.kernels",)),  # leaf compute: they know no config, no model
     ("public types", ("asyncengine.sampling_params", "asyncengine.outputs", "asyncengine.request_limits",
                       "asyncengine.structured.params")),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.worker.kv_cache import kv_cache_zeros
+from asyncengine.attention.kv_cache import kv_cache_zeros
 
 
 def block_dim(backend_name: str) -> int:
