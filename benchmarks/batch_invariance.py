@@ -4,6 +4,7 @@
     python benchmarks/batch_invariance.py --model models/llama-bench [--dtype float32 bfloat16]
         [--requests 16] [--rounds 5] [--threads 1] [--out benchmarks/results/batch_invariance.json]
     python benchmarks/batch_invariance.py --kernels [--out ...]   # what costs what: the matmuls alone
+    python benchmarks/batch_invariance.py --model models/llama-bench --distinct [--out ...]
 
 Both engines (``batch_invariant`` False / True) are built once per dtype and measured in
 interleaved rounds (the order alternates each round), so a noisy host's drift hits both alike:
@@ -19,6 +20,11 @@ shared host; with one thread it is the work the engine does).
 vocabulary 32000), one thread, CPU time (process_time: less exposed to other processes' load), best
 of 7 interleaved rounds: ``invariant.linear`` vs ``F.linear`` (fp32, bf16) and the Q8_0/Q4_0 ``gemm``
 with fp32 activations, ``fixed_order`` vs without, at M = 1, 16, 256.
+
+``--distinct`` is the issue's experiment: one greedy request with top-5 logprobs, 12 times, alone
+and among 1-40 other requests of random lengths, under chunked-prefill budgets of 16, 64 and 2048
+tokens, with its prefix cached by an earlier request or not; it counts the distinct outputs
+(token ids and logprob floats) per dtype and mode.
 
 Reports the median and the spread (min-max) of the rounds, the ratio default / invariant of the
 medians (> 1: the invariant mode is slower by that factor), and the CPU it ran on.
@@ -109,10 +115,43 @@ def kernels(rounds: int = 7) -> dict:
     return out
 
 
+def distinct(model: str, dtype: str, invariant: bool, runs: int = 12, threads: int = 1) -> int:
+    import random
+
+    from asyncengine import LLM, SamplingParams
+
+    rng = random.Random(0)
+    target = [rng.randrange(3, 32000) for _ in range(96)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, ignore_eos=True)
+    seen = set()
+    engines = {b: LLM(model, dtype=dtype, batch_invariant=invariant, num_threads=threads, seed=0,
+                      max_model_len=1024, max_num_batched_tokens=b) for b in (16, 64, 2048)}
+    try:
+        for r in range(runs):
+            llm = engines[(16, 64, 2048)[r % 3]]
+            if r % 4 == 1:  # the prefix cached by an earlier request
+                llm.generate([{"prompt_token_ids": target[:80] + [5, 6, 7]}],
+                             SamplingParams(max_tokens=1), use_tqdm=False)
+            n = 0 if r == 0 else rng.randint(1, 40)
+            batch = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, 160))] for _ in range(n)]
+            pos = rng.randint(0, n)
+            batch.insert(pos, target)
+            params = [sp if i == pos else SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True)
+                      for i in range(len(batch))]
+            out = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)[pos].outputs[0]
+            seen.add((tuple(out.token_ids),
+                      tuple(tuple(sorted((t, lp.logprob) for t, lp in pos_lp.items())) for pos_lp in out.logprobs)))
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    return len(seen)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--kernels", action="store_true", help="time the swapped matmuls alone")
+    ap.add_argument("--distinct", action="store_true", help="count one request's distinct outputs over batches")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--requests", type=int, default=16, help="the first N requests of the offline workload")
     ap.add_argument("--rounds", type=int, default=5)
@@ -132,6 +171,20 @@ def main() -> None:
         return
     if not args.model:
         ap.error("--model is required (or --kernels)")
+    if args.distinct:
+        from single_stream import cpu_info
+
+        result = {"cpu": cpu_info(), "model": args.model, "threads": args.threads, "runs": 12, "distinct": {}}
+        for dtype in args.dtype:
+            for inv in (False, True):
+                n = distinct(args.model, dtype, inv, threads=args.threads)
+                result["distinct"][f"{dtype} {'invariant' if inv else 'default'}"] = n
+                print(dtype, "invariant" if inv else "default", "distinct outputs:", n, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+                f.write("\n")
+        return
 
     from asyncengine import LLM
     from single_stream import cpu_info
