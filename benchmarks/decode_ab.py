@@ -31,9 +31,6 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {  # name -> (native step on, activations)
     "native-int8": (True, "int8"), "perop-int8": (False, "int8"),

@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import re
 import subprocess
-import sys
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 DEFAULT_TEXT = "/usr/share/common-licenses/GFDL-1.3"
 
 

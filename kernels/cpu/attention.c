@@ -12,7 +12,9 @@
  * [0, p]), optionally limited to a sliding window (keys (p - window, p]).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -79,10 +81,13 @@ static inline __m256 attn_dot8(const float *q, const void *kb, long j0, int D, i
 #endif
 
 /* One work item: rows [0, nr) (query vectors qf, pre-scaled, at positions qpos) over the cache
- * slabs of one kv head. Leaves each row's softmax-weighted value sum normalised in acc. */
+ * slabs of one kv head, keys [klo, khi) only. Without mo: leaves each row's softmax-weighted value
+ * sum normalised in acc. With mo / lo: a partial over that key range, for a merge (split over
+ * keys): acc unnormalised, each row's running max in mo and its sum of exponentials in lo. */
 static inline __attribute__((always_inline)) void attn_rows(
         const float *qf, const int *qpos, int nr, const void *kc, const void *vc, const int32_t *table,
-        long head_off, int bs, int D, int bf16, int window, float *acc) {
+        long head_off, int bs, int D, int bf16, int window, float *acc, int klo, int khi, float *mo,
+        float *lo_out) {
     float m[AE_ATTN_ROW_TILE], l[AE_ATTN_ROW_TILE];
     float s[AE_ATTN_MAX_BS];
     int pmin = 1 << 30, pmax = -1;
@@ -94,7 +99,9 @@ static inline __attribute__((always_inline)) void attn_rows(
         if (qpos[r] > pmax) pmax = qpos[r];
     }
     int lo_all = window > 0 ? pmin - window + 1 : 0;
+    if (lo_all < klo) lo_all = klo;
     if (lo_all < 0) lo_all = 0;
+    if (pmax > khi - 1) pmax = khi - 1;
     for (int b = lo_all / bs; b <= pmax / bs; b++) {
         long slab = head_off + (long)table[b] * bs * D;
         const void *kb = bf16 ? (const void *)((const uint16_t *)kc + slab) : (const void *)((const float *)kc + slab);
@@ -102,6 +109,8 @@ static inline __attribute__((always_inline)) void attn_rows(
         int kstart = b * bs;
         for (int r = 0; r < nr; r++) {
             int hi = qpos[r], lo = window > 0 ? qpos[r] - window + 1 : 0;
+            if (lo < klo) lo = klo;
+            if (hi > khi - 1) hi = khi - 1;
             int j0 = lo - kstart, j1 = hi - kstart + 1;
             if (j0 < 0) j0 = 0;
             if (j1 > bs) j1 = bs;
@@ -162,17 +171,24 @@ static inline __attribute__((always_inline)) void attn_rows(
             }
         }
     }
+    if (mo) {
+        memcpy(mo, m, sizeof(float) * nr);
+        memcpy(lo_out, l, sizeof(float) * nr);
+        return;
+    }
     for (int r = 0; r < nr; r++) {
         float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int d = 0; d < D; d++) acc[(long)r * D + d] *= inv;
     }
 }
 
-/* One (sequence, kv head, row tile): load its query rows, attend, store the outputs. */
+/* One (sequence, kv head, row tile), over keys [klo, khi): load its query rows, attend, store the
+ * outputs; or, with part (a split over keys), store the partial there: nr rows of D unnormalised
+ * sums, then nr maxima, then nr sums of exponentials (attn_merge combines them). */
 static inline __attribute__((always_inline)) void attn_item(
         const void *q, long q_stride, void *out, const void *kc, const void *vc, const int32_t *table,
         int qstart, int ctx, int h, int r0, int r1, int g, int Hkv, int NB, int bs, int D, float scale,
-        int window, int bf16) {
+        int window, int bf16, int klo, int khi, float *part) {
     float qf[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     float acc[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     int qpos[AE_ATTN_ROW_TILE];
@@ -184,7 +200,12 @@ static inline __attribute__((always_inline)) void attn_item(
         for (int d = 0; d < D; d++) qf[(long)r * D + d] = attn_load(q, src + d, bf16) * scale;
         qpos[r] = ctx + i;
     }
-    attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, acc);
+    if (part) {
+        attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, part, klo, khi,
+                  part + (long)nr * D, part + (long)nr * D + nr);
+        return;
+    }
+    attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, acc, klo, khi, NULL, NULL);
     for (int r = 0; r < nr; r++) {
         int row = r0 + r, i = row / g, head = h * g + row % g;
         long dst = ((long)(qstart + i) * Hq + head) * D;
@@ -195,6 +216,49 @@ static inline __attribute__((always_inline)) void attn_item(
             memcpy((float *)out + dst, a, sizeof(float) * D);
     }
 }
+
+/* The nparts partials of one (sequence, kv head, row tile), in key order, into its outputs:
+ * out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, M = max_p m_p (a fixed order: the same
+ * bits whatever else is in the batch). */
+static void attn_merge(const float *parts, long part_stride, int nparts, int nr, int D, void *out, int qstart,
+                       int h, int r0, int g, int Hq, int bf16) {
+    float a[AE_ATTN_MAX_D];
+    for (int r = 0; r < nr; r++) {
+        float M = -INFINITY, L = 0.0f;
+        for (int p = 0; p < nparts; p++) {
+            float mp = parts[p * part_stride + (long)nr * D + r];
+            M = mp > M ? mp : M;
+        }
+        memset(a, 0, sizeof(float) * D);
+        for (int p = 0; p < nparts; p++) {
+            const float *pp = parts + p * part_stride;
+            float mp = pp[(long)nr * D + r];
+            if (mp == -INFINITY) continue; /* no keys of this row in this split */
+            float w = expf(mp - M);
+            L += w * pp[(long)nr * D + nr + r];
+            for (int d = 0; d < D; d++) a[d] += w * pp[(long)r * D + d];
+        }
+        float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        int row = r0 + r, i = row / g, head = h * g + row % g;
+        long dst = ((long)(qstart + i) * Hq + head) * D;
+        for (int d = 0; d < D; d++) {
+            if (bf16)
+                ((uint16_t *)out)[dst + d] = attn_bf16_store(a[d] * inv);
+            else
+                ((float *)out)[dst + d] = a[d] * inv;
+        }
+    }
+}
+
+/* Splits over keys: when a step has fewer (sequence, kv head, row tile) items than about two per
+ * thread (one long chat: 3 kv heads on 2 threads), each item's keys are cut into runs of
+ * AE_ATTN_SPLIT so every thread has work; the partials merge in key order. ae_attn_set_split(n > 0)
+ * splits every sequence longer than n keys into runs of n whatever the batch (the fixed split size
+ * a batch-invariant mode needs); 0 restores the automatic choice, -1 never splits. */
+#define AE_ATTN_SPLIT 256
+static int g_split = 0;
+
+void ae_attn_set_split(int keys) { g_split = keys; }
 
 /* Attention of the query rows of num_seqs sequences.
  *   q: [T, Hq, D] rows q_stride elements apart (head and dim contiguous); out: [T, Hq, D] contiguous
@@ -210,34 +274,81 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
                    const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
                    int D, int NB, int bs, float scale, int window, int bf16, int parallel) {
     int g = Hq / Hkv;
-    /* items: per sequence, Hkv x ceil(rows / tile); count them, then index through prefix sums */
-    long total = 0;
+    /* items: per sequence, Hkv x ceil(rows / tile) x splits; count them, then index through sums */
+    long groups = 0;
     for (int s = 0; s < num_seqs; s++)
-        total += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
+        groups += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
+    int split = g_split;
+    if (split == 0) /* automatic: only where the threads would otherwise idle */
+        split = parallel && groups < 2L * omp_get_max_threads() ? AE_ATTN_SPLIT : -1;
+    long total = 0, split_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        long gs = (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
+        int keys = context_lens[s] + query_lens[s];
+        int np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+        total += gs * np;
+        if (np > 1) split_items += gs * np;
+    }
+    const long part_stride = (long)AE_ATTN_ROW_TILE * (D + 2);
+    float *parts = NULL;
+    if (split_items) {
+        parts = (float *)malloc(sizeof(float) * (size_t)total * (size_t)part_stride);
+        if (!parts) split = -1, total = groups; /* no memory for the partials: unsplit */
+    }
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < total; it++) {
             long rem = it;
-            int s = 0, tiles = 0;
+            int s = 0, tiles = 0, np = 1;
             for (; s < num_seqs; s++) {
                 tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
-                if (rem < (long)tiles * Hkv) break;
-                rem -= (long)tiles * Hkv;
+                int keys = context_lens[s] + query_lens[s];
+                np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                if (rem < (long)tiles * Hkv * np) break;
+                rem -= (long)tiles * Hkv * np;
             }
+            int p = (int)(rem % np);
+            rem /= np;
             int h = (int)(rem / tiles), t = (int)(rem % tiles);
             int rows = query_lens[s] * g;
             int r0 = t * AE_ATTN_ROW_TILE, r1 = r0 + AE_ATTN_ROW_TILE < rows ? r0 + AE_ATTN_ROW_TILE : rows;
             const int32_t *table = block_ids + block_starts[s];
+            int klo = np > 1 ? p * split : 0, khi = np > 1 ? (p + 1) * split : 1 << 30;
+            float *part = np > 1 ? parts + it * part_stride : NULL;
             /* constant head dims and cache type, so the compiler specialises attn_item's loops */
 #define AE_ATTN_CALL(DIM, BF16) attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], \
-                                          context_lens[s], h, r0, r1, g, Hkv, NB, bs, DIM, scale, window, BF16)
+                                          context_lens[s], h, r0, r1, g, Hkv, NB, bs, DIM, scale, window, BF16, \
+                                          klo, khi, part)
             if (D == 64) { if (bf16) AE_ATTN_CALL(64, 1); else AE_ATTN_CALL(64, 0); }
             else if (D == 128) { if (bf16) AE_ATTN_CALL(128, 1); else AE_ATTN_CALL(128, 0); }
             else { if (bf16) AE_ATTN_CALL(D, 1); else AE_ATTN_CALL(D, 0); }
 #undef AE_ATTN_CALL
         }
+        if (parts) {
+            /* merge: one pass per split group (items of a group are consecutive, p fastest) */
+#pragma omp for schedule(dynamic, 1)
+            for (long gi = 0; gi < groups; gi++) {
+                long rem = gi, base = 0;
+                int s = 0, tiles = 0, np = 1;
+                for (; s < num_seqs; s++) {
+                    tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
+                    int keys = context_lens[s] + query_lens[s];
+                    np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                    if (rem < (long)tiles * Hkv) break;
+                    rem -= (long)tiles * Hkv;
+                    base += (long)tiles * Hkv * np;
+                }
+                if (np == 1) continue;
+                int h = (int)(rem / tiles), t = (int)(rem % tiles);
+                int rows = query_lens[s] * g;
+                int r0 = t * AE_ATTN_ROW_TILE, r1 = r0 + AE_ATTN_ROW_TILE < rows ? r0 + AE_ATTN_ROW_TILE : rows;
+                attn_merge(parts + (base + rem * np) * part_stride, part_stride, np, r1 - r0, D, out,
+                           query_starts[s], h, r0, g, Hq, bf16);
+            }
+        }
     }
+    free(parts);
 }
 
 /* Write this step's keys and values into their cache slots (slot = block * bs + offset; < 0: skip).

@@ -21,6 +21,7 @@ _SIGNATURES = {
     "ae_attn_write_kv": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _I, _L, _I, _I],
     "ae_attn_write_and_attend": [_P, _L, _P, _L, _P, _I, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
                                  _I, _I, _F, _I, _I, _I],
+    "ae_attn_set_split": [_I],
 }
 MAX_HEAD_DIM = 512  # the kernel's per-thread buffers (attention.c AE_ATTN_MAX_D)
 MAX_BLOCK_SIZE = 256
@@ -46,6 +47,18 @@ def available() -> bool:
 def _reset_for_tests() -> None:
     global _fns
     _fns = None
+
+
+def set_split(keys: int) -> None:
+    """How the kernel splits a sequence's keys over threads: 0 (the default) = automatically, in
+    runs of 256 keys, only when a step has fewer (sequence, kv head) items than about two per
+    thread (one long chat on 2 cores: 3 kv heads); n > 0 = every sequence longer than n keys, in
+    runs of n, whatever the batch (the fixed split a batch-invariant mode needs); -1 = never."""
+    if keys < -1:
+        raise ValueError(f"split keys must be -1, 0 or positive, got {keys}")
+    fns = _lib()
+    if fns:
+        fns["ae_attn_set_split"](keys)
 
 
 def supports(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
