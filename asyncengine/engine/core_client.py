@@ -35,7 +35,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput
 from asyncengine.engine import gc_policy
-from asyncengine.engine.dp_health import CoreHealth, requests_of
+from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.models.model_info import ModelInfo
@@ -463,12 +463,17 @@ class DPEngineCores:
     def add_request(self, req: Request) -> int:
         """Send to the core that holds the prompt's prefix if it is not much busier, else to the
         least loaded core; returns its index."""
-        if self.health.num_alive == 0:
-            raise EngineDeadError("every engine core is dead")
-        i = self.router.pick(req.prompt_token_ids, req.cache_salt, self.health.loads([c.load for c in self.clients]))
-        self.owner[req.request_id] = i
-        self.clients[i].add_request(req)
-        return i
+        loads = self.health.loads([c.load for c in self.clients])
+        while min(loads) < DEAD_LOAD:
+            i = self.router.pick(req.prompt_token_ids, req.cache_salt, loads)
+            try:
+                self.clients[i].add_request(req)
+            except EngineDeadError:  # it died just now (its reader reports it): try another
+                loads[i] = DEAD_LOAD
+                continue
+            self.owner[req.request_id] = i
+            return i
+        raise EngineDeadError("every engine core is dead")
 
     def abort_requests(self, ids) -> None:
         by_core: dict[int, list[str]] = {}

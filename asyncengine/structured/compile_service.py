@@ -330,7 +330,7 @@ def service_for(config, core) -> CompileService:
     if core.tokenizer is None:
         raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is on)")
     limits = getattr(config, "grammar_limits", None) or GrammarLimits()
-    key = (config.tokenizer or config.model, limits)
+    key = _service_key(config)
     with _services_lock:
         s = _services.get(key)
         if s is None:
@@ -340,13 +340,19 @@ def service_for(config, core) -> CompileService:
         return s
 
 
+def _service_key(config) -> tuple:
+    return (config.tokenizer or config.model, getattr(config, "grammar_limits", None) or GrammarLimits())
+
+
 async def prepare(config, core, params):
     """Front ends: ``params`` (SamplingParams) with its structured output compiled (a 400 when it
     cannot be, within the limits). Unchanged when it has none."""
     p = params.structured_outputs
     if p is None:
         return params
-    service = await asyncio.to_thread(service_for, config, core) if not _services else service_for(config, core)
+    service = _services.get(_service_key(config))
+    if service is None:  # the first one reads the vocabulary: not on the event loop
+        service = await asyncio.to_thread(service_for, config, core)
     return msgspec.structs.replace(params, structured_outputs=await service.compile(p))
 
 

@@ -309,7 +309,9 @@ def test_shutting_down_is_503(make_server):
         done.result(HANG_GUARD_S)
 
 
-def test_dead_engine_is_500(make_server):
+def test_dead_engine_is_503_never_500(make_server):
+    """A dead engine: 503 everywhere (a supervisor restarts the server: issue 27), the fault's first
+    line in the message, never a traceback."""
     srv = make_server()
 
     def boom(k):
@@ -319,11 +321,11 @@ def test_dead_engine_is_500(make_server):
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S) as c:
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-        assert e.value.status_code == 500 and e.value.code == "engine_dead"
-        assert "simulated model fault" in e.value.message
+        assert e.value.status_code == 503 and e.value.code == "engine_dead"
+        assert "simulated model fault" in e.value.message and "Traceback" not in e.value.message
         with pytest.raises(openai.InternalServerError) as e:  # and every later request
             c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-        assert e.value.status_code == 500
+        assert e.value.status_code == 503
     assert httpx.get(srv.base_url + "/health").status_code == 503  # a model fault: the server cannot serve any more
 
 

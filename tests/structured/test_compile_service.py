@@ -162,3 +162,33 @@ def test_the_runner_deserializes_what_the_front_end_compiled(tiny_llama_dir):
     assert all(m.accept(t) for t in ids)
     assert fresh.cache.get(p.key).grammar is not None
     json.dumps(fresh.cache.stats())
+
+
+async def test_aborting_a_request_kills_its_compile(tiny_llama_dir):
+    """AsyncLLMEngine: a stream closed while its grammar compiles cancels the compile (the worker is
+    killed) and leaves nothing behind; the engine serves the next constrained request."""
+    from asyncengine import AsyncLLMEngine, SamplingParams
+    from asyncengine.structured.compile_service import _service_key, _services
+
+    limits = GrammarLimits(max_regex_repetition=10**6, max_grammar_compile_s=30.0)
+    eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=32,
+                                      grammar_limits=limits, freeze_gc_after_load=False))
+    async with eng:
+        ok = SamplingParams(max_tokens=4, structured_outputs=SO(choice=["a", "b"]))
+        assert [o async for o in eng.generate("x", ok)][-1].outputs[0].text in ("a", "b")
+        service = _services[_service_key(eng.config)]
+        killed = service.stats["killed"]
+        stream = eng.generate("x", SamplingParams(max_tokens=4, structured_outputs=SO(
+            json={"type": "string", "pattern": "[a-x]{1,70000}"})))
+        for _ in range(500):
+            if service._flights:
+                break
+            await asyncio.sleep(0.01)
+        assert service._flights
+        await stream.aclose()
+        for _ in range(1000):
+            if service.stats["killed"] > killed and not service._flights and not eng._compiling:
+                break
+            await asyncio.sleep(0.01)
+        assert service.stats["killed"] == killed + 1 and not eng._compiling and not eng._slots
+        assert [o async for o in eng.generate("x", ok)][-1].outputs[0].text in ("a", "b")
