@@ -15,12 +15,14 @@ from concurrent.futures import Future
 import torch
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_sizing import plan_kv_blocks
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
+from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
 from asyncengine.worker.worker import KVCacheSpec
 
@@ -31,7 +33,7 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     """The KV-cache policy (core/kv_sizing.py) applied to what a block costs on a rank (its share
     of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget."""
     return plan_kv_blocks(config, spec.bytes_per_block, max_model_len, spec.available_bytes,
-                          spec.kv_budget_bytes).num_blocks
+                          spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
 
 
 class EngineCore:
@@ -52,6 +54,9 @@ class EngineCore:
             from asyncengine.models.registry import resolve_architecture
             resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
+        hybrid = has_state_layers(self.model_info.hf_config)
+        if hybrid:
+            check_hybrid_config(config, self.model_info.hf_config)
         self.executor: Executor = Executor.get_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
@@ -63,7 +68,11 @@ class EngineCore:
         # a request can never hold more tokens than the whole cache
         self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if hybrid:  # attention blocks + a state slot per request (core/hybrid_kv_cache_manager.py)
+            self.kv = make_hybrid_kv_cache_manager(config, self.model_info.hf_config, num_blocks,
+                                                   spec.state_bytes_per_seq)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,
@@ -187,4 +196,6 @@ class EngineCore:
                                      if s.spec_num_draft_tokens else 0.0),
             "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                                           if s.spec_num_drafts else 0.0),
+            # hybrid models: the state-slot cache group (absent for pure attention models)
+            **(self.kv.group_stats() if hasattr(self.kv, "group_stats") else {}),
         }

@@ -29,6 +29,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot (hybrid models, core/hybrid_kv_cache_manager.py); -1: none."""
+        return -1
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -17,6 +17,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int  # first position this step computes (prefix-cache hits skip ahead)
     eos_token_ids: list[int] = []
     bad_words_token_ids: list[list[int]] | None = None
+    state_slot: int = -1  # hybrid models: the request's Mamba state slot (-1: the model has none)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

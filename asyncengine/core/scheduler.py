@@ -315,7 +315,8 @@ class Scheduler:
                     req_id=rid, prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
                     block_ids=self.kv.block_ids(rid), num_computed_tokens=req.num_computed_tokens,
-                    eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids))
+                    eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
+                    state_slot=self.kv.state_slot(rid)))
             else:
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens))

@@ -35,6 +35,7 @@ from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.kv_cache import kv_cache_zeros
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
+from asyncengine.worker.state_cache import StateCache
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposers, propose_drafts
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ class ModelRunner:
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
+        # hybrid models: the Mamba layers' state slots, one per sequence the scheduler may run
+        self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
         if (self.device.type == "cuda" and self.attn_backend.name == "triton" and not config.enforce_eager
-                and tp.size == 1):
+                and tp.size == 1 and self.state_cache is None):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -119,7 +122,7 @@ class ModelRunner:
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
-                bad_words_token_ids=nr.bad_words_token_ids)
+                bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot)
             if self.drafter is not None:
                 self.drafter.add(nr.req_id, nr.num_computed_tokens)
             if nr.sampling_params.structured_outputs is not None:
@@ -214,8 +217,10 @@ class ModelRunner:
 
         # prefill chunks (any run of tokens over any cached context)
         row = nd
+        ssm_chunks: list[tuple[int, int, int, bool]] = []  # hybrid models: (row, rows, state slot, fresh)
         for st, n in prefills:
             start = st.num_computed_tokens
+            ssm_chunks.append((row, n, st.state_slot, start == 0))
             end = start + n
             input_ids.extend(st.tokens(start, end))
             positions.extend(range(start, end))
@@ -257,8 +262,10 @@ class ModelRunner:
             hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
         else:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
+            extra = {} if self.state_cache is None else {
+                "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], ssm_chunks)}
             hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
-                                self.kv_caches, meta)
+                                self.kv_caches, meta, **extra)
 
         req_ids: list[str] = []
         sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)

@@ -32,6 +32,8 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
     available_bytes: int | None  # memory the rank could give the cache (None: unknown)
     # CUDA: what gpu_memory_utilization leaves for the cache after a profiling run (None: not measured)
     kv_budget_bytes: int | None = None
+    # hybrid models: one request's state slot over all its Mamba layers (0: no state layers)
+    state_bytes_per_seq: int = 0
 
 
 def _available_memory(device: torch.device) -> int | None:
@@ -109,8 +111,9 @@ class Worker:
         per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
+        state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0
         return KVCacheSpec(bytes_per_block=per_block, available_bytes=_available_memory(c.torch_device),
-                           kv_budget_bytes=budget)
+                           kv_budget_bytes=budget, state_bytes_per_seq=state)
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:

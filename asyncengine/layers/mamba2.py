@@ -1,0 +1,228 @@
+"""The Mamba2 mixer (state-space duality, Dao & Gu 2024) over a flat, unpadded token batch.
+
+Per token: ``in_proj`` gives a gate ``z``, the conv input ``xBC`` and a time step ``dt`` per head;
+a causal depthwise conv1d (kernel K) mixes ``xBC`` over the last K positions; the selective scan
+runs the recurrence, per head h with scalar decay ``A_h < 0``::
+
+    state_t = exp(dt_t A_h) state_{t-1} + dt_t x_t B_t^T        state: [head_dim, d_state]
+    y_t     = state_t C_t + D_h x_t
+
+then a gated RMSNorm (``norm(y * silu(z))``, per group of heads) and ``out_proj``.
+
+A request carries two tensors between steps, its *state slot*: the conv window (the last K-1
+``xBC`` columns) and the SSM state (fp32: it integrates over the whole sequence). The runner lays a
+step out as decodes first, then prefill chunks (``SSMStepMeta``):
+
+* decodes, batched: one conv window shift and one recurrence step per request;
+* prefill chunks, one sequence at a time: the conv over [saved window | chunk], then the chunked
+  scan (the SSD algorithm: within a chunk of ``chunk_size`` positions the output is an attention-
+  like product masked by cumulative decays; between chunks only the [head_dim, d_state] state
+  flows), starting from the slot's state, so chunked prefill carries the state across chunks.
+
+This is the torch reference the engine runs on every device (transformers' CPU path computes the
+same, with the same chunking; tests/models/test_hybrid_parity.py holds us to its greedy tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine.layers.linear import Linear
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """What a Mamba2 mixer's weights and state slot look like (from an HF config's fields)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_kernel: int
+    chunk_size: int
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+    dt_min: float = 0.0  # time_step_limit: dt is clamped to [dt_min, dt_max] after the softplus
+    dt_max: float = float("inf")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, then B and C of every group."""
+        return self.inner_size + 2 * self.n_groups * self.d_state
+
+    def conv_state_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_state_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, self.num_heads, self.head_dim, self.d_state)
+
+    def state_bytes(self, conv_dtype_bytes: int) -> int:
+        """One request's slot in one layer: the conv window in the model's dtype, the SSM state fp32."""
+        return (self.conv_dim * (self.conv_kernel - 1) * conv_dtype_bytes
+                + self.num_heads * self.head_dim * self.d_state * 4)
+
+
+@dataclass
+class SSMStepMeta:
+    """Where each request's rows and state slot are in this step (built by the runner once, read by
+    every Mamba layer). Rows ``[0, num_decodes)`` are single-token decodes whose slots are
+    ``decode_slots``; then one ``(first row, num rows, slot, fresh)`` per prefill chunk, where
+    ``fresh`` means the chunk starts the sequence (its slot's old contents are ignored)."""
+
+    num_decodes: int
+    decode_slots: torch.Tensor  # [num_decodes] int64
+    prefills: list[tuple[int, int, int, bool]]
+    states: list[tuple[torch.Tensor, torch.Tensor]]  # per Mamba layer: (conv windows, SSM states)
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(y * silu(z))`` over groups of ``group_size`` channels, in fp32 (as the reference)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, s: Mamba2Shape) -> None:
+        super().__init__()
+        self.s = s
+        d_in = s.inner_size
+        # one projection: [z | xBC | dt]
+        self.in_proj = Linear(s.hidden_size, d_in + s.conv_dim + s.num_heads, bias=s.use_bias)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=s.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
+        self.A_log = nn.Parameter(torch.empty(s.num_heads))
+        self.D = nn.Parameter(torch.empty(s.num_heads))
+        self.norm = GatedRMSNorm(d_in, d_in // s.n_groups, s.norm_eps)
+        self.out_proj = Linear(d_in, s.hidden_size, bias=s.use_bias)
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: SSMStepMeta) -> torch.Tensor:
+        """x: [T, hidden]; state: this layer's (conv [slots, conv_dim, K-1], ssm [slots, H, P, N]),
+        updated in place for every request in the step."""
+        s = self.s
+        conv_state, ssm_state = state
+        z, xbc, dt = self.in_proj(x).split([s.inner_size, s.conv_dim, s.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        nd = meta.num_decodes
+        y = torch.empty(x.shape[0], s.inner_size, dtype=x.dtype, device=x.device)
+        if nd:
+            y[:nd] = self._decode(xbc[:nd], dt[:nd], A, conv_state, ssm_state, meta.decode_slots)
+        for start, n, slot, fresh in meta.prefills:
+            y[start:start + n] = self._prefill(xbc[start:start + n], dt[start:start + n], A,
+                                               conv_state, ssm_state, slot, fresh)
+        return self.out_proj(self.norm(y, z))
+
+    # ------------------------------------------------------------------ pieces
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        """The conv's output -> x [T, H, P], B and C [T, H, N] (each head reads its group's B, C)."""
+        s = self.s
+        t = xbc.shape[0]
+        xs, B, C = xbc.split([s.inner_size, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
+        rep = s.num_heads // s.n_groups
+        B = B.reshape(t, s.n_groups, s.d_state).repeat_interleave(rep, dim=1)
+        C = C.reshape(t, s.n_groups, s.d_state).repeat_interleave(rep, dim=1)
+        return xs.reshape(t, s.num_heads, s.head_dim), B, C
+
+    def _decode(self, xbc, dt, A, conv_state, ssm_state, slots):
+        """One token per request: shift each conv window, one recurrence step."""
+        s = self.s
+        window = torch.cat([conv_state[slots], xbc.unsqueeze(-1)], dim=-1)  # [B, conv_dim, K]
+        conv_state[slots] = window[:, :, 1:]
+        conv = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)[..., 0]
+        xs, B, C = self._split_xbc(F.silu(conv))
+        dt = F.softplus((dt + self.dt_bias).float()).clamp(s.dt_min, s.dt_max)  # [B, H]
+        h = ssm_state[slots]  # [B, H, P, N] fp32
+        decay = torch.exp(dt * A)[:, :, None, None]
+        h = h * decay + (dt[:, :, None] * xs.float()).unsqueeze(-1) * B.float().unsqueeze(2)
+        ssm_state[slots] = h
+        out = (h @ C.float().unsqueeze(-1)).squeeze(-1) + self.D.float()[:, None] * xs.float()
+        return out.reshape(xs.shape[0], -1).to(xbc.dtype)
+
+    def _prefill(self, xbc, dt, A, conv_state, ssm_state, slot: int, fresh: bool):
+        """A chunk of one sequence, continuing from its slot's state (zeros when ``fresh``)."""
+        s = self.s
+        if fresh:
+            conv_state[slot].zero_()
+            ssm_state[slot].zero_()
+        seq = torch.cat([conv_state[slot], xbc.t()], dim=-1)  # [conv_dim, K-1 + n]
+        conv_state[slot] = seq[:, -(s.conv_kernel - 1):]
+        conv = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)[0].t()
+        xs, B, C = self._split_xbc(F.silu(conv))
+        dt = F.softplus((dt + self.dt_bias).float()).clamp(s.dt_min, s.dt_max)  # [n, H]
+        y, final = chunked_scan(xs.float(), dt, A, B.float(), C.float(), s.chunk_size,
+                                None if fresh else ssm_state[slot])
+        ssm_state[slot] = final
+        y = y + self.D.float()[:, None] * xs.float()
+        return y.reshape(xs.shape[0], -1).to(xbc.dtype)
+
+
+def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: entry (l, s) = a[s+1] + ... + a[l] for s <= l, -inf above the
+    diagonal (exp of it is the decay from s to l; summed, not differenced, for stability)."""
+    L = a.shape[-1]
+    x = a.unsqueeze(-1).expand(*a.shape, L)
+    below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    return sums.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device)), -torch.inf)
+
+
+def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 chunk_size: int, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of one sequence, fp32. x [L, H, P], dt [L, H], A [H], B and C [L, H, N],
+    initial [H, P, N] or None (zeros). Returns (y [L, H, P] without the D skip, final state).
+
+    Positions are cut into chunks of ``chunk_size`` from the first one (the last chunk padded with
+    zeros, which leave outputs and state exactly as they are)."""
+    L, H, P = x.shape
+    Q = chunk_size
+    pad = (-L) % Q
+    xdt = x * dt.unsqueeze(-1)
+    a = dt * A  # [L, H] log-decay per step
+    if pad:
+        xdt, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, a, B, C))
+    nc = (L + pad) // Q
+    xdt = xdt.view(nc, Q, H, P)
+    B, C = B.view(nc, Q, H, -1), C.view(nc, Q, H, -1)
+    a = a.view(nc, Q, H).permute(0, 2, 1)  # [c, H, Q]
+    cum = torch.cumsum(a, dim=-1)
+
+    # 1. within each chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_{s+1..l}) x_s dt_s
+    decay = torch.exp(_segment_sum(a))  # [c, H, l, s]
+    scores = torch.einsum("clhn,cshn->chls", C, B) * decay
+    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(cum[..., -1:] - cum)  # [c, H, Q]
+    local = torch.einsum("clhn,chl,clhp->chpn", B, to_end, xdt)
+
+    # 3. the state entering each chunk: the previous one decayed over the chunk, plus its own part
+    state = torch.zeros(H, P, B.shape[-1], dtype=x.dtype, device=x.device) if initial is None else initial
+    chunk_decay = torch.exp(cum[..., -1])  # [c, H]
+    entering = []
+    for c in range(nc):
+        entering.append(state)
+        state = state * chunk_decay[c][:, None, None] + local[c]
+    entering = torch.stack(entering)  # [c, H, P, N]
+
+    # 4. what each position reads of the state that entered its chunk
+    y = y + torch.einsum("clhn,chpn,chl->clhp", C, entering, torch.exp(cum))
+    return y.reshape(nc * Q, H, P)[:L], state
