@@ -54,7 +54,8 @@ class Executor(ABC):
         budgets = [s.kv_budget_bytes for s in specs if s.kv_budget_bytes is not None]
         return KVCacheSpec(bytes_per_block=max(s.bytes_per_block for s in specs),
                            available_bytes=min(avail) if avail else None,
-                           kv_budget_bytes=min(budgets) if budgets else None)
+                           kv_budget_bytes=min(budgets) if budgets else None,
+                           state_bytes_per_seq=max(s.state_bytes_per_seq for s in specs))
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
