@@ -82,6 +82,7 @@ class SSMStepMeta:
     decode_slots: torch.Tensor  # [num_decodes] int64
     prefills: list[tuple[int, int, int, bool]]
     states: list[tuple[torch.Tensor, torch.Tensor]]  # per Mamba layer: (conv windows, SSM states)
+    decode_run: tuple[int, int] | None = None  # decode_slots == range(a, b): update views in place
 
 
 class GatedRMSNorm(nn.Module):
@@ -124,7 +125,7 @@ class Mamba2Mixer(nn.Module):
         nd = meta.num_decodes
         y = torch.empty(x.shape[0], s.inner_size, dtype=x.dtype, device=x.device)
         if nd:
-            y[:nd] = self._decode(xbc[:nd], dt[:nd], A, conv_state, ssm_state, meta.decode_slots)
+            y[:nd] = self._decode(xbc[:nd], dt[:nd], A, conv_state, ssm_state, meta)
         for start, n, slot, fresh in meta.prefills:
             y[start:start + n] = self._prefill(xbc[start:start + n], dt[start:start + n], A,
                                                conv_state, ssm_state, slot, fresh)
@@ -142,20 +143,36 @@ class Mamba2Mixer(nn.Module):
         C = C.reshape(t, s.n_groups, s.d_state).repeat_interleave(rep, dim=1)
         return xs.reshape(t, s.num_heads, s.head_dim), B, C
 
-    def _decode(self, xbc, dt, A, conv_state, ssm_state, slots):
-        """One token per request: shift each conv window, one recurrence step."""
+    def _decode(self, xbc, dt, A, conv_state, ssm_state, meta: SSMStepMeta):
+        """One token per request: shift each conv window, one recurrence step. Slots that form one
+        ascending run (a single request, or requests admitted together) are updated in place
+        through views; others are gathered and written back. Heads stay grouped ([G, heads per
+        group]) so B and C broadcast instead of being repeated per head."""
         s = self.s
-        window = torch.cat([conv_state[slots], xbc.unsqueeze(-1)], dim=-1)  # [B, conv_dim, K]
-        conv_state[slots] = window[:, :, 1:]
-        conv = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)[..., 0]
-        xs, B, C = self._split_xbc(F.silu(conv))
-        dt = F.softplus((dt + self.dt_bias).float()).clamp(s.dt_min, s.dt_max)  # [B, H]
-        h = ssm_state[slots]  # [B, H, P, N] fp32
-        decay = torch.exp(dt * A)[:, :, None, None]
-        h = h * decay + (dt[:, :, None] * xs.float()).unsqueeze(-1) * B.float().unsqueeze(2)
-        ssm_state[slots] = h
-        out = (h @ C.float().unsqueeze(-1)).squeeze(-1) + self.D.float()[:, None] * xs.float()
-        return out.reshape(xs.shape[0], -1).to(xbc.dtype)
+        n = xbc.shape[0]
+        G, rep, P, N = s.n_groups, s.num_heads // s.n_groups, s.head_dim, s.d_state
+        run = meta.decode_run
+        conv_prev = conv_state[run[0]:run[1]] if run else conv_state[meta.decode_slots]
+        window = torch.cat([conv_prev, xbc.unsqueeze(-1)], dim=-1)  # [n, conv_dim, K]
+        if run:
+            conv_prev.copy_(window[:, :, 1:])
+        else:
+            conv_state[meta.decode_slots] = window[:, :, 1:]
+        conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        xs, B, C = F.silu(conv).split([s.inner_size, G * N, G * N], dim=-1)
+        xs = xs.float()
+        dt = F.softplus((dt + self.dt_bias).float()).clamp(s.dt_min, s.dt_max)  # [n, H]
+        h = ssm_state[run[0]:run[1]] if run else ssm_state[meta.decode_slots]
+        hv = h.view(n, G, rep, P, N)
+        hv.mul_(torch.exp(dt * A).view(n, G, rep, 1, 1))
+        hv.add_((dt.unsqueeze(-1) * xs.view(n, -1, P)).view(n, G, rep, P, 1) * B.float().view(n, G, 1, 1, N))
+        if not run:
+            ssm_state[meta.decode_slots] = h
+        y = (hv * C.float().view(n, G, 1, 1, N)).sum(-1).view(n, s.num_heads, P)
+        y = y + self.D.float()[:, None] * xs.view(n, s.num_heads, P)
+        return y.view(n, -1).to(xbc.dtype)
 
     def _prefill(self, xbc, dt, A, conv_state, ssm_state, slot: int, fresh: bool):
         """A chunk of one sequence, continuing from its slot's state (zeros when ``fresh``)."""
@@ -193,7 +210,7 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     Positions are cut into chunks of ``chunk_size`` from the first one (the last chunk padded with
     zeros, which leave outputs and state exactly as they are)."""
     L, H, P = x.shape
-    Q = chunk_size
+    Q = min(chunk_size, L)  # a short chunk is one chunk of its own length: no padding to compute
     pad = (-L) % Q
     xdt = x * dt.unsqueeze(-1)
     a = dt * A  # [L, H] log-decay per step

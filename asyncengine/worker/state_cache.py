@@ -37,4 +37,7 @@ class StateCache:
         for _, _, slot, _ in prefills:
             assert 0 <= slot < self.num_slots, f"state slot {slot} outside 0..{self.num_slots - 1}"
         slots = torch.tensor(decode_slots, dtype=torch.long, device=self.device)
-        return SSMStepMeta(num_decodes=len(decode_slots), decode_slots=slots, prefills=prefills, states=self.states)
+        first = decode_slots[0] if decode_slots else 0
+        run = (first, first + len(decode_slots)) if decode_slots == list(range(first, first + len(decode_slots))) else None
+        return SSMStepMeta(num_decodes=len(decode_slots), decode_slots=slots, prefills=prefills, states=self.states,
+                           decode_run=run if decode_slots else None)

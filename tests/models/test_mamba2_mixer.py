@@ -63,8 +63,10 @@ def prefill(m, x, state, slot, fresh):
     return m(x, state, meta)
 
 
-def decode(m, x, state, slots):
-    meta = SSMStepMeta(num_decodes=x.shape[0], decode_slots=torch.tensor(slots), prefills=[], states=[state])
+def decode(m, x, state, slots, run: bool = False):
+    """``run``: the slots are one ascending range, updated through views (the runner's fast case)."""
+    meta = SSMStepMeta(num_decodes=x.shape[0], decode_slots=torch.tensor(slots), prefills=[], states=[state],
+                       decode_run=(slots[0], slots[-1] + 1) if run else None)
     return m(x, state, meta)
 
 
@@ -84,7 +86,7 @@ def test_any_chunking_equals_one_pass(length, cuts, decodes, seed):
         bounds = sorted({c for c in cuts if c < length} | {0, length})
         pieces = [prefill(m, x[a:b], state, 1, a == 0) for a, b in zip(bounds, bounds[1:])]
         for t in range(length, length + decodes):
-            pieces.append(decode(m, x[t:t + 1], state, [1]))
+            pieces.append(decode(m, x[t:t + 1], state, [1], run=t % 2 == 0))
     close = dict(rtol=1e-4, atol=1e-5)  # fp32 (the SSM state's dtype), summed in another order
     torch.testing.assert_close(torch.cat(pieces), whole, **close)
     torch.testing.assert_close(state[0][1], whole_state[0][1], **close)
@@ -114,11 +116,16 @@ def test_batched_decode_keeps_each_slot_to_itself():
     with torch.no_grad():
         prefill(m, a, together, 0, True)
         prefill(m, b, together, 1, True)
+        copy = tuple(t.clone() for t in together)
         prefill(m, a, alone_a, 0, True)
         prefill(m, b, alone_b, 1, True)
         both = decode(m, step, together, [1, 0])
+        both_again = decode(m, step[[1, 0]], copy, [0, 1], run=True)
         out_b = decode(m, step[:1], alone_b, [1])
         out_a = decode(m, step[1:], alone_a, [0])
     torch.testing.assert_close(both, torch.cat([out_b, out_a]))
+    torch.testing.assert_close(both_again, torch.cat([out_a, out_b]))
+    for x, y in zip(copy, together):
+        torch.testing.assert_close(x, y)
     torch.testing.assert_close(together[1][0], alone_a[1][0])
     torch.testing.assert_close(together[1][1], alone_b[1][1])
