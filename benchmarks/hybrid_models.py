@@ -11,18 +11,20 @@ Two random-weight checkpoints are made in --models (nothing is downloaded), both
           (16 heads of 64, 1 group, state 64, conv 4, chunk 256); attention only in layer 4, the
           1-in-8 mix of Granite 4.0 H / Nemotron-H
 
-Measurements, each model in turn within a round (A, B, A, B, ...), --rounds rounds; medians with
-the min-max spread:
+Measurements alternate the two models (A, B, A, B, ...) over --rounds rounds; medians with the
+min-max spread. Besides wall-clock rates, the process CPU time is recorded: on a host that other
+processes load, CPU time per token moves much less than wall time (default 1 torch thread, so
+CPU time is the work done).
 
-  decode     one request alone (max_num_seqs 1): a prompt of C tokens (C = 512 ... 8192) is
-             prefilled, then --decode-tokens tokens are generated one step each; decode tok/s =
-             steps / their wall time (the prefill excluded). The attention layers read the whole
-             context every step; the Mamba layers read a fixed-size state.
+  decode     one request per model alone (max_num_seqs 1): a prompt of C tokens (C = 512 ... 8192)
+             is prefilled, then the two requests decode in alternating blocks of --decode-tokens
+             single-token steps (one block per model per round, the prefill excluded). The
+             attention layers read the whole context every step; the Mamba layers a fixed state.
   prefix     the shared-prefix workload of benchmarks/workloads.py (128 requests of 256 prompt
              tokens sharing 192, outputs 32-64, all at once), each model with prefix caching on and
              off: elapsed, output tok/s, prompt tokens actually computed. For the hybrid, "on" is
              refused (off with a log line: docs/hybrid_models.md says why), so its two runs are the
-             same engine configuration: their difference is the noise.
+             same engine configuration: their difference is the noise. --prefix-rounds rounds.
 
 The host is shared: figures move with other processes' load; the JSON keeps every sample.
 """
@@ -80,36 +82,47 @@ def greedy(n: int):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def decode_rate(llm, context: int, decode_tokens: int, seed: int) -> dict:
-    """Prefill ``context`` tokens, then time ``decode_tokens`` single-token steps."""
+def start(llm, context: int, total_tokens: int) -> dict:
+    """Submit one request of ``context`` random prompt tokens and run its prefill (in chunks) up to
+    its first token."""
     import random
 
     from asyncengine.core.request import Request
 
     core = llm.engine
-    rng = random.Random(seed)
+    rng = random.Random(context)
     prompt = [rng.randrange(3, 32000) for _ in range(context)]
-    core.add_request(Request(f"ctx{context}-{seed}", prompt, greedy(decode_tokens + 1), eos_token_ids=set(),
-                             max_tokens=decode_tokens + 1))
-    t0 = time.perf_counter()
-    while not core.step():  # the prefill (in chunks) up to the first token
+    core.add_request(Request(f"ctx{context}", prompt, greedy(total_tokens), eos_token_ids=set(),
+                             max_tokens=total_tokens))
+    w0, c0 = time.perf_counter(), time.process_time()
+    while not core.step():
         pass
-    t1 = time.perf_counter()
-    steps = 0
-    while core.has_unfinished():
+    return {"prefill_s": time.perf_counter() - w0, "prefill_cpu_s": time.process_time() - c0}
+
+
+def decode_block(llm, steps: int) -> dict:
+    """``steps`` single-token decode steps of the running request: wall and process CPU time."""
+    core = llm.engine
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
         core.step()
-        steps += 1
-    t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "decode_steps": steps, "decode_tok_s": steps / (t2 - t1)}
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    return {"decode_tok_s": steps / wall, "cpu_ms_per_token": 1e3 * cpu / steps}
+
+
+def finish(llm) -> None:
+    core = llm.engine
+    core.abort_requests(list(core.scheduler.requests))
+    core.step()
 
 
 def shared_prefix(llm, requests) -> dict:
     before = llm.engine.stats()["num_computed_prompt_tokens"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([p for p, _ in requests], [greedy(m) for _, m in requests], use_tqdm=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"elapsed_s": dt, "output_tok_s": out_tokens / dt,
+    return {"elapsed_s": dt, "output_tok_s": out_tokens / dt, "cpu_s": cpu,
             "computed_prompt_tokens": llm.engine.stats()["num_computed_prompt_tokens"] - before}
 
 
@@ -129,10 +142,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="models/hybrid-bench", help="folder for the two checkpoints")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefix-rounds", type=int, default=2, help="rounds of the shared-prefix workload")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip", choices=["decode", "prefix"], default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -152,18 +166,26 @@ def main() -> None:
                              max_num_batched_tokens=2048, enable_prefix_caching=False, num_threads=a.threads)
                    for arch, d in dirs.items()}
         for llm in engines.values():  # warm-up
-            decode_rate(llm, 64, 4, seed=999)
-        samples = {arch: {c: [] for c in contexts} for arch in engines}
-        for r in range(a.rounds):
-            for c in contexts:
+            start(llm, 64, 8)
+            decode_block(llm, 4)
+            finish(llm)
+        samples = {arch: {} for arch in engines}
+        for c in contexts:
+            for arch, llm in engines.items():
+                samples[arch][c] = {"prefill": start(llm, c, a.rounds * a.decode_tokens + 2), "decode": []}
+            for r in range(a.rounds):  # the same two requests, decoding in alternating blocks
                 for arch, llm in engines.items():
-                    s = decode_rate(llm, c, a.decode_tokens, seed=r)
-                    samples[arch][c].append(s)
-                    print(f"round {r} context {c:5d} {arch:5s}: {s['decode_tok_s']:7.1f} decode tok/s "
-                          f"(prefill {s['prefill_s']:.2f} s)", flush=True)
-        result["decode"] = {arch: {str(c): {"decode_tok_s": med([s["decode_tok_s"] for s in v]),
-                                            "prefill_s": med([s["prefill_s"] for s in v]), "samples": v}
-                                   for c, v in per.items()} for arch, per in samples.items()}
+                    s = decode_block(llm, a.decode_tokens)
+                    samples[arch][c]["decode"].append(s)
+                    print(f"round {r} context {c:5d} {arch:5s}: {s['decode_tok_s']:7.1f} decode tok/s, "
+                          f"{s['cpu_ms_per_token']:6.1f} CPU ms/token", flush=True)
+            for llm in engines.values():
+                finish(llm)
+        result["decode"] = {arch: {str(c): {
+            "decode_tok_s": med([s["decode_tok_s"] for s in v["decode"]]),
+            "cpu_ms_per_token": med([s["cpu_ms_per_token"] for s in v["decode"]]),
+            "prefill_s": v["prefill"]["prefill_s"], "prefill_cpu_s": v["prefill"]["prefill_cpu_s"],
+            "samples": v["decode"]} for c, v in per.items()} for arch, per in samples.items()}
         del engines
 
     if a.skip != "prefix":
@@ -175,15 +197,17 @@ def main() -> None:
         for llm in engines.values():
             llm.generate([[5 + i] * 40 for i in range(4)], [greedy(4)] * 4, use_tqdm=False)
         runs = {k: [] for k in configs}
-        for r in range(a.rounds):
+        for r in range(a.prefix_rounds):
             for k in configs:
                 s = shared_prefix(engines[k], requests)
                 runs[k].append(s)
                 print(f"round {r} shared-prefix {k[0]:5s} prefix caching {'on ' if k[1] else 'off'}: "
-                      f"{s['output_tok_s']:7.1f} out tok/s, {s['computed_prompt_tokens']} prompt tokens computed",
+                      f"{s['output_tok_s']:7.1f} out tok/s, {s['cpu_s']:.1f} CPU s, "
+                      f"{s['computed_prompt_tokens']} prompt tokens computed",
                       flush=True)
         result["shared_prefix"] = {f"{arch}/prefix_caching_{'on' if on else 'off'}": {
             "output_tok_s": med([s["output_tok_s"] for s in v]), "elapsed_s": med([s["elapsed_s"] for s in v]),
+            "cpu_s": med([s["cpu_s"] for s in v]),
             "computed_prompt_tokens": v[-1]["computed_prompt_tokens"], "samples": v} for (arch, on), v in runs.items()}
 
     text = json.dumps(result, indent=1)

@@ -133,16 +133,6 @@ class Mamba2Mixer(nn.Module):
 
     # ------------------------------------------------------------------ pieces
 
-    def _split_xbc(self, xbc: torch.Tensor):
-        """The conv's output -> x [T, H, P], B and C [T, H, N] (each head reads its group's B, C)."""
-        s = self.s
-        t = xbc.shape[0]
-        xs, B, C = xbc.split([s.inner_size, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
-        rep = s.num_heads // s.n_groups
-        B = B.reshape(t, s.n_groups, s.d_state).repeat_interleave(rep, dim=1)
-        C = C.reshape(t, s.n_groups, s.d_state).repeat_interleave(rep, dim=1)
-        return xs.reshape(t, s.num_heads, s.head_dim), B, C
-
     def _decode(self, xbc, dt, A, conv_state, ssm_state, meta: SSMStepMeta):
         """One token per request: shift each conv window, one recurrence step. Slots that form one
         ascending run (a single request, or requests admitted together) are updated in place
@@ -183,9 +173,12 @@ class Mamba2Mixer(nn.Module):
         seq = torch.cat([conv_state[slot], xbc.t()], dim=-1)  # [conv_dim, K-1 + n]
         conv_state[slot] = seq[:, -(s.conv_kernel - 1):]
         conv = F.conv1d(seq.unsqueeze(0), self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)[0].t()
-        xs, B, C = self._split_xbc(F.silu(conv))
+        n = xbc.shape[0]
+        xs, B, C = F.silu(conv).split([s.inner_size, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
+        xs = xs.reshape(n, s.num_heads, s.head_dim)
         dt = F.softplus((dt + self.dt_bias).float()).clamp(s.dt_min, s.dt_max)  # [n, H]
-        y, final = chunked_scan(xs.float(), dt, A, B.float(), C.float(), s.chunk_size,
+        y, final = chunked_scan(xs.float(), dt, A, B.float().reshape(n, s.n_groups, s.d_state),
+                                C.float().reshape(n, s.n_groups, s.d_state), s.chunk_size,
                                 None if fresh else ssm_state[slot])
         ssm_state[slot] = final
         y = y + self.D.float()[:, None] * xs.float()
@@ -194,52 +187,61 @@ class Mamba2Mixer(nn.Module):
 
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     """[..., L] -> [..., L, L]: entry (l, s) = a[s+1] + ... + a[l] for s <= l, -inf above the
-    diagonal (exp of it is the decay from s to l; summed, not differenced, for stability)."""
+    diagonal (exp of it is the decay from s to l). Summed term by term, not as a difference of two
+    cumulative sums (which loses the small differences of large sums); the running sums go along
+    the contiguous last dimension, then the result is transposed (a view)."""
     L = a.shape[-1]
-    x = a.unsqueeze(-1).expand(*a.shape, L)
-    below = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
-    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    return sums.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device)), -torch.inf)
+    rows = a.unsqueeze(-2).expand(*a.shape[:-1], L, L)  # rows[s, l] = a[l]
+    after = torch.triu(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=1)  # l > s
+    sums = torch.cumsum(rows.masked_fill(~after, 0), dim=-1)  # [s, l] = a[s+1] + ... + a[l]
+    return sums.masked_fill(~torch.triu(torch.ones(L, L, dtype=torch.bool, device=a.device)), -torch.inf).transpose(-1, -2)
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  chunk_size: int, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan of one sequence, fp32. x [L, H, P], dt [L, H], A [H], B and C [L, H, N],
-    initial [H, P, N] or None (zeros). Returns (y [L, H, P] without the D skip, final state).
+    """The SSD scan of one sequence, fp32. x [L, H, P], dt [L, H], A [H], B and C [L, G, N] (head h
+    reads group h // (H / G)), initial [H, P, N] or None (zeros). Returns (y [L, H, P] without the D
+    skip, the final state [H, P, N]).
 
     Positions are cut into chunks of ``chunk_size`` from the first one (the last chunk padded with
-    zeros, which leave outputs and state exactly as they are)."""
+    zeros, which leave outputs and state exactly as they are; a sequence shorter than a chunk is one
+    chunk of its own length). Work is laid out head-major so every product is a batched matmul, and
+    C B^T is computed once per group, not per head."""
     L, H, P = x.shape
-    Q = min(chunk_size, L)  # a short chunk is one chunk of its own length: no padding to compute
+    G, N = B.shape[1], B.shape[2]
+    rep = H // G
+    Q = min(chunk_size, L)
     pad = (-L) % Q
     xdt = x * dt.unsqueeze(-1)
     a = dt * A  # [L, H] log-decay per step
     if pad:
         xdt, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, a, B, C))
     nc = (L + pad) // Q
-    xdt = xdt.view(nc, Q, H, P)
-    B, C = B.view(nc, Q, H, -1), C.view(nc, Q, H, -1)
-    a = a.view(nc, Q, H).permute(0, 2, 1)  # [c, H, Q]
+    xdt = xdt.view(nc, Q, G, rep, P).permute(0, 2, 3, 1, 4)  # [c, G, rep, Q, P]
+    B = B.view(nc, Q, G, N).transpose(1, 2).unsqueeze(2)  # [c, G, 1, Q, N]
+    C = C.view(nc, Q, G, N).transpose(1, 2).unsqueeze(2)
+    a = a.view(nc, Q, G, rep).permute(0, 2, 3, 1)  # [c, G, rep, Q]
     cum = torch.cumsum(a, dim=-1)
 
-    # 1. within each chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_{s+1..l}) x_s dt_s
-    decay = torch.exp(_segment_sum(a))  # [c, H, l, s]
-    scores = torch.einsum("clhn,cshn->chls", C, B) * decay
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    # 1. within each chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_{s+1} + ... + a_l) x_s dt_s
+    scores = C @ B.transpose(-1, -2)  # [c, G, 1, l, s]
+    y = (scores * torch.exp(_segment_sum(a))) @ xdt  # [c, G, rep, Q, P]
 
-    # 2. each chunk's own contribution to the state at its end
-    to_end = torch.exp(cum[..., -1:] - cum)  # [c, H, Q]
-    local = torch.einsum("clhn,chl,clhp->chpn", B, to_end, xdt)
+    # 2. each chunk's own contribution to the state at its end: sum_l decay(l -> end) x_l dt_l B_l^T
+    to_end = torch.exp(cum[..., -1:] - cum)  # [c, G, rep, Q]
+    local = (xdt * to_end.unsqueeze(-1)).transpose(-1, -2) @ B  # [c, G, rep, P, N]
 
     # 3. the state entering each chunk: the previous one decayed over the chunk, plus its own part
-    state = torch.zeros(H, P, B.shape[-1], dtype=x.dtype, device=x.device) if initial is None else initial
-    chunk_decay = torch.exp(cum[..., -1])  # [c, H]
+    state = (torch.zeros(G, rep, P, N, dtype=x.dtype, device=x.device) if initial is None
+             else initial.reshape(G, rep, P, N))
+    chunk_decay = torch.exp(cum[..., -1])  # [c, G, rep]
     entering = []
     for c in range(nc):
         entering.append(state)
-        state = state * chunk_decay[c][:, None, None] + local[c]
-    entering = torch.stack(entering)  # [c, H, P, N]
+        state = state * chunk_decay[c][..., None, None] + local[c]
+    entering = torch.stack(entering)  # [c, G, rep, P, N]
 
-    # 4. what each position reads of the state that entered its chunk
-    y = y + torch.einsum("clhn,chpn,chl->clhp", C, entering, torch.exp(cum))
-    return y.reshape(nc * Q, H, P)[:L], state
+    # 4. what each position reads of the state that entered its chunk, decayed to the position
+    y = y + (C @ entering.transpose(-1, -2)) * torch.exp(cum).unsqueeze(-1)
+    y = y.permute(0, 3, 1, 2, 4).reshape(nc * Q, H, P)
+    return y[:L], state.reshape(H, P, N)

@@ -137,7 +137,11 @@ class Worker:
         caches = backend.allocate_kv_caches(a.num_layers)
         meta = backend.build_metadata(StepBatch(seqs=[SeqChunk(0, n, 0, list(range(nb)))],
                                                 slot_mapping=list(range(n))))
-        hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
+        extra = {}
+        if getattr(m, "num_state_layers", 0):  # a hybrid: its Mamba layers need a (throwaway) state slot
+            from asyncengine.worker.state_cache import StateCache
+            extra = {"ssm": StateCache(m, 1, c.torch_dtype, dev).step_meta([], [(0, n, 0, True)])}
+        hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta, **extra)
         logits = m.compute_logits(hidden[:min(n, c.max_num_seqs)])
         if logits is not None:
             logits.float().softmax(-1)  # the sampler's fp32 copies are of this order

@@ -30,13 +30,15 @@ def sequential_scan(x, dt, A, B, C, initial):
        seed=st.integers(0, 2**16))
 def test_chunked_scan_is_the_recurrence(length, chunk, with_initial, seed):
     g = torch.Generator().manual_seed(seed)
-    H, P, N = 3, 4, 5
-    x, B, C = (torch.randn(length, H, d, generator=g, dtype=torch.float64) for d in (P, N, N))
+    H, G, P, N = 4, 2, 3, 5
+    x = torch.randn(length, H, P, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(length, G, N, generator=g, dtype=torch.float64) for _ in range(2))
     dt = torch.rand(length, H, generator=g, dtype=torch.float64)
     A = -torch.rand(H, generator=g, dtype=torch.float64) * 2
     init = torch.randn(H, P, N, generator=g, dtype=torch.float64) if with_initial else torch.zeros(H, P, N, dtype=torch.float64)
     y, final = chunked_scan(x, dt, A, B, C, chunk, init if with_initial else None)
-    y_ref, final_ref = sequential_scan(x, dt, A, B, C, init)
+    heads_b, heads_c = (t.repeat_interleave(H // G, dim=1) for t in (B, C))  # head h reads group h // 2
+    y_ref, final_ref = sequential_scan(x, dt, A, heads_b, heads_c, init)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(final, final_ref)
 
