@@ -188,6 +188,12 @@ class HybridForCausalLM(nn.Module):
         logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
+    def checkpoint_layers(self) -> dict[str, tuple[Linear, list[str]]]:
+        """Every :class:`Linear` by module name, for the loader's choice of storage
+        (``quantization="int8"/"int4"`` quantizes these dense layers; the mixer's conv, A, D and
+        norms stay dense). The checkpoint names only matter for GGUF files, which hybrids do not load."""
+        return {name: (m, [f"{name}.weight"]) for name, m in self.named_modules() if isinstance(m, Linear)}
+
     def weight_shard(self, name: str):
         return None  # tensor parallelism is refused
 

@@ -233,3 +233,37 @@ async def test_async_streams_equal_offline(tiny_model_dir, tiny_reference):
     finally:
         eng.shutdown()
     assert got == offline
+
+
+# ---------------------------------------------------------------------------- bfloat16
+
+
+def state_dtypes(worker) -> list[tuple[str, str]]:
+    return [(str(conv.dtype), str(ssm.dtype)) for conv, ssm in worker.runner.state_cache.states]
+
+
+def test_bfloat16_keeps_the_ssm_state_in_float32(tiny_model_dir, tiny_reference):
+    """In bfloat16 the conv windows follow the model's dtype and the SSM state stays fp32 (it sums
+    the whole sequence); greedy tokens then mostly agree with the fp32 reference (a guard against
+    gross breakage, not a parity claim: bf16 rounds every matmul)."""
+    requests, refs = tiny_reference("nemotron_h")
+    llm = LLM(tiny_model_dir("nemotron_h"), dtype="bfloat16", **REGIMES["chunked"])
+    assert set(llm.engine.collective_rpc(state_dtypes)[0]) == {("torch.bfloat16", "torch.float32")}
+    outs = run(llm, requests)
+    first_agree = sum(o[0] == r.tokens[0] for o, r in zip(outs, refs))
+    assert first_agree >= 0.8 * len(requests), f"{first_agree} of {len(requests)} first tokens agree"
+
+
+def linear_qtypes(worker) -> list[str]:
+    from asyncengine.layers.linear import Linear
+
+    return sorted({str(m.qtype) for m in worker.model.modules() if isinstance(m, Linear)})
+
+
+def test_int8_quantizes_every_projection(tiny_model_dir, tiny_reference):
+    """``quantization="int8"``: the Mamba in/out projections, attention, MLP, embedding and head all
+    run from Q8_0 blocks (the conv, A, D and norms stay dense); the requests all complete."""
+    requests, _ = tiny_reference("bamba")
+    llm = LLM(tiny_model_dir("bamba"), dtype="float32", quantization="int8", **REGIMES["chunked"])
+    assert llm.engine.collective_rpc(linear_qtypes)[0] == ["Q8_0"]
+    run(llm, requests[:6])
