@@ -163,7 +163,7 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "note": "shared host: other processes ran meanwhile"}
 
     if a.skip != "decode":
-        engines = {arch: LLM(d, dtype=a.dtype, max_num_seqs=1, max_model_len=max(contexts) + a.decode_tokens + 16,
+        engines = {arch: LLM(d, dtype=a.dtype, max_num_seqs=1, max_model_len=max(contexts) + a.rounds * a.decode_tokens + 16,
                              max_num_batched_tokens=2048, enable_prefix_caching=False, num_threads=a.threads)
                    for arch, d in dirs.items()}
         for llm in engines.values():  # warm-up

@@ -26,13 +26,69 @@ log = logging.getLogger(__name__)
 
 
 class HybridKVCacheManager(KVCacheManager):
+    """``n > 1`` forks: sample 0's prompt chunks are cut at its *fork point*, the last block
+    boundary before its last prompt token. When it is next scheduled from there, each held sample
+    takes a reference on its full blocks before that point, a slot, and a copy of its state (the
+    runner copies slot to slot at the start of that step, before the forward moves sample 0 on);
+    the sample then computes only the prompt's tail, as it would after a prefix-cache hit."""
+
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, state_bytes_per_slot: int) -> None:
         super().__init__(num_blocks, block_size, enable_caching=False)
         self.slots = StateSlotPool(num_state_slots)
         self.state_bytes_per_slot = state_bytes_per_slot
+        self._fork_at: dict[str, int] = {}  # sample 0 id -> its fork point (tokens)
+        self._forked: dict[str, int] = {}  # forked sample id -> tokens it holds computed
+        self._copies: list[tuple[int, int]] = []  # state copies for the step being built
 
     def state_slot(self, request_id: str) -> int:
         return self.slots.slot_of(request_id)
+
+    # ------------------------------------------------------------------ n > 1 fork
+
+    def plan_fork(self, leader: Request) -> int:
+        point = (leader.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if point > 0:
+            self._fork_at[leader.request_id] = point
+        return point
+
+    def fork_point(self, leader: Request) -> int:
+        return self._fork_at.get(leader.request_id, 0)
+
+    def cut_chunk(self, req: Request, num_new_tokens: int) -> int:
+        point = self._fork_at.get(req.request_id)
+        if point and req.num_computed_tokens < point < req.num_computed_tokens + num_new_tokens:
+            return point - req.num_computed_tokens
+        return num_new_tokens
+
+    def at_fork_point(self, req: Request) -> bool:
+        """``req`` is sample 0 of a planned fork, being scheduled on from exactly its fork point."""
+        point = self._fork_at.get(req.request_id)
+        return point is not None and req.num_computed_tokens == point
+
+    def fork(self, leader: Request, child: Request) -> bool:
+        """Give ``child`` the leader's blocks before the fork point, a slot and (at the start of the
+        step being built) a copy of the leader's state. False, changing nothing, without a free slot."""
+        point = self._fork_at[leader.request_id]
+        slot = self.slots.allocate(child.request_id)
+        if slot is None:
+            return False
+        shared = self.req_to_blocks[leader.request_id][:point // self.block_size]
+        self.pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        self._forked[child.request_id] = point
+        self._copies.append((self.slots.slot_of(leader.request_id), slot))
+        return True
+
+    def end_fork(self, leader: Request) -> None:
+        self._fork_at.pop(leader.request_id, None)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """A forked sample's tokens before the fork point are computed (its blocks already held)."""
+        return [], self._forked.get(req.request_id, 0)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
@@ -44,8 +100,12 @@ class HybridKVCacheManager(KVCacheManager):
         return new
 
     def free(self, req: Request) -> None:
+        """Blocks and slot; a freed sample 0 plans no fork any more (its held samples are released
+        to compute their prompts themselves) and a freed forked sample starts over from zero."""
         super().free(req)
         self.slots.free(req.request_id)
+        self._fork_at.pop(req.request_id, None)
+        self._forked.pop(req.request_id, None)
 
     def group_stats(self) -> dict:
         return {"num_state_slots": self.slots.num_slots, "num_free_state_slots": self.slots.num_free,

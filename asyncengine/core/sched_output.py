@@ -39,6 +39,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # speculative decoding: req_id -> k, the last k of that request's scheduled tokens are slots
     # (budget and KV) for draft tokens the runner proposes and verifies in this same step
     num_spec_tokens: dict[str, int] = {}
+    # hybrid models, n > 1: (source slot, destination slot) state copies the runner makes at the
+    # start of this step, before the forward (core/hybrid_kv_cache_manager.py: fork)
+    state_copies: list[tuple[int, int]] = []
 
     @property
     def is_empty(self) -> bool:

@@ -173,6 +173,8 @@ class ModelRunner:
         """This step's output on rank 0; None on the other ranks."""
         t0 = time.perf_counter()
         self._update_states(so)
+        if so.state_copies:  # hybrid n > 1 forks: before this step's forward moves the sources on
+            self.state_cache.copy_slots(so.state_copies)
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
         bs = self.block_size

@@ -41,3 +41,11 @@ class StateCache:
         run = (first, first + len(decode_slots)) if decode_slots == list(range(first, first + len(decode_slots))) else None
         return SSMStepMeta(num_decodes=len(decode_slots), decode_slots=slots, prefills=prefills, states=self.states,
                            decode_run=run if decode_slots else None)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every Mamba layer's state from slot ``src`` to slot ``dst`` for each (src, dst)."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for conv, ssm in self.states:
+            conv[dst] = conv[src]
+            ssm[dst] = ssm[src]

@@ -128,6 +128,55 @@ def test_n_samples_each_follow_their_own_state(arch, tiny_model_dir, tiny_refere
     check_nothing_held(llm)
 
 
+@pytest.mark.parametrize("arch", ("mamba2", "granitemoehybrid"))
+def test_n_samples_fork_sample_zeros_state(arch, tiny_model_dir, tiny_reference):
+    """The prompt is computed once: samples 1..n-1 copy sample 0's state at its last block boundary
+    before the final prompt token, share its blocks up to there and compute only the tail. With no
+    free slot at the fork a sample computes its whole prompt itself; both are exact."""
+    requests, refs = tiny_reference(arch)
+    (prompt, max_tokens), ref = max(zip(requests, refs), key=lambda r: len(r[0][0]))
+    bs = 4
+    fork = (len(prompt) - 1) // bs * bs
+    for seqs, forked in ((4, True), (1, False)):
+        llm = LLM(tiny_model_dir(arch), dtype="float32", max_num_seqs=seqs, num_kv_blocks=128, block_size=bs)
+        log = StepLog(llm.engine)
+        out = llm.generate([prompt], [greedy(max_tokens, n=3)], use_tqdm=False)[0]
+        compare([s.token_ids for s in out.outputs], [ref] * 3)
+        copies = [c for so in log.steps for c in so.state_copies]
+        computed = llm.engine.stats()["num_computed_prompt_tokens"]
+        if forked:
+            assert len(copies) == 2
+            assert computed == len(prompt) + 2 * (len(prompt) - fork)
+        else:
+            assert copies == [] and computed == 3 * len(prompt)
+        check_nothing_held(llm)
+
+
+def test_abort_after_the_fork_frees_shared_blocks_and_slots(tiny_model_dir, tiny_reference):
+    """Aborting an n = 3 request once its samples have forked (they hold references on sample 0's
+    blocks and their own slots) gives every block and slot back."""
+    from asyncengine.core.request import Request
+
+    requests, _ = tiny_reference("bamba")
+    prompt = max((p for p, _ in requests), key=len)
+    llm = LLM(tiny_model_dir("bamba"), dtype="float32", max_num_seqs=3, num_kv_blocks=128, block_size=4,
+              max_num_batched_tokens=8)
+    core = llm.engine
+    core.add_request(Request("n3", list(prompt), greedy(4, n=3), eos_token_ids=set(), max_tokens=4))
+    forked = False
+    for _ in range(len(prompt)):
+        core.step()
+        kids = [r for rid, r in core.scheduler.requests.items() if rid != "n3#0"]
+        if kids and all(r.num_computed_tokens > 0 for r in kids):
+            forked = True
+            break
+    assert forked, "the samples never forked"
+    assert core.kv.slots.num_free == 0
+    assert sorted(core.abort_requests(["n3"])) == ["n3#0", "n3#1", "n3#2"]
+    core.step()
+    check_nothing_held(llm)
+
+
 @pytest.mark.parametrize("arch", ("mamba2", "nemotron_h"))
 def test_abort_mid_prefill_frees_slot_and_blocks(arch, tiny_model_dir, tiny_reference):
     """A request aborted after some of its prompt chunks gives back its blocks and its slot, and the
