@@ -82,7 +82,10 @@ class SSMStepMeta:
     decode_slots: torch.Tensor  # [num_decodes] int64
     prefills: list[tuple[int, int, int, bool]]
     states: list[tuple[torch.Tensor, torch.Tensor]]  # per Mamba layer: (conv windows, SSM states)
-    decode_run: tuple[int, int] | None = None  # decode_slots == range(a, b): update views in place
+    # the decode slots are exactly the slots a..b-1: update views in place; ``decode_order``: the
+    # rows in slot order when they are not already (None: they are)
+    decode_run: tuple[int, int] | None = None
+    decode_order: torch.Tensor | None = None
 
 
 class GatedRMSNorm(nn.Module):
@@ -135,13 +138,15 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, A, conv_state, ssm_state, meta: SSMStepMeta):
         """One token per request: shift each conv window, one recurrence step. Slots that form one
-        ascending run (a single request, or requests admitted together) are updated in place
-        through views; others are gathered and written back. Heads stay grouped ([G, heads per
+        range (a single request, or requests admitted together) are updated in place through
+        views, the rows taken in slot order; others are gathered and written back. Heads stay grouped ([G, heads per
         group]) so B and C broadcast instead of being repeated per head."""
         s = self.s
         n = xbc.shape[0]
         G, rep, P, N = s.n_groups, s.num_heads // s.n_groups, s.head_dim, s.d_state
-        run = meta.decode_run
+        run, order = meta.decode_run, meta.decode_order
+        if order is not None:  # rows into slot order (the inputs are small, the states large)
+            xbc, dt = xbc[order], dt[order]
         conv_prev = conv_state[run[0]:run[1]] if run else conv_state[meta.decode_slots]
         window = torch.cat([conv_prev, xbc.unsqueeze(-1)], dim=-1)  # [n, conv_dim, K]
         if run:
@@ -161,8 +166,12 @@ class Mamba2Mixer(nn.Module):
         if not run:
             ssm_state[meta.decode_slots] = h
         y = (hv * C.float().view(n, G, 1, 1, N)).sum(-1).view(n, s.num_heads, P)
-        y = y + self.D.float()[:, None] * xs.view(n, s.num_heads, P)
-        return y.view(n, -1).to(xbc.dtype)
+        y = (y + self.D.float()[:, None] * xs.view(n, s.num_heads, P)).view(n, -1).to(xbc.dtype)
+        if order is None:
+            return y
+        out = torch.empty_like(y)
+        out[order] = y
+        return out
 
     def _prefill(self, xbc, dt, A, conv_state, ssm_state, slot: int, fresh: bool):
         """A chunk of one sequence, continuing from its slot's state (zeros when ``fresh``)."""

@@ -37,10 +37,19 @@ class StateCache:
         for _, _, slot, _ in prefills:
             assert 0 <= slot < self.num_slots, f"state slot {slot} outside 0..{self.num_slots - 1}"
         slots = torch.tensor(decode_slots, dtype=torch.long, device=self.device)
-        first = decode_slots[0] if decode_slots else 0
-        run = (first, first + len(decode_slots)) if decode_slots == list(range(first, first + len(decode_slots))) else None
+        run = order = None
+        if decode_slots:
+            # the decodes' slots as one range (in any row order: slots are handed out lowest first,
+            # so a batch admitted together usually holds one): the Mamba layers then update the
+            # states in place and permute the small per-row inputs instead of the large states
+            first, n = min(decode_slots), len(decode_slots)
+            if max(decode_slots) == first + n - 1 and len(set(decode_slots)) == n:
+                run = (first, first + n)
+                if decode_slots != list(range(first, first + n)):
+                    order = torch.tensor(sorted(range(n), key=decode_slots.__getitem__), dtype=torch.long,
+                                         device=self.device)
         return SSMStepMeta(num_decodes=len(decode_slots), decode_slots=slots, prefills=prefills, states=self.states,
-                           decode_run=run if decode_slots else None)
+                           decode_run=run, decode_order=order)
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy every Mamba layer's state from slot ``src`` to slot ``dst`` for each (src, dst)."""

@@ -66,9 +66,13 @@ def prefill(m, x, state, slot, fresh):
 
 
 def decode(m, x, state, slots, run: bool = False):
-    """``run``: the slots are one ascending range, updated through views (the runner's fast case)."""
+    """``run``: the slots form one range, updated through views (the runner's fast case), the rows
+    permuted into slot order when they are not in it."""
+    order = None
+    if run and slots != sorted(slots):
+        order = torch.tensor(sorted(range(len(slots)), key=slots.__getitem__))
     meta = SSMStepMeta(num_decodes=x.shape[0], decode_slots=torch.tensor(slots), prefills=[], states=[state],
-                       decode_run=(slots[0], slots[-1] + 1) if run else None)
+                       decode_run=(min(slots), max(slots) + 1) if run else None, decode_order=order)
     return m(x, state, meta)
 
 
@@ -119,15 +123,19 @@ def test_batched_decode_keeps_each_slot_to_itself():
         prefill(m, a, together, 0, True)
         prefill(m, b, together, 1, True)
         copy = tuple(t.clone() for t in together)
+        copy2 = tuple(t.clone() for t in together)
         prefill(m, a, alone_a, 0, True)
         prefill(m, b, alone_b, 1, True)
         both = decode(m, step, together, [1, 0])
         both_again = decode(m, step[[1, 0]], copy, [0, 1], run=True)
+        both_permuted = decode(m, step, copy2, [1, 0], run=True)
         out_b = decode(m, step[:1], alone_b, [1])
         out_a = decode(m, step[1:], alone_a, [0])
     torch.testing.assert_close(both, torch.cat([out_b, out_a]))
     torch.testing.assert_close(both_again, torch.cat([out_a, out_b]))
-    for x, y in zip(copy, together):
+    torch.testing.assert_close(both_permuted, both)
+    for x, y, z in zip(copy, copy2, together):
         torch.testing.assert_close(x, y)
+        torch.testing.assert_close(y, z)
     torch.testing.assert_close(together[1][0], alone_a[1][0])
     torch.testing.assert_close(together[1][1], alone_b[1][1])
