@@ -19,15 +19,44 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
 }
 
+# hybrid (Mamba2 + attention) architectures: complete tiny configs (their field names differ from
+# Llama's, so none of make_tiny_checkpoint's Llama defaults apply). Every Mamba layer has 8 heads
+# of 16 in 2 groups, a 16-wide state and chunks of 16 positions, so the 3-60-token prompts cross
+# chunk boundaries of the scan.
+_TINY_COMMON = dict(vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+HYBRID_ARCHS = {
+    "mamba2": (transformers.Mamba2Config, dict(
+        hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16, conv_kernel=4, chunk_size=16,
+        expand=2, num_hidden_layers=2)),
+    "bamba": (transformers.BambaConfig, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, attn_layer_indices=[1], num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+        mamba_chunk_size=16, mamba_expand=2, max_position_embeddings=1024)),
+    "nemotron_h": (transformers.NemotronHConfig, dict(
+        hidden_size=64, hybrid_override_pattern="M*M-", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16,
+        conv_kernel=4, max_position_embeddings=1024)),
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=128,
+        position_embedding_type="rope", mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+        mamba_chunk_size=16, mamba_expand=2, max_position_embeddings=1024, embedding_multiplier=2.0,
+        attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
+}
+
 TIE_MARGIN = 1e-4  # a first divergence is excused only where the reference's top-2 gap is below this
 
 
 def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer: bool = False,
                          **overrides) -> str:
-    cls, extra = ARCHS[arch]
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
-              bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    if arch in HYBRID_ARCHS:
+        cls, extra = HYBRID_ARCHS[arch]
+        kw = dict(_TINY_COMMON)
+    else:
+        cls, extra = ARCHS[arch]
+        kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
     kw.update(extra)
     kw.update(overrides)
     cfg = cls(**kw)

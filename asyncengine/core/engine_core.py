@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_sizing import plan_kv_blocks
 from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
@@ -24,6 +25,7 @@ from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
 from asyncengine.kv_connector.factory import make_scheduler_connector
+from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     """The KV-cache policy (core/kv_sizing.py) applied to what a block costs on a rank (its share
     of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget."""
     return plan_kv_blocks(config, spec.bytes_per_block, max_model_len, spec.available_bytes,
-                          spec.kv_budget_bytes).num_blocks
+                          spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
 
 
 class EngineCore:
@@ -54,6 +56,9 @@ class EngineCore:
             from asyncengine.models.registry import resolve_architecture
             resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
+        hybrid = has_state_layers(self.model_info.hf_config)
+        if hybrid:
+            check_hybrid_config(config, self.model_info.hf_config)
         self.executor: Executor = executor_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
@@ -65,7 +70,11 @@ class EngineCore:
         # a request can never hold more tokens than the whole cache
         self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if hybrid:  # attention blocks + a state slot per request (core/hybrid_kv_cache_manager.py)
+            self.kv = make_hybrid_kv_cache_manager(config, self.model_info.hf_config, num_blocks,
+                                                   spec.state_bytes_per_seq)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_connector = make_scheduler_connector(config, self.kv, spec.bytes_per_block)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -195,4 +204,6 @@ class EngineCore:
             "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                                           if s.spec_num_drafts else 0.0),
             **self.scheduler.kv_connector_stats(),
+            # hybrid models: the state-slot cache group (absent for pure attention models)
+            **(self.kv.group_stats() if hasattr(self.kv, "group_stats") else {}),
         }

@@ -32,6 +32,26 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    # ---- hybrid models only (core/hybrid_kv_cache_manager.py): state slots and the n > 1 fork
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot; -1: none."""
+        return -1
+
+    def plan_fork(self, leader: Request) -> int:
+        """Tokens of ``leader``'s prompt its held samples will take over by a fork (0: no fork)."""
+        return 0
+
+    def cut_chunk(self, req: Request, num_new_tokens: int) -> int:
+        """``num_new_tokens``, or fewer so that a chunk ends at a planned fork point."""
+        return num_new_tokens
+
+    def at_fork_point(self, req: Request) -> bool:
+        return False
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        return []
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

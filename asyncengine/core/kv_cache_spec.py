@@ -16,6 +16,8 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
     available_bytes: int | None  # memory the rank could give the cache (None: unknown)
     # CUDA: what gpu_memory_utilization leaves for the cache after a profiling run (None: not measured)
     kv_budget_bytes: int | None = None
+    # hybrid models: one request's state slot over all its Mamba layers (0: no state layers)
+    state_bytes_per_seq: int = 0
 
 
 class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -64,32 +64,41 @@ def plan_kv_cache(config, shape: KVModelShape, available_bytes: int | None) -> K
 
 
 def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: int | None,
-                   budget_bytes: int | None = None) -> KVPlan:
+                   budget_bytes: int | None = None, state_bytes: int = 0) -> KVPlan:
     """:func:`plan_kv_cache` from what one block costs (``per_block`` bytes: on a tensor-parallel
     rank, its share of the KV heads) and the memory available (on the rank with the least; None if
     unknown). ``budget_bytes``: a measured budget that replaces the memory-fraction cap (CUDA: what
     ``gpu_memory_utilization`` leaves after a profiling run). The engine core applies this to the
-    :class:`~asyncengine.core.kv_cache_spec.KVCacheSpec` its workers report."""
+    :class:`~asyncengine.core.kv_cache_spec.KVCacheSpec` its workers report.
+
+    ``state_bytes``: memory the hybrid models' state slots take out of the same budget first (all
+    ``max_num_seqs`` slots of every Mamba layer); blocks get the rest. With no attention layers
+    (``per_block`` 0) blocks cost nothing and only count tokens: as many as the need."""
     bs = config.block_size
+    need = config.max_num_seqs * -(-max_model_len // bs) + 1
+    if state_bytes:
+        _check_states_fit(config, state_bytes, available_bytes, budget_bytes)
+    if per_block == 0:
+        n = config.num_kv_blocks if config.num_kv_blocks is not None else need
+        return KVPlan(n, 0, "no attention layers: blocks only count tokens")
     if config.num_kv_blocks is not None:
         return KVPlan(config.num_kv_blocks, per_block, "num_kv_blocks")
     if config.kv_cache_bytes is not None:
-        n = config.kv_cache_bytes // per_block
+        n = (config.kv_cache_bytes - state_bytes) // per_block
         if n < 2:
             raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 blocks of "
                               f"{per_block} bytes")
         return KVPlan(int(n), per_block, "kv_cache_bytes")
-    # +1: the scheduler may hold one block beyond a full-length sequence's while it grows
-    need = config.max_num_seqs * -(-max_model_len // bs) + 1
+    # (need: +1, the scheduler may hold one block beyond a full-length sequence's while it grows)
     if budget_bytes is not None:
-        n = budget_bytes // per_block
+        n = (budget_bytes - state_bytes) // per_block
         if n < 2:
             raise ConfigError(f"the profiled KV budget ({budget_bytes >> 20} MiB) holds fewer than 2 blocks of "
                               f"{per_block} bytes: raise gpu_memory_utilization or lower max_num_batched_tokens")
         return KVPlan(int(min(need, n)), per_block, "profiled budget (gpu_memory_utilization)")
     if available_bytes is None:
         return KVPlan(need, per_block, "max_num_seqs x max_model_len")
-    cap = int(config.kv_cache_memory_fraction * available_bytes) // per_block
+    cap = (int(config.kv_cache_memory_fraction * available_bytes) - state_bytes) // per_block
     if cap < 2:
         raise ConfigError(
             f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of the {available_bytes >> 20} MiB "
@@ -98,6 +107,22 @@ def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: 
     if need <= cap:
         return KVPlan(need, per_block, "max_num_seqs x max_model_len")
     return KVPlan(cap, per_block, f"{config.kv_cache_memory_fraction:g} of available memory")
+
+
+def _check_states_fit(config, state_bytes: int, available_bytes: int | None, budget_bytes: int | None) -> None:
+    """ConfigError when the state slots alone exceed the budget they come out of."""
+    if config.kv_cache_bytes is not None:
+        limit, what = config.kv_cache_bytes, f"kv_cache_bytes={config.kv_cache_bytes}"
+    elif budget_bytes is not None:
+        limit, what = budget_bytes, f"the profiled budget ({budget_bytes >> 20} MiB)"
+    elif available_bytes is not None and config.num_kv_blocks is None:
+        limit = int(config.kv_cache_memory_fraction * available_bytes)
+        what = f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of {available_bytes >> 20} MiB"
+    else:
+        return
+    if state_bytes > limit:
+        raise ConfigError(f"the state slots of max_num_seqs={config.max_num_seqs} requests take "
+                          f"{state_bytes >> 20} MiB, more than {what}: lower max_num_seqs or give the cache more")
 
 
 def available_memory_bytes(device) -> int | None:

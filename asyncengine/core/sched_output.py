@@ -18,6 +18,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int  # first position this step computes (prefix-cache hits skip ahead)
     eos_token_ids: list[int] = []
     bad_words_token_ids: list[list[int]] | None = None
+    state_slot: int = -1  # hybrid models: the request's Mamba state slot (-1: the model has none)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -41,6 +42,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     num_spec_tokens: dict[str, int] = {}
     # the KV connector's transfers for this step (None: no connector, or nothing to move)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # hybrid models, n > 1: (source slot, destination slot) state copies the runner makes at the
+    # start of this step, before the forward (core/hybrid_kv_cache_manager.py: fork)
+    state_copies: list[tuple[int, int]] = []
 
     @property
     def is_empty(self) -> bool:

@@ -109,8 +109,10 @@ class Scheduler:
                 raise ValueError(f"request id {c.request_id!r} is already in the engine")
         self.parents[req.request_id] = {c.request_id for c in children}
         leader = children[0]
-        # hold the others only when they can share something: at least one full prompt block
-        hold = self.kv.enable_caching and (leader.num_prompt_tokens - 1) // self.kv.block_size > 0
+        # hold the others only when they can share something: at least one full prompt block (through
+        # the prefix cache, or, for hybrid models, a fork of sample 0's state and blocks: see _fork_held)
+        hold = (self.kv.enable_caching and (leader.num_prompt_tokens - 1) // self.kv.block_size > 0
+                or self.kv.plan_fork(leader) > 0)
         for c in children:
             self.requests[c.request_id] = c
             c.status = RequestStatus.WAITING
@@ -131,6 +133,22 @@ class Scheduler:
             self._held.remove(c)
             c.hold_for = None
             self.waiting.push_front(c)
+
+    def _fork_held(self, leader: Request) -> None:
+        """Hybrid models, ``n > 1``: sample 0 is scheduled on from its fork point (the last block
+        boundary before its last prompt token; its chunks were cut there) in the step being built,
+        so the runner copies its state, as it stands before this step, into each held sample's
+        slot at the start of the step; the samples share its full prompt blocks and queue at the
+        front with those tokens computed: each computes only the prompt's tail. A sample with no
+        free slot is released to compute its whole prompt itself."""
+        kids = [c for c in self._held if c.hold_for is leader]
+        for c in reversed(kids):
+            self._held.remove(c)
+            c.hold_for = None
+            if self.kv.fork(leader, c):
+                c.num_computed_tokens = self.kv.fork_point(leader)
+            self.waiting.push_front(c)
+        self.kv.end_fork(leader)
 
     def abort_requests(self, request_ids) -> list[str]:
         """Abort whatever of ``request_ids`` is still here (a user id of an ``n > 1`` request
@@ -256,7 +274,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             t = self._tokens_to_schedule(req)
-            n = min(t, budget)
+            n = self.kv.cut_chunk(req, min(t, budget))
             if n <= 0:
                 i += 1
                 continue
@@ -312,6 +330,7 @@ class Scheduler:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
+                n = self.kv.cut_chunk(req, n)
                 blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
                 if blocks is None:
                     # priority policy: a better waiting request may take a worse one's blocks
@@ -350,12 +369,15 @@ class Scheduler:
                     req_id=rid, prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
                     block_ids=self.kv.block_ids(rid), num_computed_tokens=req.num_computed_tokens,
-                    eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids))
+                    eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
+                    state_slot=self.kv.state_slot(rid)))
             else:
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            if self._held and self.kv.at_fork_point(req):
+                self._fork_held(req)
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1 + spec.get(rid, 0)
@@ -367,7 +389,8 @@ class Scheduler:
         return SchedulerOutput(new_requests=new_data, cached_requests=cached_data,
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
                                finished_req_ids=finished, num_preempted=preempted,
-                               num_spec_tokens=spec, kv_connector_metadata=meta)
+                               num_spec_tokens=spec, kv_connector_metadata=meta,
+                               state_copies=self.kv.take_state_copies())
 
     # ------------------------------------------------------------------ results back
 

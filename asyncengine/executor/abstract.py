@@ -44,7 +44,8 @@ class Executor(ABC):
             raise RuntimeError(f"ranks disagree on the KV block size: {[s.block_size for s in specs]}")
         return KVCacheSpec(block_size=specs[0].block_size, bytes_per_block=max(s.bytes_per_block for s in specs),
                            available_bytes=min(avail) if avail else None,
-                           kv_budget_bytes=min(budgets) if budgets else None)
+                           kv_budget_bytes=min(budgets) if budgets else None,
+                           state_bytes_per_seq=max(s.state_bytes_per_seq for s in specs))
 
     def initialize_cache(self, kv: KVCacheConfig) -> None:
         self.collective_rpc("initialize_cache", (kv,))

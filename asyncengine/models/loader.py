@@ -150,7 +150,8 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             cache = weight_cache.cache_file(path, config.torch_dtype, cls, variant=json.dumps(storage))
             cached = weight_cache.load(model, cache)
     materialize(model, config.torch_device, config.torch_dtype)  # all of it, or what the cache left
-    model.rotary.build(config.torch_device)
+    if getattr(model, "rotary", None) is not None:  # models without rope (Mamba2, NemotronH) have none
+        model.rotary.build(config.torch_device)
     if not cached:
         if gguf is not None:
             say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache

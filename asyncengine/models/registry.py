@@ -14,6 +14,11 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "asyncengine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "asyncengine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "asyncengine.models.llama:Qwen3ForCausalLM",
+    # hybrids: Mamba2 state-space layers (a state slot per request) beside attention
+    "Mamba2ForCausalLM": "asyncengine.models.mamba2:Mamba2ForCausalLM",
+    "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": "asyncengine.models.bamba:GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM": "asyncengine.models.nemotron_h:NemotronHForCausalLM",
 }
 
 

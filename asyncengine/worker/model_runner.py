@@ -41,6 +41,7 @@ from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
+from asyncengine.worker.state_cache import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,11 @@ class ModelRunner:
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
+        # hybrid models: the Mamba layers' state slots, one per sequence the scheduler may run
+        self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
-                and not config.enforce_eager and tp.size == 1):
+                and not config.enforce_eager and tp.size == 1 and self.state_cache is None):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -129,7 +132,7 @@ class ModelRunner:
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
-                bad_words_token_ids=nr.bad_words_token_ids)
+                bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot)
             if self.proposer is not None:
                 self.proposer.add(nr.req_id, nr.num_computed_tokens)
             if nr.sampling_params.structured_outputs is not None:
@@ -191,6 +194,8 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.perf_counter()
         self._update_states(so)
+        if so.state_copies:  # hybrid n > 1 forks: before this step's forward moves the sources on
+            self.state_cache.copy_slots(so.state_copies)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
         bs = self.block_size
@@ -234,8 +239,10 @@ class ModelRunner:
 
         # prefill chunks (any run of tokens over any cached context)
         row = nd
+        ssm_chunks: list[tuple[int, int, int, bool]] = []  # hybrid models: (row, rows, state slot, fresh)
         for st, n in prefills:
             start = st.num_computed_tokens
+            ssm_chunks.append((row, n, st.state_slot, start == 0))
             end = start + n
             input_ids.extend(st.tokens(start, end))
             positions.extend(range(start, end))
@@ -277,8 +284,10 @@ class ModelRunner:
             hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
         else:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
+            extra = {} if self.state_cache is None else {
+                "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], ssm_chunks)}
             hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
-                                self.kv_caches, meta)
+                                self.kv_caches, meta, **extra)
 
         req_ids: list[str] = []
         sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)

@@ -19,6 +19,7 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     bad_words_token_ids: list[list[int]] | None
     matcher: object | None = None  # structured outputs: the grammar state after output_ids
+    state_slot: int = -1  # hybrid models: the request's Mamba state slot (worker/state_cache.py)
 
     @property
     def num_tokens(self) -> int:

@@ -121,8 +121,10 @@ class Worker:
         per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
+        state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0
         return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block,
-                           available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget)
+                           available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget,
+                           state_bytes_per_seq=state)
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:
@@ -147,7 +149,11 @@ class Worker:
         caches = backend.allocate_kv_caches(a.num_layers)
         meta = backend.build_metadata(StepBatch(seqs=[SeqChunk(0, n, 0, list(range(nb)))],
                                                 slot_mapping=list(range(n))))
-        hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
+        extra = {}
+        if getattr(m, "num_state_layers", 0):  # a hybrid: its Mamba layers need a (throwaway) state slot
+            from asyncengine.worker.state_cache import StateCache
+            extra = {"ssm": StateCache(m, 1, c.torch_dtype, dev).step_meta([], [(0, n, 0, True)])}
+        hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta, **extra)
         logits = m.compute_logits(hidden[:min(n, c.max_num_seqs)])
         if logits is not None:
             logits.float().softmax(-1)  # the sampler's fp32 copies are of this order
