@@ -8,7 +8,8 @@ Requests arrive at ``--rate`` per second (Poisson, seed 0) for ``--seconds``: ev
 is a long prompt (``--long-tokens`` random token ids, 16 output tokens), the rest short chats (32
 prompt tokens, 64 output tokens), greedy, EOS ignored. Variants, in alternating order over rounds:
 ``colocated`` (one core, ``engine_core_process=True``), ``dp2`` (``data_parallel_size=2``) and
-``pd`` (``PDEngine``, 1 prefill + 1 decode core), each core pinned to ``--num-threads`` (1) torch
+``pd`` (``PDEngine``, 1 prefill + 1 decode core), ``pdskip`` (the same, prompts under
+``--skip-hop-below`` tokens straight to the decode core), each core pinned to ``--num-threads`` (1) torch
 threads. Reported per variant: TPOT p50/p90 of the short
 chats (time between their tokens: what a long prefill in the same step stalls), TTFT p50 of short
 and long requests, wall time, and the CPU model and load average (the host is shared).
@@ -55,8 +56,9 @@ async def one(eng, prompt, n, rid):
 async def run(variant: str, args) -> dict:
     base = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, kv_cache_bytes=1 << 30,
                 max_model_len=args.long_tokens + 64, num_threads=args.num_threads)
-    if variant == "pd":
-        eng = PDEngine.from_config(EngineConfig(**base, prefill_cores=1, decode_cores=1))
+    if variant in ("pd", "pdskip"):
+        skip = args.skip_hop_below if variant == "pdskip" else 0
+        eng = PDEngine.from_config(EngineConfig(**base, prefill_cores=1, decode_cores=1), skip_hop_below=skip)
     elif variant == "dp2":
         eng = AsyncLLMEngine(EngineConfig(**base, data_parallel_size=2))
     else:
@@ -98,7 +100,8 @@ def main() -> int:
     ap.add_argument("--num-threads", type=int, default=1,
                     help="torch threads per core (1: a core is one CPU core; two threads that wait on each "
                          "other on a contended 2-core host make steps many times slower)")
-    ap.add_argument("--variants", default="colocated,pd,dp2")
+    ap.add_argument("--variants", default="colocated,pd,pdskip,dp2")
+    ap.add_argument("--skip-hop-below", type=int, default=64, help="pdskip: prompts shorter than this skip the hop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")

@@ -31,10 +31,15 @@ from asyncengine.sampling_params import SamplingParams
 
 
 class PDEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, skip_hop_below: int = 0) -> None:
+        """``skip_hop_below``: prompts of fewer tokens (token ids or text; chat messages always take
+        the hop) go straight to a decode core, which computes them itself: a short prompt's prefill
+        stalls the decodes little, and the hop costs it a queue and a step."""
         if config.prefill_cores < 1 or config.decode_cores < 1:
             raise ValueError("PDEngine needs prefill_cores >= 1 and decode_cores >= 1")
         self.config = config
+        self.skip_hop_below = skip_hop_below
+        self.num_skipped_hops = 0
         base = config.kv_transfer_dir or tf.default_dir()
         os.makedirs(base, exist_ok=True)
         _remove_dead_folders(base)
@@ -52,8 +57,17 @@ class PDEngine:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "PDEngine":
-        return cls(config)
+    def from_config(cls, config: EngineConfig, skip_hop_below: int = 0) -> "PDEngine":
+        return cls(config, skip_hop_below)
+
+    def _num_prompt_tokens(self, prompt) -> int | None:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return len(prompt["prompt_token_ids"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            return len(self.tokenizer.encode(prompt))
+        return None  # chat messages: the template is the engine's to apply
 
     @property
     def engines(self) -> list[AsyncLLMEngine]:
@@ -101,13 +115,17 @@ class PDEngine:
         one = SamplingParams(max_tokens=1, temperature=0.0)
         kw = dict(request_id=rid, priority=priority, cache_salt=cache_salt)
         finished = False
+        n = self._num_prompt_tokens(prompt) if self.skip_hop_below else None
+        hop = n is None or n >= self.skip_hop_below
+        self.num_skipped_hops += not hop
         try:
-            self._load[id(p)] += 1
+            self._load[id(p)] += hop
             try:
-                async for _ in p.generate(prompt, one, **kw):
-                    pass
+                if hop:
+                    async for _ in p.generate(prompt, one, **kw):
+                        pass
             finally:
-                self._load[id(p)] -= 1
+                self._load[id(p)] -= hop
             self._load[id(d)] += 1
             try:
                 async for out in d.generate(prompt, sampling_params, **kw):
@@ -133,7 +151,8 @@ class PDEngine:
     def stats(self) -> dict:
         """Per core: its engine's stats (``prefill``/``decode`` lists), and the transfer files now."""
         return {"prefill": [e.stats() for e in self.prefill], "decode": [e.stats() for e in self.decode],
-                "transfer_files": len(os.listdir(self.transfer_dir)) if not self._closed else 0}
+                "transfer_files": len(os.listdir(self.transfer_dir)) if not self._closed else 0,
+                "num_skipped_hops": self.num_skipped_hops}
 
 
 def _remove_dead_folders(base: str) -> None:

@@ -10,6 +10,8 @@ import random
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.engine_core import EngineCore
@@ -211,3 +213,80 @@ def test_config(tiny_llama_dir):
         EngineConfig(model=tiny_llama_dir, kv_role="prefill", kv_offload_bytes=1 << 20)
     with pytest.raises(ConfigError, match="kv_role"):
         EngineConfig(model=tiny_llama_dir, kv_role="both")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "p_step", "d_step", "abort"]), st.integers(0, 9)),
+                    min_size=5, max_size=40))
+def test_random_aborts_at_every_phase_leave_both_sides_whole(tiny, tmp_path_factory, ops):
+    """Requests walk prefill -> transfer -> decode as the front end drives them (a request that
+    finished its one prefill token is sent to the decode core before the next operation), with
+    aborts landing at random phases (the front end's part of an abort: abort where the request is,
+    delete its unclaimed file). Afterwards both pools are whole and no transfer file is left."""
+    d = str(tmp_path_factory.mktemp("pdsoak"))
+    p_core = make(tiny, kv_role="prefill", kv_transfer_dir=d, num_kv_blocks=12, max_num_batched_tokens=24)
+    d_core = make(tiny, kv_role="decode", kv_transfer_dir=d, num_kv_blocks=6)  # claims that wait for blocks
+    rng = random.Random(0)
+    base = [rng.randrange(3, VOCAB) for _ in range(30)]
+    prompt_of: dict[str, list[int]] = {}
+    phase: dict[str, str] = {}  # id -> "prefill" | "decode"
+    try:
+        for i, (op, x) in enumerate(ops):
+            for rid in [r for r, ph in phase.items() if ph == "prefill" and r not in p_core.scheduler.requests]:
+                d_core.add_request(req(rid, prompt_of[rid], 1 + x))  # exported: on to the decode core
+                phase[rid] = "decode"
+            for rid in [r for r, ph in phase.items() if ph == "decode" and r not in d_core.scheduler.requests]:
+                del phase[rid]  # finished on the decode core
+            if op == "new":
+                rid = f"r{i}"
+                prompt_of[rid] = base[:5 + x] + [7 + x] * (x + 3)
+                p_core.add_request(req(rid, prompt_of[rid], 1))
+                phase[rid] = "prefill"
+            elif op == "p_step":
+                p_core.step()
+            elif op == "d_step":
+                d_core.step()
+            elif phase:
+                rid = sorted(phase)[x % len(phase)]
+                (p_core if phase[rid] == "prefill" else d_core).abort_requests([rid])
+                if os.path.exists(tf.file_path(d, rid)):
+                    os.unlink(tf.file_path(d, rid))
+                del phase[rid]
+        for rid, ph in phase.items():  # the front end goes away: everything left is aborted
+            (p_core if ph == "prefill" else d_core).abort_requests([rid])
+            if os.path.exists(tf.file_path(d, rid)):
+                os.unlink(tf.file_path(d, rid))
+        drain(p_core)
+        drain(d_core)
+        whole(p_core)
+        whole(d_core)
+        assert files(d) == []
+    finally:
+        p_core.shutdown()
+        d_core.shutdown()
+
+
+def test_abort_while_a_claimed_request_waits_for_blocks(tiny, tmp_path):
+    """The decode core claimed the file but has no blocks for the request yet; aborted then, the
+    claim is deleted with it."""
+    d = str(tmp_path / "xfer")
+    p_core = make(tiny, kv_role="prefill", kv_transfer_dir=d)
+    d_core = make(tiny, kv_role="decode", kv_transfer_dir=d, num_kv_blocks=6)
+    try:
+        a, b = prompts(seed=8, k=2)
+        d_core.add_request(req("busy", [5] * 40, 6))  # 40 + 6 tokens: every block of 6 x 8
+        d_core.step()
+        p_core.add_request(req("w", b[:20], 1))
+        drain(p_core)
+        d_core.add_request(req("w", b[:20], 4))
+        d_core.step()  # looked at: claimed, but no block is free
+        assert "w" in d_core.scheduler.requests and d_core.scheduler.connector._claims
+        assert files(d)[0].endswith(".claimed")
+        d_core.abort_requests(["w"])
+        assert files(d) == []
+        drain(d_core)
+        whole(d_core)
+        whole(p_core)
+    finally:
+        p_core.shutdown()
+        d_core.shutdown()

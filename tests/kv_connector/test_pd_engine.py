@@ -75,6 +75,22 @@ def test_pd_engine_matches_colocated_and_cleans_up(tiny_llama_dir, tmp_path):
     asyncio.run(main())
 
 
+def test_short_prompts_skip_the_hop(tiny_llama_dir, tmp_path):
+    async def main():
+        async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
+            want = [await collect(colo, p, f"r{i}") for i, p in enumerate(prompts())]
+        config = cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)
+        cut = sorted(len(p) for p in prompts())[2]  # the two shortest skip
+        async with PDEngine.from_config(config, skip_hop_below=cut) as pd:
+            got = [await asyncio.wait_for(collect(pd, p, f"r{i}"), HANG_GUARD_S) for i, p in enumerate(prompts())]
+            s = pd.stats()
+        assert got == want
+        assert s["num_skipped_hops"] == 2 and s["prefill"][0]["kv_transfer_exported_requests"] == 2
+        assert s["decode"][0]["kv_transfer_imported_requests"] == 2 and s["decode"][0]["kv_transfer_misses"] == 2
+
+    asyncio.run(main())
+
+
 def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
     async def main():
         async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
