@@ -79,7 +79,7 @@ def test_device_auto(monkeypatch):
 def test_kv_blocks_from_the_profiled_budget():
     """The core sizes the cache from the CUDA budget when a rank measured one (not the CPU default,
     not capped by the memory-fraction rule), still bounded by what max_num_seqs full requests use."""
-    from asyncengine.core.engine_core import num_kv_blocks_for
+    from asyncengine.engine.core import num_kv_blocks_for
     from asyncengine.worker.worker import KVCacheSpec
 
     cfg = EngineConfig(device="cpu", max_num_seqs=4, block_size=16)

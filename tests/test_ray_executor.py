@@ -87,7 +87,7 @@ async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
                                       distributed_executor_backend="ray", ray_placement_strategy="STRICT_SPREAD",
                                       num_threads=1, max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=32,
                                       freeze_gc_after_load=False, distributed_timeout_s=60.0))
-    clients = eng.core.clients
+    clients = eng.client.clients
     assert {c.node_id for c in clients} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # one per node
     assert ray.available_resources().get("CPU", 0) == 0  # each core holds its node's one CPU
     async with eng:
@@ -124,7 +124,7 @@ async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
 
 def test_clear_error_without_ray(tiny_llama_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
-    from asyncengine.core.engine_core import EngineCore
+    from asyncengine.engine.core import EngineCore
 
     with pytest.raises(ConfigError, match=r"pip install 'asyncengine\[ray\]'"):
         EngineCore(EngineConfig(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2,

@@ -76,3 +76,15 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """One finished batch of the engine core's step pipeline, as every front end receives it
+    (in-process, or over a core process's pipe): the requests' outputs, the core's load after it,
+    and the requests scheduled for the first time since the last batch (they no longer queue)."""
+
+    outputs: list[EngineCoreOutput]
+    num_running: int
+    num_waiting: int
+    started_req_ids: list[str] = []
+    stats: dict | None = None  # the core's full stats, when its driver attaches them

@@ -5,7 +5,7 @@ Each core is one actor running the same ``engine_core_main`` busy loop as a loca
 process; only the wire differs: the actor listens on a TCP port of its node (a
 ``multiprocessing.connection`` listener, authenticated with a random key the driver hands it) and
 the front end connects to it, so the same msgspec messages flow as over the local pipe, and the
-same ``DPEngineCores`` routes, aborts and aggregates. Placement: a placement group with one
+same ``MPClient`` (engine/core_client.py) routes, aborts and aggregates. Placement: a placement group with one
 bundle per core (strategy ``EngineConfig.ray_placement_strategy``; ``STRICT_SPREAD`` = one core
 per node). At ``tensor_parallel_size`` 1 a core runs its model in the actor itself (``uni``, on
 the bundle's CPUs); above 1 its ranks are Ray actors of their own (the ``ray`` executor, one
@@ -21,7 +21,7 @@ import os
 import time
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core_client import EngineCoreClient, engine_core_main
+from asyncengine.engine.core_proc import EngineCoreProc, engine_core_main
 from asyncengine.errors import EngineDeadError
 from asyncengine.executor.ray_executor import _import_ray
 
@@ -105,8 +105,8 @@ class RayEngineCores:
                     f"{config.ray_placement_strategy} within {config.distributed_timeout_s:.0f} s "
                     f"(cluster resources: {ray.cluster_resources()})")
 
-    def client(self, core_config: EngineConfig, index: int, sink) -> "RayEngineCoreClient":
-        return RayEngineCoreClient(core_config, index, sink, cores=self)
+    def client(self, core_config: EngineConfig, index: int, sink) -> "RayEngineCoreProc":
+        return RayEngineCoreProc(core_config, index, sink, cores=self)
 
     def start_actor(self, core_config: EngineConfig, index: int):
         """Start core ``index``'s actor and connect to it: (connection, process handle, node id)."""
@@ -154,8 +154,8 @@ class RayEngineCores:
             self.pg = None
 
 
-class RayEngineCoreClient(EngineCoreClient):
-    """An EngineCoreClient whose core is a Ray actor, reached over a TCP connection."""
+class RayEngineCoreProc(EngineCoreProc):
+    """An EngineCoreProc whose core is a Ray actor, reached over a TCP connection."""
 
     def __init__(self, config: EngineConfig, index: int, sink, *, cores: RayEngineCores) -> None:
         self._cores = cores
