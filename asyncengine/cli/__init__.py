@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         except argparse.ArgumentTypeError as e:
             ap.error(str(e))
     for name in ("max_model_len", "max_num_seqs", "max_tokens", "tensor_parallel_size", "data_parallel_size",
-                 "num_threads"):
+                 "pipeline_parallel_size", "num_threads"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -51,6 +51,8 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
 def _distributed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes (Megatron tensor parallel)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many stages (worker processes), batches pipelined")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run this many engine cores (processes), each with its own KV cache")
     p.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None,

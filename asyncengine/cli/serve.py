@@ -63,6 +63,7 @@ def run_serve(args) -> int:
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                      metrics_public=args.metrics_public, limits=RequestLimits(**limits),
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                     pipeline_parallel_size=args.pipeline_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend, num_threads=args.num_threads,
                      engine_core_process=args.engine_core_process, tp_vocab_parallel=args.tp_vocab_parallel,
                      ray_placement_strategy=args.ray_placement_strategy,

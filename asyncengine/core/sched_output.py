@@ -25,6 +25,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallel: the tokens sampled since the request's last step (the stages that do not
+    # sample learn them here); empty otherwise
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

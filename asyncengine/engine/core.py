@@ -55,6 +55,9 @@ class EngineCore:
             from asyncengine.models.registry import resolve_architecture
             resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            from asyncengine.layers.parallel import layer_split
+            layer_split(self.model_info.hf_config.num_hidden_layers, config.pipeline_parallel_size)
         self.executor: Executor = Executor.get_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
@@ -71,7 +74,8 @@ class EngineCore:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
-            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
+            num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
+            pipeline_parallel=config.pipeline_parallel_size > 1)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
@@ -83,8 +87,8 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: list[str] = []  # requests scheduled for the first time since take_outputs()
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
-        log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
-                 config.distributed_executor_backend, config.tensor_parallel_size,
+        log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, dtype %s",
+                 config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
                  num_blocks,
                  config.block_size, self.max_model_len, config.torch_dtype)
 
@@ -166,7 +170,7 @@ class EngineCore:
         still sent (the runner drops their state) but ends the filling."""
         depth = self.batch_queue_size if depth is None else depth
         while len(self._batches) < depth and self.scheduler.has_unfinished():
-            so = self.scheduler.schedule()
+            so = self.schedule()
             if so.is_empty and not so.finished_req_ids:
                 return
             self._submit(so)
@@ -219,7 +223,7 @@ class EngineCore:
         execute and wait for one (also a schedule that only ends requests: the runner drops their
         state), refilling nothing."""
         if not self._batches:
-            so = self.scheduler.schedule()
+            so = self.schedule()
             if so.is_empty and not so.finished_req_ids:
                 return []
             self._submit(so)

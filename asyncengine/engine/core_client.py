@@ -196,7 +196,7 @@ class MPClient(CoreClient):
         self._wake: Callable[[], None] = lambda: None
         # each core (and each of its TP ranks) gets its share of the cores unless told otherwise
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.data_parallel_size
-                                                                          * config.tensor_parallel_size))
+                                                                          * config.world_size))
         core_cfg = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False, num_threads=threads)
         self.clients: list[EngineCoreProc] = []
         self._ray = None

@@ -7,7 +7,7 @@ process; only the wire differs: the actor listens on a TCP port of its node (a
 the front end connects to it, so the same msgspec messages flow as over the local pipe, and the
 same ``MPClient`` (engine/core_client.py) routes, aborts and aggregates. Placement: a placement group with one
 bundle per core (strategy ``EngineConfig.ray_placement_strategy``; ``STRICT_SPREAD`` = one core
-per node). At ``tensor_parallel_size`` 1 a core runs its model in the actor itself (``uni``, on
+per node). With one rank (no tensor or pipeline parallelism) a core runs its model in the actor itself (``uni``, on
 the bundle's CPUs); above 1 its ranks are Ray actors of their own (the ``ray`` executor, one
 placement group per core) and the core actor reserves no CPU.
 
@@ -23,7 +23,7 @@ import time
 from asyncengine.config import EngineConfig
 from asyncengine.engine.core_proc import EngineCoreProc, engine_core_main
 from asyncengine.errors import EngineDeadError
-from asyncengine.executor.ray_executor import _import_ray
+from asyncengine.executor.ray_executor import acquire_ray, release_ray
 
 
 class EngineCoreActor:
@@ -77,16 +77,14 @@ class RayEngineCores:
     """The placement of ``data_parallel_size`` core actors, and the clients that start them."""
 
     def __init__(self, config: EngineConfig) -> None:
-        ray = self.ray = _import_ray()
+        ray, self._holds_ray = acquire_ray()
+        self.ray = ray
         from ray.util.placement_group import placement_group
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
         self.config = config
         n = config.data_parallel_size
         cuda = config.torch_device.type == "cuda"
-        tp = config.tensor_parallel_size
-        if tp == 1:  # the model runs in the core actor, on its bundle's CPUs (and GPU)
+        if config.world_size == 1:  # the model runs in the core actor, on its bundle's CPUs (and GPU)
             threads = config.num_threads or 1
             self.core_config = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False,
                                                    num_threads=threads, distributed_executor_backend="uni")
@@ -152,6 +150,9 @@ class RayEngineCores:
             except Exception:
                 pass
             self.pg = None
+        if self._holds_ray:  # after the core actors (their clients shut them down first)
+            self._holds_ray = False
+            release_ray()
 
 
 class RayEngineCoreProc(EngineCoreProc):

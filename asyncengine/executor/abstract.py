@@ -49,8 +49,10 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """How many batches the engine core keeps in flight here: 2 with async scheduling (step
-        N+1 planned while N runs), else 1."""
+        """How many batches the engine core keeps in flight here: one per pipeline stage (they are
+        disjoint), else 2 with async scheduling (step N+1 planned while N runs), else 1."""
+        if self.config.pipeline_parallel_size > 1:
+            return self.config.pipeline_parallel_size
         return 2 if self.config.async_scheduling else 1
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:

@@ -14,6 +14,12 @@ sampled), prompt logprobs (worker/prompt_logprobs.py).
 Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
 rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
 the sampled ids so that every rank's request state advances alike. Only rank 0 returns an output.
+
+Under pipeline parallelism every stage builds the same batch too; a stage other than the first
+receives the previous stage's hidden states instead of embedding ids, one other than the last
+sends its own on (worker/pipeline.py) and samples nothing. Only the last stage samples, so the
+scheduler sends the other stages the tokens sampled since a request's last step
+(``CachedRequestData.new_token_ids``; in-flight batches are disjoint, so it knows them all).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.layers.parallel import SINGLE, TPGroup
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.attention import SeqChunk, StepBatch, get_backend
@@ -42,13 +48,16 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
-                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None
-                 ) -> None:
+                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None,
+                 pp: PPGroup = FULL) -> None:
         self.config = config
         if config.torch_device.type == "cpu":
             keep_freed_memory()
         self.model = model
         self.tp = tp
+        self.pp = pp
+        # the one rank that returns each step's output: tensor rank 0 of the last stage
+        self.is_output_rank = tp.rank == 0 and pp.is_last
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -69,14 +78,20 @@ class ModelRunner:
                               f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
                               f"use attention_backend='torch' or 'cpu'")
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
-        self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
+        self.kv_caches = self.attn_backend.allocate_kv_caches(len(model.layers), kv_cache_zeros)
+        self.link = None  # pipeline parallel: the stage's link to its neighbours
+        if pp.size > 1:
+            from asyncengine.worker.pipeline import StageLink
+
+            self.link = StageLink(pp, a.hidden_size, self.dtype, self.device)
+        self.recv_wait_s = 0.0  # time spent waiting for the previous stage (the pipeline's bubble)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
         self.graphs = None  # DecodeGraphs on CUDA with the triton backend, unless enforce_eager
         if (self.device.type == "cuda" and self.attn_backend.name == "triton" and not config.enforce_eager
-                and tp.size == 1):
+                and tp.size == 1 and pp.size == 1):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -128,9 +143,12 @@ class ModelRunner:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
                 self._prompt_logprob_ids.discard(nr.req_id)
+        feed = not self.pp.is_last  # only the last stage samples: the others learn the tokens here
         for cr in so.cached_requests:
             st = self.requests[cr.req_id]
             st.block_ids.extend(cr.new_block_ids)
+            if feed and cr.new_token_ids:
+                st.output_ids.extend(cr.new_token_ids)
             # with speculation the scheduler counts in-flight drafts as accepted (>=): the runner
             # knows the true position
             assert st.num_computed_tokens == cr.num_computed_tokens or (
@@ -171,7 +189,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_output_rank else None
         bs = self.block_size
         decodes: list[RunnerRequestState] = []
         prefills: list[tuple[RunnerRequestState, int]] = []
@@ -257,8 +275,19 @@ class ModelRunner:
             hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
         else:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
+            stage = {}
+            if self.link is not None and not self.pp.is_first:  # the previous stage's stream
+                t_wait = time.perf_counter()
+                stage["intermediate"] = self.link.recv(len(input_ids))
+                self.recv_wait_s += time.perf_counter() - t_wait
             hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
-                                self.kv_caches, meta)
+                                self.kv_caches, meta, **stage)
+            if self.link is not None and not self.pp.is_last:  # on to the next stage; nothing to sample
+                from asyncengine.worker.pipeline import IntermediateTensors
+
+                self.link.send(IntermediateTensors(*hidden))
+                self.execute_time_s += time.perf_counter() - t0
+                return None
 
         req_ids: list[str] = []
         sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)
