@@ -134,10 +134,13 @@ class EngineConfig:
     # GrammarLimits()'s documented defaults
     grammar_limits: "GrammarLimits | None" = None
     # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
-    # process, "mp" = tensor_parallel_size worker processes, "ray" = Ray actors (pip install
-    # asyncengine[ray]); None = "uni" at tensor_parallel_size 1, else "mp".
+    # process, "mp" = tensor_parallel_size x pipeline_parallel_size worker processes, "ray" = Ray
+    # actors (pip install asyncengine[ray]); None = "uni" for one rank, else "mp".
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     tensor_parallel_size: int = 1
+    # the layers split into this many stages (each tensor_parallel_size ranks); the engine core keeps
+    # this many disjoint batches in flight so that every stage has work (docs/pipeline_parallel.md)
+    pipeline_parallel_size: int = 1
     # data_parallel_size > 1: that many engine cores, each in its own process with its own
     # scheduler, KV cache and executor, behind one front end that routes each request
     data_parallel_size: int = 1
@@ -247,14 +250,16 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend not in ("uni", "mp", "ray"):
             raise ConfigError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', "
                               f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ConfigError("distributed_executor_backend='uni' runs one worker thread: "
-                              "tensor_parallel_size > 1 needs 'mp' or 'ray'")
+                              "tensor_parallel_size or pipeline_parallel_size > 1 needs 'mp' or 'ray'")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -262,8 +267,9 @@ class EngineConfig:
         from asyncengine.spec_decode.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.speculative is not None and self.tensor_parallel_size > 1:
-            raise ConfigError("speculative decoding is not supported with tensor_parallel_size > 1 yet")
+        if self.speculative is not None and self.world_size > 1:
+            raise ConfigError("speculative decoding is not supported with tensor_parallel_size or "
+                              "pipeline_parallel_size > 1 yet")
         check_device(self.device)
         check_dtype(self.dtype)
         check_backend_name(self.attention_backend)
@@ -323,6 +329,11 @@ class EngineConfig:
         if self.quantization in ("int8", "int4") and device_type != "cpu":
             raise ConfigError(f"quantization={self.quantization!r} runs on the CPU kernels only; on "
                               f"{device_type} load dense weights (quantization=None or 'none')")
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine core: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     # Resolved on first use, in the process that runs the model (they import torch, and "auto"
     # asks the machine: is there a GPU, which CPU dtype is fastest, do the C kernels build).

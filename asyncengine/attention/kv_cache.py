@@ -10,11 +10,12 @@ import torch
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes on this rank (its share of the KV heads; core/kv_sizing.py)."""
+    """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
+    layers; core/kv_sizing.py)."""
     from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block
 
     a = model.args
-    shape = KVModelShape(a.num_layers, model.num_kv_heads, a.head_dim, max_model_len=0)
+    shape = KVModelShape(len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
     return bytes_per_block(shape, block_size, dtype.itemsize)
 
 

@@ -207,6 +207,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                                         "GIL; this process then imports no torch", type=FLAG),
     EngineOption("tensor_parallel_size", "split the model over this many worker processes (Megatron tensor "
                                          "parallel)", type=POSITIVE_INT, short="-tp"),
+    EngineOption("pipeline_parallel_size", "split the layers into this many stages (worker processes), batches "
+                                           "pipelined", type=POSITIVE_INT, short="-pp"),
     EngineOption("data_parallel_size", "run this many engine cores (processes), each with its own KV cache",
                  type=POSITIVE_INT, short="-dp"),
     EngineOption("distributed_executor_backend", "uni: one thread; mp: worker processes; ray: Ray actors",

@@ -120,6 +120,9 @@ def check_hybrid_config(config, hf_config) -> None:
         raise ConfigError(f"speculative decoding is not supported for {arch} (a hybrid model with Mamba2 layers): "
                           "rejected drafts would need the SSM state rolled back to the accepted position; "
                           "leave speculative_config unset")
+    if config.pipeline_parallel_size > 1:
+        raise ConfigError("pipeline parallelism is not supported for hybrid models (Mamba2 layers) yet: "
+                          "leave pipeline_parallel_size at 1")
     if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         raise ConfigError(f"KV offload and P/D disaggregation move KV blocks only, not the Mamba2 state slots of "

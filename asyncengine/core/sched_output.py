@@ -27,6 +27,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallel: the tokens sampled since the request's last step (the stages that do not
+    # sample learn them here); empty otherwise
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -85,3 +88,18 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """One finished batch of the engine core's step pipeline, as every front end receives it
+    (in-process, or over a core process's pipe): the requests' outputs, the core's load after it,
+    and the requests scheduled for the first time since the last batch (they no longer queue)."""
+
+    outputs: list[EngineCoreOutput]
+    num_running: int
+    num_waiting: int
+    started_req_ids: list[str] = []
+    stats: dict | None = None  # the core's full stats, when its driver attaches them
+    # data parallel: requests a dead engine core held (they fail; the other cores go on), and why
+    lost_req_ids: list[str] = []
+    lost_reason: str = ""

@@ -18,6 +18,11 @@ may write, and ``update`` takes back the k + 1 - m that were not accepted. The r
 request's true position itself (it executes steps in order); a rejected draft's KV slot is simply
 overwritten by the next step. Only accepted tokens reach stop checks, block hashes and max_tokens.
 
+Pipeline parallelism (``pipeline_parallel=True``): batches in flight are disjoint: a request in a
+batch that has not come back is not scheduled again (nor re-admitted), so the engine core can keep
+one batch per stage in flight with no placeholders; each request's step carries the tokens sampled
+since its last one (``CachedRequestData.new_token_ids``) for the stages that do not sample.
+
 Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample requests
 (``Request.make_children``: ids ``"<id>#<i>"``, ``seed + i``). With prefix caching on, samples
 1..n-1 are *held* (neither waiting nor running) until sample 0 has had its whole prompt scheduled;
@@ -71,12 +76,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0, kv_connector=None) -> None:
+                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0, kv_connector=None,
+                 pipeline_parallel: bool = False) -> None:
         self.kv = kv
         self.connector = kv_connector
         self._kv_waiting: dict[str, Request] = {}  # asynchronous loads in flight
         self._leases: dict[str, tuple[Request, float]] = {}  # finished, blocks held until (monotonic)
         self.num_leases_expired = 0
+        self.pipeline_parallel = pipeline_parallel
+        self._in_flight: set[str] = set()  # pipeline parallel: requests in a batch not yet updated
+        self._tokens_sent: dict[str, int] = {}  # pipeline parallel: output tokens the stages were sent
         self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -202,6 +211,7 @@ class Scheduler:
                 if not kids:
                     del self.parents[req.parent_id]
         self._finished_ids.append(req.request_id)
+        self._tokens_sent.pop(req.request_id, None)
         self.stats.num_finished += 1
 
     def _preempt(self, req: Request) -> None:
@@ -242,6 +252,8 @@ class Scheduler:
 
     def _tokens_to_schedule(self, req: Request) -> int:
         """Tokens the request could compute now: the rest of its prompt/recompute, or one decode."""
+        if self.pipeline_parallel and req.request_id in self._in_flight:
+            return 0  # disjoint batches: its last step has not come back
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
         if n > 0 and req.num_computed_tokens + n >= req.num_tokens_with_placeholders:
             # this step would sample: only if another output token is still wanted
@@ -310,8 +322,8 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                if req.num_output_placeholders:
-                    break  # a token of it is still in flight from before its preemption
+                if req.num_output_placeholders or req.request_id in self._in_flight:
+                    break  # a step of it is still in flight from before its preemption
                 if len(self.running) >= self.max_num_seqs:
                     if not (priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs)):
                         break
@@ -364,7 +376,11 @@ class Scheduler:
         cached_data: list[CachedRequestData] = []
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
+            if self.pipeline_parallel:
+                self._in_flight.add(rid)
             if rid in new_ids:
+                if self.pipeline_parallel:
+                    self._tokens_sent[rid] = len(req.output_token_ids)
                 new_data.append(NewRequestData(
                     req_id=rid, prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
@@ -372,8 +388,13 @@ class Scheduler:
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
                     state_slot=self.kv.state_slot(rid)))
             else:
+                new_tokens = []
+                if self.pipeline_parallel:
+                    new_tokens = req.output_token_ids[self._tokens_sent.get(rid, 0):]
+                    self._tokens_sent[rid] = len(req.output_token_ids)
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
-                                                     num_computed_tokens=req.num_computed_tokens))
+                                                     num_computed_tokens=req.num_computed_tokens,
+                                                     new_token_ids=new_tokens))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             if self._held and self.kv.at_fork_point(req):
@@ -443,6 +464,8 @@ class Scheduler:
             self._kv_loaded(loaded)
             for rid in sent:
                 self._release_lease(rid)
+        if self._in_flight:
+            self._in_flight.difference_update(sched.num_scheduled_tokens)
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
         if prompt_lps:

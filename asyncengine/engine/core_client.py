@@ -1,392 +1,196 @@
-"""Engine cores in their own processes, and the in-process client that talks to them.
+"""The front end's one view of the engine core, wherever it runs: a ``CoreClient``.
 
-``EngineCoreClient`` starts one engine-core process (an :class:`EngineCore` with its own busy
-loop, scheduler, KV cache and executor, itself possibly tensor parallel) and exchanges msgspec
-messages with it over a pipe: requests and aborts in, each step's ``EngineCoreOutput``s (with the
-core's load) out.
+The async engine talks only to this interface (add, abort, outputs, health, stats, shutdown) and
+never sees a SchedulerOutput: the stepping is the core's own (``EngineCore``'s step pipeline,
+engine/core.py).
 
-Start-up overlaps: a core process starts with the config alone and imports torch and the model
-code (seconds) while the front end, which imports no torch, reads the model's config and builds
-its tokenizer; the front end then sends what it read (``StartCore``), and the core loads the
-weights and reports ``CoreReady``.
-
-``DPEngineCores`` puts ``data_parallel_size`` of them behind one front end: it routes each new
-request to the core that holds its prompt's prefix unless that one is much busier, else to the
-least loaded core (waiting + running, as last reported, plus what was sent since;
-engine/dp_router.py), sends each abort to the core that owns the request, and aggregates stats
-(labelled per core). The async engine's event loop stays in the front-end process. With the
-``ray`` backend the cores are Ray actors instead of local processes (engine/ray_cores.py).
+- :class:`InprocClient`: the core in this process. ``get_output()`` runs one turn of the core's
+  step pipeline, awaiting the oldest batch's future on the event loop (the model runs on the
+  executor's thread or processes), so the loop never blocks; the front end's new inputs join
+  before the next batches are scheduled.
+- :class:`MPClient`: ``data_parallel_size`` engine cores (or one, with ``engine_core_process``),
+  each in its own process (engine/core_proc.py) or Ray actor (engine/ray_cores.py), stepping on
+  their own; ``get_output()`` hands over what their reader threads received. It routes each new
+  request to the core that holds its prompt's prefix unless that one is much busier, else to the
+  least loaded core (engine/dp_router.py), sends each abort to the core that owns the request, and
+  aggregates stats (labelled per core). This process then imports no torch.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import multiprocessing as mp
 import os
-import signal
 import threading
-import time
-import traceback
+from abc import ABC, abstractmethod
 from collections import deque
-from typing import Callable, Union
-
-import msgspec
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
-from asyncengine.core.sched_output import EngineCoreOutput
-from asyncengine.engine import gc_policy
+from asyncengine.core.sched_output import EngineCoreOutputs
+from asyncengine.engine.core_proc import CoreDead, CoreModelInfo, EngineCoreProc
 from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
-from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
+from asyncengine.errors import EngineDeadError
 from asyncengine.models.model_info import ModelInfo
-from asyncengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
 
-STATS_EVERY_S = 0.1  # a core pushes its full stats at most this often (its load: every step)
-READY_TIMEOUT_S = 600.0
 
+class CoreClient(ABC):
+    """What the front end may ask of the engine core(s). ``model_info``, ``max_model_len``,
+    ``num_blocks`` and ``dtype`` are set by the implementations."""
 
-# ---------------------------------------------------------------------------------- messages
-
-
-class EngineCoreRequest(msgspec.Struct, kw_only=True):
-    """A validated request, as the front end's input processor made it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int
-    priority: int
-    arrival_time: float  # time.monotonic(): one clock for every process on the machine
-    cache_salt: str | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-
-    @classmethod
-    def of(cls, r: Request) -> "EngineCoreRequest":
-        return cls(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling_params=r.sampling_params,
-                   eos_token_ids=sorted(r.eos_token_ids), max_tokens=r.max_tokens, priority=r.priority,
-                   arrival_time=r.arrival_time, cache_salt=r.cache_salt, bad_words_token_ids=r.bad_words_token_ids)
-
-    def to_request(self) -> Request:
-        return Request(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                       sampling_params=self.sampling_params, eos_token_ids=frozenset(self.eos_token_ids),
-                       max_tokens=self.max_tokens, priority=self.priority, arrival_time=self.arrival_time,
-                       cache_salt=self.cache_salt, bad_words_token_ids=self.bad_words_token_ids)
-
-
-class CoreModelInfo(msgspec.Struct):
-    """What the front end read of the model (models/model_info.py), so that a core reads no
-    tokenizer and, for a checkpoint folder, imports no transformers (seconds saved)."""
-
-    hf_config: dict
-    eos_token_ids: list[int]
+    model_info: ModelInfo
     max_model_len: int
-    vocab_size: int
-    path: str
-    generation_config: dict | None = None
-
-    @classmethod
-    def of(cls, info: ModelInfo) -> "CoreModelInfo":
-        to_dict = getattr(info.hf_config, "to_dict", None)
-        return cls(hf_config=to_dict() if to_dict else dict(vars(info.hf_config)),
-                   eos_token_ids=list(info.eos_token_ids), max_model_len=info.max_model_len,
-                   vocab_size=info.vocab_size, path=info.path, generation_config=info.generation_config)
-
-    def to_model_info(self) -> ModelInfo:
-        import types
-
-        return ModelInfo(hf_config=types.SimpleNamespace(**self.hf_config), tokenizer=None,
-                         eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                         vocab_size=self.vocab_size, path=self.path, generation_config=self.generation_config)
-
-
-class StartCore(msgspec.Struct, tag="start"):
-    """The first message to a core: load this model and report ready."""
-
-    info: CoreModelInfo
-
-
-class AddRequest(msgspec.Struct, tag="add"):
-    request: EngineCoreRequest
-
-
-class Abort(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class AbortAll(msgspec.Struct, tag="abort_all"):
-    pass
-
-
-class ShutdownCore(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-class CoreReady(msgspec.Struct, tag="ready"):
-    pid: int
     num_blocks: int
-    max_model_len: int
-    dtype: str  # the resolved dtype ("float32", ...), which only the core's torch knows
+    dtype: str
     kernels: str = ""  # the dtype and why, the kernels in use (worker/kernel_info.py)
+    core: "EngineCore | None" = None  # the core itself when it runs in this process (introspection)
 
+    @staticmethod
+    def make(config: EngineConfig, core: "EngineCore | None" = None) -> "CoreClient":
+        """``core``: an engine core already built in this process (tests share one)."""
+        if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
+            from asyncengine.models.model_info import load_model_info
 
-class CoreOutputs(msgspec.Struct, tag="outputs"):
-    outputs: list[EngineCoreOutput]
-    num_running: int
-    num_waiting: int
-    stats: dict | None = None
+            # the cores import torch while this process reads the model's config and tokenizer
+            return MPClient(config, lambda: load_model_info(config))
+        if core is None:
+            from asyncengine.engine.core import EngineCore
 
-
-class CoreDead(msgspec.Struct, tag="dead"):
-    message: str
-    traceback: str
-    error_type: str = ""  # the exception's class name; the front end re-raises ours by type
-
-
-_START_ERRORS = {"ConfigError": ConfigError, "ModelLoadError": ModelLoadError}
-
-
-def _dead(e: BaseException) -> CoreDead:
-    return CoreDead(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
-                    error_type=type(e).__name__)
-
-
-ToCore = Union[StartCore, AddRequest, Abort, AbortAll, ShutdownCore]
-FromCore = Union[CoreReady, CoreOutputs, CoreDead]
-_enc = msgspec.msgpack.Encoder()
-_to_core = msgspec.msgpack.Decoder(ToCore)
-_from_core = msgspec.msgpack.Decoder(FromCore)
-
-
-# ---------------------------------------------------------------------------------- the core process
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
-
-
-def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None:
-    """One engine core: import the engine (torch) at once, then wait for ``StartCore`` (the model
-    info the front end read meanwhile), load, and run the busy loop: take inputs from the pipe,
-    keep up to two steps in flight in the executor, send each finished step's outputs back.
-    ``conn``: a multiprocessing Connection (a pipe, or a socket for a core that runs as a Ray
-    actor); ``parent_pid`` None: nothing to watch (a Ray actor dies with its owner, and at the
-    connection's end)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-
-    def send(msg) -> None:
-        conn.send_bytes(_enc.encode(msg))
-
-    try:
-        with gc_policy.paused(config.freeze_gc_after_load):
-            from asyncengine.core.engine_core import EngineCore  # torch and the model code: the long part
-
-            try:
-                start = _to_core.decode(conn.recv_bytes())
-            except (EOFError, OSError):  # the front end is gone
-                os._exit(0)
-            if not isinstance(start, StartCore):  # the front end gave up before the model was read
-                conn.close()
-                os._exit(0)
-            core = EngineCore(config, info=start.info.to_model_info())
-        if config.freeze_gc_after_load:
-            gc_policy.freeze_after_load()
-    except BaseException as e:
-        send(_dead(e))
-        os._exit(1)
-    send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=core.dtype,
-                   kernels=core.kernels))
-    depth = 2 if config.async_scheduling else 1
-    inflight: deque = deque()
-    last_stats = 0.0
-    reported_idle = True  # the front end has this core's load and stats as of its last idle moment
-    try:
-        while True:
-            # inputs: block only when there is nothing to compute
-            idle = not inflight and not core.has_unfinished()
-            while conn.poll(1.0 if idle else 0):
-                msg = _to_core.decode(conn.recv_bytes())
-                if isinstance(msg, AddRequest):
-                    core.add_request(msg.request.to_request())
-                elif isinstance(msg, Abort):
-                    core.abort_requests(msg.request_ids)
-                elif isinstance(msg, AbortAll):
-                    core.abort_all()
-                else:
-                    core.shutdown()
-                    conn.close()
-                    os._exit(0)
-                idle = False
-            if not inflight and not core.has_unfinished() and not reported_idle:
-                # idle without a last step (an abort emptied it): the front end still needs the
-                # final load and stats
-                send(CoreOutputs(outputs=[], num_running=core.num_running, num_waiting=core.num_waiting,
-                                 stats=core.stats()))
-                reported_idle, last_stats = True, time.monotonic()
-            if idle:
-                core.check_health()
-                continue
-            while len(inflight) < depth and core.has_unfinished():
-                so = core.schedule()
-                if so.is_empty and not so.finished_req_ids:
-                    break
-                inflight.append((so, core.execute_model(so)))
-                if so.is_empty:
-                    break
-            if not inflight:
-                continue
-            so, fut = inflight.popleft()
-            outs = core.update(so, fut.result())
-            if len(inflight) < depth and core.has_unfinished():  # queue the next step first
-                nxt = core.schedule()
-                if not nxt.is_empty or nxt.finished_req_ids:
-                    inflight.append((nxt, core.execute_model(nxt)))
-            now = time.monotonic()
-            stats = None
-            if now - last_stats >= STATS_EVERY_S or not (inflight or core.has_unfinished()):
-                stats, last_stats = core.stats(), now
-            send(CoreOutputs(outputs=outs, num_running=core.num_running, num_waiting=core.num_waiting, stats=stats))
-            reported_idle = stats is not None and not (inflight or core.has_unfinished())
-    except (EOFError, OSError):  # the front end is gone
-        core.shutdown()
-        os._exit(0)
-    except BaseException as e:
-        try:
-            send(_dead(e))
-        except Exception:
-            pass
-        core.shutdown()
-        os._exit(1)
-
-
-# ---------------------------------------------------------------------------------- the client
-
-
-class EngineCoreClient:
-    """One engine-core process, seen from the front end. ``sink(index, message)`` receives, on a
-    reader thread, each CoreOutputs and, once, a CoreDead when the core fails or vanishes."""
-
-    def __init__(self, config: EngineConfig, index: int, sink: Callable) -> None:
-        self.index = index
-        self._sink = sink
-        self.conn, self.proc = self._launch(config)
-        self._lock = threading.Lock()
-        self._closing = False
-        self._started = False
-        self.num_running = 0
-        self.num_waiting = 0
-        self.sent_since_report = 0
-        self.stats: dict = {}
-        self.ready: CoreReady | None = None
-        self._reader: threading.Thread | None = None
-
-    def _launch(self, config: EngineConfig):
-        """Start the core process (it imports torch, then waits for ``start``); returns (its
-        connection, a handle with multiprocessing.Process's pid, exitcode, is_alive, join and kill)."""
-        ctx = mp.get_context("spawn")
-        conn, child = ctx.Pipe(duplex=True)
-        # not daemonic: a core may start worker processes of its own (tensor parallel)
-        proc = ctx.Process(target=engine_core_main, args=(config, child, os.getpid()),
-                           name=f"asyncengine-core-{self.index}", daemon=False)
-        proc.start()
-        child.close()
-        return conn, proc
-
-    def start(self, info: CoreModelInfo) -> None:
-        """Hand the core the model the front end read: it loads it and reports ready."""
-        self._send(StartCore(info))
-        self._started = True
-
-    def wait_ready(self) -> CoreReady:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self.conn.poll(0.2):
-            if not self.proc.is_alive():
-                raise EngineDeadError(f"engine core {self.index} exited during start-up (code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"engine core {self.index} did not start in {READY_TIMEOUT_S:.0f} s")
-        msg = _from_core.decode(self.conn.recv_bytes())
-        if isinstance(msg, CoreDead):
-            if msg.error_type in _START_ERRORS:  # a bad config or checkpoint: the caller's error, as in-process
-                raise _START_ERRORS[msg.error_type](msg.message.removeprefix(f"{msg.error_type}: "))
-            raise EngineDeadError(f"engine core {self.index} failed to start: {msg.message}")
-        self.ready = msg
-        self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"asyncengine-core-{self.index}-reader")
-        self._reader.start()
-        return msg
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                msg = _from_core.decode(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                if not self._closing:
-                    self._sink(self.index, CoreDead(
-                        message=f"engine core {self.index} (pid {self.proc.pid}) is gone "
-                                f"(exit code {self.proc.exitcode})", traceback=""))
-                return
-            if isinstance(msg, CoreOutputs):
-                self.num_running, self.num_waiting = msg.num_running, msg.num_waiting
-                self.sent_since_report = 0
-                if msg.stats is not None:
-                    self.stats = msg.stats
-            self._sink(self.index, msg)
-            if isinstance(msg, CoreDead):
-                return
+            core = EngineCore(config)
+        return InprocClient(core)
 
     @property
-    def load(self) -> int:
-        return self.num_running + self.num_waiting + self.sent_since_report
+    def tokenizer(self):
+        return self.model_info.tokenizer
 
-    def _send(self, msg) -> None:
-        with self._lock:
-            try:
-                self.conn.send_bytes(_enc.encode(msg))
-            except (OSError, ValueError):
-                raise EngineDeadError(f"engine core {self.index} is gone") from None
+    @property
+    def vocab_size(self) -> int:
+        return self.model_info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_info.eos_token_ids
+
+    def bind(self, wake: Callable[[], None], pump: Callable[[], None]) -> None:
+        """``wake()``: tell the front end's loop there may be output (safe from any thread);
+        ``pump()``: hand the front end's pending inputs over now (called on the loop)."""
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int:
+        """Requests (samples) waiting to be scheduled, for admission control."""
+
+    @abstractmethod
+    def add_request(self, req: Request) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids) -> None: ...
+
+    @abstractmethod
+    def abort_all(self) -> None:
+        """Abandon every request (the front end's loop went away)."""
+
+    def request_finished(self, request_id: str) -> None:
+        """The front end saw the request's last output."""
+
+    @abstractmethod
+    async def get_output(self) -> EngineCoreOutputs | None:
+        """The next finished batch's outputs, or None at once when there is none to wait for
+        (then the front end waits for ``wake`` or an input)."""
+
+    @abstractmethod
+    def is_idle(self) -> bool:
+        """Nothing of the front end's is left to compute here (the drained shutdown may end)."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the core (or a worker of it) is gone."""
+
+    @abstractmethod
+    def stats(self) -> dict: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop everything the client started (idempotent)."""
+
+
+async def _wait(fut: Future) -> None:
+    """Await a concurrent future on the running loop without ever cancelling it (a batch handed to
+    the executor runs to its end; its result is folded in or dropped by the core)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def done(_f) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+    fut.add_done_callback(done)
+    await waiter
+
+
+class InprocClient(CoreClient):
+    """The engine core in this process, stepped by the front end's busy loop."""
+
+    def __init__(self, core: "EngineCore") -> None:
+        self.core = core
+        self.model_info = core.model_info
+        self.max_model_len = core.max_model_len
+        self.num_blocks = core.num_blocks
+        self.dtype = core.dtype
+        self.kernels = core.kernels
+        self._pump: Callable[[], None] = lambda: None
+
+    def bind(self, wake, pump) -> None:
+        self._pump = pump
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.num_waiting
 
     def add_request(self, req: Request) -> None:
-        self.sent_since_report += req.sampling_params.n
-        self._send(AddRequest(EngineCoreRequest.of(req)))
+        self.core.add_request(req)
 
-    def abort_requests(self, ids: list[str]) -> None:
-        self._send(Abort(list(ids)))
+    def abort_requests(self, request_ids) -> None:
+        self.core.abort_requests(request_ids)
 
     def abort_all(self) -> None:
-        self._send(AbortAll())
+        self.core.abort_all()
 
-    def is_alive(self) -> bool:
-        return self.proc.is_alive()
+    async def get_output(self) -> EngineCoreOutputs | None:
+        core = self.core
+        if not core.has_work():
+            return None
+        core.fill_batch_queue()
+        fut = core.oldest_batch()
+        if fut is None:  # work exists but none is schedulable now: wait for an input
+            return None
+        await _wait(fut)
+        self._pump()  # inputs that arrived meanwhile join the batches scheduled next
+        return core.finish_oldest_batch()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        if not self._started:  # still importing, holding nothing: no need to wait for it
-            self.proc.kill()
-            self.proc.join(5)
-            self.conn.close()
-            return
-        try:
-            self._send(ShutdownCore())
-        except EngineDeadError:
-            pass
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+    def is_idle(self) -> bool:
+        return not self.core.has_work()
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
 
 
-class DPEngineCores:
-    """``data_parallel_size`` engine-core processes behind one front end (the async engine).
+class MPClient(CoreClient):
+    """``data_parallel_size`` engine-core processes (or Ray actors) behind one front end.
 
     ``load_info()`` reads the model (models/model_info.py) in this process; it runs after the cores
     are launched, while they import torch."""
@@ -395,14 +199,15 @@ class DPEngineCores:
         import dataclasses
 
         self.config = config
-        self._sink: Callable = lambda i, m: None
+        self._inbox: deque = deque()  # (core index, message), from the cores' reader threads
+        self._wake: Callable[[], None] = lambda: None
         # each core (and each of its TP ranks) gets its share of the cores unless told otherwise
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.data_parallel_size
-                                                                          * config.tensor_parallel_size))
+                                                                          * config.world_size))
         core_cfg = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False, num_threads=threads)
-        self.clients: list[EngineCoreClient] = []
+        self.clients: list[EngineCoreProc] = []
         self._ray = None
-        make = EngineCoreClient
+        make = EngineCoreProc
         try:
             if config.distributed_executor_backend == "ray":  # the cores as Ray actors, on any node
                 from asyncengine.engine.ray_cores import RayEngineCores
@@ -432,19 +237,6 @@ class DPEngineCores:
         self.health = CoreHealth(len(self.clients))
         self._core_cfg, self._make, self._info = core_cfg, make, info
 
-    # the same face as EngineCore where the front end needs it
-    @property
-    def tokenizer(self):
-        return self.model_info.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model_info.vocab_size
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.model_info.eos_token_ids
-
     @property
     def num_waiting(self) -> int:
         return sum(c.num_waiting + c.sent_since_report for c in self.clients)
@@ -453,12 +245,30 @@ class DPEngineCores:
     def num_running(self) -> int:
         return sum(c.num_running for c in self.clients)
 
-    def set_sink(self, sink: Callable) -> None:
-        """``sink(core index, CoreOutputs | CoreDead)``, called on the clients' reader threads."""
-        self._sink = sink
+    def bind(self, wake, pump) -> None:
+        self._wake = wake
+        if self._inbox:
+            wake()
 
-    def _deliver(self, index: int, msg) -> None:
-        self._sink(index, msg)
+    def _deliver(self, index: int, msg) -> None:  # on a reader thread: hand over, wake the loop
+        self._inbox.append((index, msg))
+        self._wake()
+
+    async def get_output(self) -> EngineCoreOutputs | None:
+        if not self._inbox:
+            return None
+        index, msg = self._inbox.popleft()
+        if isinstance(msg, CoreDead):  # its requests fail, or the engine dies (the traceback: log only)
+            log.error("engine core %d died: %s%s", index, msg.message, f"\n{msg.traceback}" if msg.traceback else "")
+            lost = self.core_died(index)
+            if lost is None:
+                raise EngineDeadError(msg.message)
+            return EngineCoreOutputs(outputs=[], num_running=self.num_running, num_waiting=0, lost_req_ids=lost,
+                                     lost_reason=f"engine core {index} died ({msg.message})")
+        return msg
+
+    def is_idle(self) -> bool:
+        return True  # the cores step on their own; the front end waits for its streams
 
     def add_request(self, req: Request) -> int:
         """Send to the core that holds the prompt's prefix if it is not much busier, else to the
@@ -492,7 +302,7 @@ class DPEngineCores:
         core is left (the engine is dead). With ``restart_dead_cores`` a fresh core replaces it."""
         if self.health.mark_dead(index):
             self.router.seen[index].clear()
-            if getattr(self.config, "restart_dead_cores", False) and self.health.num_alive > 0:
+            if self.config.restart_dead_cores and self.health.num_alive > 0:
                 self._restart(index)
         lost = requests_of(self.owner, index)
         return lost if self.health.num_alive > 0 else None
@@ -515,7 +325,7 @@ class DPEngineCores:
 
         threading.Thread(target=run, daemon=True, name=f"asyncengine-core-{index}-restart").start()
 
-    def finished(self, request_id: str) -> None:
+    def request_finished(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
 
     def abort_all(self) -> None:

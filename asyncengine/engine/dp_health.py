@@ -1,7 +1,7 @@
 """Which data-parallel engine cores are alive, and what a core's death costs: only its own requests.
 
 Before, one core's death killed the engine (every stream on every core failed, and the server
-answered 500 for ever; issue 27). Now the front end (engine/core_client.py: ``DPEngineCores``)
+answered 500 for ever; issue 27). Now the front end (engine/core_client.py: ``MPClient``)
 marks the core dead, fails the requests it owned (``EngineCoreDied``), and routes new requests to
 the cores left, by giving a dead core a load no live one can reach (the router, engine/dp_router.py,
 then never picks it: neither least loaded, nor within its affinity slack). The engine is dead only

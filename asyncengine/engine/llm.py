@@ -14,7 +14,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine.core import EngineCore
 from asyncengine.engine import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType
@@ -123,7 +123,8 @@ class LLM:
         n_out, t0 = 0, time.perf_counter()
         try:
             while len(done) < len(made):
-                core_outs = engine.step()
+                batch = engine.step_with_batch_queue()  # the core's step pipeline (engine/core.py)
+                core_outs = batch.outputs if batch is not None else []
                 processed = outp.process(core_outs)
                 if processed.to_abort:
                     engine.abort_requests(processed.to_abort)
@@ -135,13 +136,15 @@ class LLM:
                         done[o.request_id] = o
                         bar.update(1)
                         bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - t0):.0f}", refresh=False)
-                if not core_outs and not engine.has_unfinished() and len(done) < len(made):
+                if batch is None and len(done) < len(made):
                     raise RuntimeError("engine went idle with requests unfinished")  # never expected
         finally:
             bar.close()
             left = [rid for rid in order if rid not in done]
             if left:  # an exception: leave the engine clean for the next call
                 engine.abort_requests(left)
+                while engine.oldest_batch() is not None:  # finish what is in flight, then tell the
+                    engine.step()                         # runner to drop the aborted requests
                 engine.step()
                 for rid in left:
                     outp.abort(rid)

@@ -5,9 +5,9 @@ Each core is one actor running the same ``engine_core_main`` busy loop as a loca
 process; only the wire differs: the actor listens on a TCP port of its node (a
 ``multiprocessing.connection`` listener, authenticated with a random key the driver hands it) and
 the front end connects to it, so the same msgspec messages flow as over the local pipe, and the
-same ``DPEngineCores`` routes, aborts and aggregates. Placement: a placement group with one
+same ``MPClient`` (engine/core_client.py) routes, aborts and aggregates. Placement: a placement group with one
 bundle per core (strategy ``EngineConfig.ray_placement_strategy``; ``STRICT_SPREAD`` = one core
-per node). At ``tensor_parallel_size`` 1 a core runs its model in the actor itself (``uni``, on
+per node). With one rank (no tensor or pipeline parallelism) a core runs its model in the actor itself (``uni``, on
 the bundle's CPUs); above 1 its ranks are Ray actors of their own (the ``ray`` executor, one
 placement group per core) and the core actor reserves no CPU.
 
@@ -21,9 +21,9 @@ import os
 import time
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core_client import EngineCoreClient, engine_core_main
+from asyncengine.engine.core_proc import EngineCoreProc, engine_core_main
 from asyncengine.errors import EngineDeadError
-from asyncengine.executor.ray_executor import _import_ray
+from asyncengine.executor.ray_executor import acquire_ray, release_ray
 
 
 class EngineCoreActor:
@@ -77,16 +77,14 @@ class RayEngineCores:
     """The placement of ``data_parallel_size`` core actors, and the clients that start them."""
 
     def __init__(self, config: EngineConfig) -> None:
-        ray = self.ray = _import_ray()
+        ray, self._holds_ray = acquire_ray()
+        self.ray = ray
         from ray.util.placement_group import placement_group
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
         self.config = config
         n = config.data_parallel_size
         cuda = config.torch_device.type == "cuda"
-        tp = config.tensor_parallel_size
-        if tp == 1:  # the model runs in the core actor, on its bundle's CPUs (and GPU)
+        if config.world_size == 1:  # the model runs in the core actor, on its bundle's CPUs (and GPU)
             threads = config.num_threads or 1
             self.core_config = dataclasses.replace(config, data_parallel_size=1, engine_core_process=False,
                                                    num_threads=threads, distributed_executor_backend="uni")
@@ -105,8 +103,8 @@ class RayEngineCores:
                     f"{config.ray_placement_strategy} within {config.distributed_timeout_s:.0f} s "
                     f"(cluster resources: {ray.cluster_resources()})")
 
-    def client(self, core_config: EngineConfig, index: int, sink) -> "RayEngineCoreClient":
-        return RayEngineCoreClient(core_config, index, sink, cores=self)
+    def client(self, core_config: EngineConfig, index: int, sink) -> "RayEngineCoreProc":
+        return RayEngineCoreProc(core_config, index, sink, cores=self)
 
     def start_actor(self, core_config: EngineConfig, index: int):
         """Start core ``index``'s actor and connect to it: (connection, process handle, node id)."""
@@ -152,10 +150,13 @@ class RayEngineCores:
             except Exception:
                 pass
             self.pg = None
+        if self._holds_ray:  # after the core actors (their clients shut them down first)
+            self._holds_ray = False
+            release_ray()
 
 
-class RayEngineCoreClient(EngineCoreClient):
-    """An EngineCoreClient whose core is a Ray actor, reached over a TCP connection."""
+class RayEngineCoreProc(EngineCoreProc):
+    """An EngineCoreProc whose core is a Ray actor, reached over a TCP connection."""
 
     def __init__(self, config: EngineConfig, index: int, sink, *, cores: RayEngineCores) -> None:
         self._cores = cores

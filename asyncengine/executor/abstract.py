@@ -2,7 +2,7 @@
 
 The core never touches a runner, a model or a KV tensor: it hands the executor one
 ``SchedulerOutput`` per step and gets back a future of the step's ``ModelRunnerOutput``, so that
-the overlapped busy loop can keep two steps in flight with any executor. Implementations:
+the engine core's step pipeline can keep ``max_concurrent_batches`` in flight with any executor. Implementations:
 
 - ``uni`` (:mod:`asyncengine.executor.uniproc`): one worker on a thread of this process.
 - ``mp`` (:mod:`asyncengine.executor.multiproc`): tensor-parallel worker processes on this machine.
@@ -34,6 +34,14 @@ class Executor(ABC):
         self.eos_token_ids = list(model_info.eos_token_ids)
         to_dict = getattr(model_info.hf_config, "to_dict", None)
         self.hf_config_dict = to_dict() if to_dict is not None else dict(vars(model_info.hf_config))
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches the engine core keeps in flight here: one per pipeline stage (they are
+        disjoint), else 2 with async scheduling (step N+1 planned while N runs), else 1."""
+        if self.config.pipeline_parallel_size > 1:
+            return self.config.pipeline_parallel_size
+        return 2 if self.config.async_scheduling else 1
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         """The most constrained rank's view: the largest block, the least free memory."""

@@ -1,10 +1,12 @@
-"""MultiprocExecutor (``mp``): ``tensor_parallel_size`` worker processes on this machine.
+"""MultiprocExecutor (``mp``): ``tensor_parallel_size x pipeline_parallel_size`` worker processes on
+this machine.
 
 Each rank is a spawned process with one :class:`~asyncengine.worker.worker.Worker`; the ranks form
 a torch.distributed process group (gloo on CPU, NCCL on CUDA) for the Megatron collectives. Each
 step's SchedulerOutput is encoded once (msgspec) and written to every rank's pipe (the transport
-measured in docs/benchmarks.md); rank 0 answers with the step's ModelRunnerOutput. Up to two
-steps are queued in the pipes, so the busy loop's overlap works as with one thread.
+measured in docs/benchmarks.md); the output rank (tensor rank 0 of the last pipeline stage)
+answers with the step's ModelRunnerOutput. The engine core's batches in flight are all queued in
+the pipes at once, so with pipeline stages each works on a different batch.
 
 Faults: a reader thread per rank and a monitor on the processes' sentinels turn a dead or failing
 rank into EngineDeadError on every pending future within moments, and kill the other ranks (which
@@ -135,9 +137,10 @@ class MultiprocExecutor(Executor):
         if config.num_threads is None:
             import dataclasses
 
-            config = dataclasses.replace(config, num_threads=default_threads_per_rank(config.tensor_parallel_size))
+            config = dataclasses.replace(config, num_threads=default_threads_per_rank(config.world_size))
             self.config = config
-        n = self.world_size = config.tensor_parallel_size
+        n = self.world_size = config.world_size
+        self.output_rank = n - config.tensor_parallel_size
         self._dead: EngineDeadError | None = None
         self._closing = False
         self._lock = threading.Lock()  # guards sends and the pending queues
@@ -282,7 +285,9 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         fut: Future = Future()
         try:
-            self._send_all(M.encode(M.ExecuteModel(scheduler_output)), [fut] + [None] * (self.world_size - 1))
+            futures: list[Future | None] = [None] * self.world_size
+            futures[self.output_rank] = fut
+            self._send_all(M.encode(M.ExecuteModel(scheduler_output)), futures)
         except EngineDeadError as e:
             if not fut.done():
                 fut.set_exception(e)

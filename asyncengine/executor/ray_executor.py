@@ -1,4 +1,4 @@
-"""RayExecutor (``ray``): the tensor-parallel ranks as Ray actors, on any number of nodes.
+"""RayExecutor (``ray``): the tensor- and pipeline-parallel ranks as Ray actors, on any number of nodes.
 
 The actors are placed by a placement group with one bundle per rank (strategy from
 ``EngineConfig.ray_placement_strategy``: ``PACK`` by default, ``STRICT_SPREAD`` for one rank per
@@ -8,7 +8,8 @@ the ``mp`` executor's: the same msgspec bytes to every rank, rank 0's bytes back
 actor fails every pending step with EngineDeadError.
 
 Ray is optional (``pip install 'asyncengine[ray]'``). The engine connects to the cluster the
-process is already connected to, else to ``$RAY_ADDRESS``, else starts a local one. Every node
+process is already connected to, else to ``$RAY_ADDRESS``, else starts a local one, which it stops
+at shutdown (``acquire_ray``/``release_ray``). Every node
 needs this package and the model at the same path. See docs/distributed.md.
 """
 from __future__ import annotations
@@ -35,6 +36,45 @@ def _import_ray():
         raise ConfigError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                           "pip install 'asyncengine[ray]'") from None
     return ray
+
+
+# The Ray connection this package opened (and, without RAY_ADDRESS, the local cluster ray.init
+# started), shared by the engines of this process that use it: the last one to shut down closes it,
+# so an embedded engine leaves no Ray process behind. A connection the app opened is the app's.
+_ray_lock = threading.Lock()
+_ray_owned = False
+_ray_users = 0
+
+
+def acquire_ray():
+    """Ray, connected (to the cluster the process is connected to, else ``$RAY_ADDRESS``, else a new
+    local one); returns (ray, whether this package holds the connection: then call release_ray)."""
+    global _ray_owned, _ray_users
+    ray = _import_ray()
+    with _ray_lock:
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            _ray_owned = True
+        if not _ray_owned:
+            return ray, False
+        _ray_users += 1
+        return ray, True
+
+
+def release_ray() -> None:
+    """One user of the connection this package opened is done; the last one shuts it down."""
+    global _ray_owned, _ray_users
+    with _ray_lock:
+        _ray_users -= 1
+        if _ray_users > 0 or not _ray_owned:
+            return
+        _ray_owned = False
+        import ray
+
+        try:
+            ray.shutdown()
+        except Exception:  # already gone
+            log.warning("ray.shutdown() failed", exc_info=True)
 
 
 class RayWorkerWrapper:
@@ -82,14 +122,14 @@ class RayWorkerWrapper:
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, model_info, loaded=None) -> None:
         super().__init__(config, model_info, loaded)
-        ray = self.ray = _import_ray()
+        ray, self._holds_ray = acquire_ray()
+        self.ray = ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._remove_pg = remove_placement_group
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-        n = self.world_size = config.tensor_parallel_size
+        n = self.world_size = config.world_size
+        self.output_rank = n - config.tensor_parallel_size  # tensor rank 0 of the last stage
         cuda = config.torch_device.type == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=config.ray_placement_strategy)
@@ -159,7 +199,7 @@ class RayExecutor(Executor):
             except BaseException as e:
                 self._die(f"worker rank {rank} failed: {type(e).__name__}: {e}")
                 return
-            if rank == 0:
+            if rank == self.output_rank:
                 with self._lock:
                     self._pending.discard(out)
                 if not out.done():
@@ -206,6 +246,9 @@ class RayExecutor(Executor):
             self._remove_pg(self.pg)
         except Exception:
             pass
+        if self._holds_ray:
+            self._holds_ray = False
+            release_ray()
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()

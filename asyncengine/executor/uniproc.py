@@ -18,8 +18,9 @@ from asyncengine.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_info, loaded=None) -> None:
         super().__init__(config, model_info, loaded)
-        if config.tensor_parallel_size != 1:
-            raise ValueError("the 'uni' executor runs one worker: use 'mp' or 'ray' for tensor_parallel_size > 1")
+        if config.world_size != 1:
+            raise ValueError("the 'uni' executor runs one worker: use 'mp' or 'ray' for tensor_parallel_size "
+                             "or pipeline_parallel_size > 1")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-model")
         self._closed = False
         self.worker = Worker(config, eos_token_ids=self.eos_token_ids, loaded=loaded)

@@ -125,3 +125,44 @@ def vocab_split(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     per = -(-vocab_size // tp.size)
     start = min(tp.rank * per, vocab_size)
     return start, min(start + per, vocab_size), per
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's pipeline stage: which layers it holds, and its neighbours' global ranks (the
+    same tensor-parallel rank of the previous and next stage). ``FULL`` (size 1): every layer, no
+    neighbours. Hidden states and residual cross stages by point-to-point sends (gloo on CPU)."""
+
+    rank: int = 0  # the stage
+    size: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of this stage's layers: an even split, the first stages taking one more
+        when it does not divide (the last stage also runs the norm, the head and the sampler)."""
+        return layer_split(num_layers, self.size)[self.rank]
+
+
+def layer_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    if num_layers < stages:
+        raise ConfigError(f"pipeline_parallel_size={stages} is more than the model's {num_layers} layers: "
+                          f"every stage must hold at least one")
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (s < extra)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+FULL = PPGroup()

@@ -9,6 +9,10 @@ heads (q/k/v rows; KV heads replicated when there are fewer than N), of the MLP 
 rows, down columns) and of the vocabulary (embedding rows and LM head rows); o_proj and down_proj
 produce partial sums that one all-reduce each completes. :meth:`weight_shard` tells the loader which
 slice of each checkpoint tensor this rank reads, so no rank ever materializes the whole model.
+
+Pipeline parallel: a model built with a ``PPGroup`` holds only its stage's layers (the first stage
+the embedding, the last the norm and the head); a stage other than the last returns the stream as
+``(hidden, residual)`` for the next, which takes it as ``intermediate``.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from torch import nn
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.linear import Linear, VocabEmbedding
 from asyncengine.layers.norm import RMSNorm
-from asyncengine.layers.parallel import SINGLE, TPGroup, attention_shard, even_split, vocab_split
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup, attention_shard, even_split, vocab_split
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -147,26 +151,32 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
         super().__init__()
         a = LlamaArgs.from_hf(hf_config, max_positions, self.qkv_bias, self.qk_norm)
         self.args = a
         self.tp = tp
+        self.pp = pp
+        self.start_layer, self.end_layer = pp.layer_range(a.num_layers)
         self.shard = attention_shard(a.num_heads, a.num_kv_heads, tp)
         self.inter_start, _ = even_split(a.intermediate_size, tp, "intermediate size")
         # vocab-parallel embedding and head: each rank holds `rows` rows (the last may pad); or
         # replicated (tp.vocab_parallel False): every rank holds all of them
         self.vocab_start, self.vocab_stop, rows = vocab_split(a.vocab_size, tp)
         valid = self.vocab_stop - self.vocab_start
-        self.embed_tokens = VocabEmbedding(rows, a.hidden_size, valid)  # no random init: the loader fills it
+        # no random init: the loader fills them. The embedding on the first stage, and on the last
+        # when it is also the head (tied)
+        self.embed_tokens = VocabEmbedding(rows, a.hidden_size, valid) \
+            if pp.is_first or (pp.is_last and a.tie_word_embeddings) else None
         rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope)
         self.rotary = rotary
         windows = a.layer_windows or (None,) * a.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows)
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else VocabEmbedding(rows, a.hidden_size, valid)
+        self.layers = nn.ModuleList(DecoderLayer(a, rotary, tp, w) for w in windows[self.start_layer:self.end_layer])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if pp.is_last else None
+        self.lm_head = None if a.tie_word_embeddings or not pp.is_last \
+            else VocabEmbedding(rows, a.hidden_size, valid)
         # the decoder layers of a step as one C call (models/llama_native.py), set by the worker
-        # where it applies; None = every step runs the per-op code below
+        # where it applies (one pipeline stage only); None = every step runs the per-op code below
         self.native_step = None
 
     @classmethod
@@ -192,20 +202,25 @@ class LlamaForCausalLM(nn.Module):
         return self.args.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
-        if not self.tp.vocab_sharded:
-            x = self.embed_tokens(input_ids)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta, intermediate=None):
+        """The last stage's final hidden states; another stage's ``(hidden, residual)`` (for the
+        next, which gets them as ``intermediate``). ``kv_caches``: this stage's layers' only."""
+        if intermediate is not None:
+            x, residual = intermediate
+        elif not self.tp.vocab_sharded:
+            x, residual = self.embed_tokens(input_ids), None
         else:  # rows outside this rank's vocabulary slice contribute zeros to the all-reduce
             local = input_ids - self.vocab_start
             outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
             x = self.embed_tokens(local.masked_fill(outside, 0))
-            x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+            x, residual = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0)), None
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native_step is not None and self.native_step.accepts(x.shape[0], meta):
+        if self.native_step is not None and intermediate is None and self.native_step.accepts(x.shape[0], meta):
             return self.native_step(x, rope, kv_caches, meta)
-        residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, rope, kv, meta, residual)
+        if not self.pp.is_last:
+            return x, residual
         return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -245,6 +260,28 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
+    def local_name(self, name: str) -> str | None:
+        """A checkpoint name (no ``model.`` prefix) as this stage's module holds it (its layers
+        numbered from 0), or None for a tensor of another stage."""
+        if self.pp.size == 1:
+            return name
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            i = int(i)
+            return f"layers.{i - self.start_layer}.{rest}" if self.start_layer <= i < self.end_layer else None
+        if name.startswith("embed_tokens."):
+            return name if self.embed_tokens is not None else None
+        if name.startswith(("norm.", "lm_head.")):
+            return name if self.pp.is_last else None
+        return name
+
+    def checkpoint_name(self, name: str) -> str:
+        """The inverse of :meth:`local_name` for this stage's modules."""
+        if self.pp.size > 1 and name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            return f"layers.{int(i) + self.start_layer}.{rest}"
+        return name
+
     def checkpoint_layers(self) -> dict[str, tuple[Linear, list[str]]]:
         """Every :class:`Linear` (by module name) with the checkpoint weights (HF names without the
         ``model.`` prefix) that fill it, in part order: the loader picks each layer's storage from
@@ -255,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         out = {}
         for name, m in self.named_modules():
             if isinstance(m, Linear):
-                prefix, _, leaf = name.rpartition(".")
+                prefix, _, leaf = self.checkpoint_name(name).rpartition(".")
                 leaves = [parts[leaf][i] for i in sorted(parts[leaf])] if leaf in parts else [leaf]
                 out[name] = (m, [f"{prefix}.{x}.weight" if prefix else f"{x}.weight" for x in leaves])
         return out
@@ -270,7 +307,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = name.removeprefix("model.")
+            name = self.local_name(name.removeprefix("model."))
+            if name is None:
+                continue  # another pipeline stage's
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the head
             parts = name.split(".")

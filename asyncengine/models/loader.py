@@ -79,12 +79,13 @@ def _safetensors_weights(path: Path, shard_of=None):
             raise ModelLoadError(f"{fp}: cannot read safetensors file ({e})") from None
 
 
-def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None
-               ) -> LoadedModel:
+def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None,
+               pp=None) -> LoadedModel:
     """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
     rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
     never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
     worker process then never imports transformers for a safetensors checkpoint: seconds saved).
+    ``pp``: a ``PPGroup``: build only this pipeline stage's layers (and skip the others' tensors).
 
     An unsharded GGUF goes straight into the runtime format (config from its metadata, weights
     decoded lazily, on CPU a memory-mapped weight cache for later starts: models/weight_cache.py);
@@ -94,6 +95,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
 
     say = log.info
     tp = tp or SINGLE
+    stage = {"pp": pp} if pp is not None and pp.size > 1 else {}  # models without stages never see it
     path = resolve_path(config.model)
     want_tok = tokenizer and not config.skip_tokenizer_init
     gguf, weights, tok, generation_config, file_types = None, None, None, None, None
@@ -109,7 +111,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             cls = resolve_architecture(hf_config)
             max_len = resolve_max_model_len(hf_config, config)
             with torch.device("meta"):
-                shape_model = cls(hf_config, max_positions=max_len, tp=tp)
+                shape_model = cls(hf_config, max_positions=max_len, tp=tp, **stage)
             file_types = tensor_types(path)
             keep = choose_weight_storage(shape_model, config, file_types, quiet=True)
             say(f"reading rank {tp.rank}'s shard of {os.path.basename(path)}")
@@ -137,11 +139,11 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     cls = resolve_architecture(hf_config)
     max_len = resolve_max_model_len(hf_config, config)
     with torch.device("meta"):
-        model = cls(hf_config, max_positions=max_len, tp=tp)
+        model = cls(hf_config, max_positions=max_len, tp=tp, **stage)
     keep = choose_weight_storage(model, config, file_types)
     cache, cached = None, False
     # unsharded CPU loads only: a key without the shard would hand one rank another's weights
-    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1:
+    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not stage:
         from asyncengine.models import weight_cache
 
         if weight_cache.enabled_for(path):

@@ -14,6 +14,12 @@ sampled), prompt logprobs (worker/prompt_logprobs.py).
 Under tensor parallelism every rank runs this same code on the same SchedulerOutput (so every
 rank builds the same batch and calls the same collectives); rank 0 alone samples, and broadcasts
 the sampled ids so that every rank's request state advances alike. Only rank 0 returns an output.
+
+Under pipeline parallelism every stage builds the same batch too; a stage other than the first
+receives the previous stage's hidden states instead of embedding ids, one other than the last
+sends its own on (worker/pipeline.py) and samples nothing. Only the last stage samples, so the
+scheduler sends the other stages the tokens sampled since a request's last step
+(``CachedRequestData.new_token_ids``; in-flight batches are disjoint, so it knows them all).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.layers import batch_invariant
-from asyncengine.layers.parallel import SINGLE, TPGroup
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
@@ -48,13 +54,16 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, kv: KVCacheConfig,
-                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None
-                 ) -> None:
+                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None,
+                 pp: PPGroup = FULL) -> None:
         self.config = config
         if config.torch_device.type == "cpu":
             keep_freed_memory()
         self.model = model
         self.tp = tp
+        self.pp = pp
+        # the one rank that returns each step's output: tensor rank 0 of the last stage
+        self.is_output_rank = tp.rank == 0 and pp.is_last
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = kv.block_size  # the core's plan (core/kv_cache_spec.py), not re-read from config
@@ -78,9 +87,18 @@ class ModelRunner:
             batch_invariant.check_backend(self.attn_backend)
             self.attn_backend.batch_invariant = True
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
-        self.kv_caches = self.attn_backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
+        # this stage's attention layers only (a.num_layers is the whole model's: pipeline parallel
+        # holds a slice; hybrids count their attention layers there)
+        self.kv_caches = self.attn_backend.allocate_kv_caches(
+            a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
         # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
         self.kv_connector = make_worker_connector(config, self.attn_backend.name, self.kv_caches)
+        self.link = None  # pipeline parallel: the stage's link to its neighbours
+        if pp.size > 1:
+            from asyncengine.worker.pipeline import StageLink
+
+            self.link = StageLink(pp, a.hidden_size, self.dtype, self.device)
+        self.recv_wait_s = 0.0  # time spent waiting for the previous stage (the pipeline's bubble)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
         cap = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
@@ -89,7 +107,7 @@ class ModelRunner:
         self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
-                and not config.enforce_eager and tp.size == 1 and self.state_cache is None):
+                and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
@@ -141,9 +159,12 @@ class ModelRunner:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
                 self._prompt_logprob_ids.discard(nr.req_id)
+        feed = not self.pp.is_last  # only the last stage samples: the others learn the tokens here
         for cr in so.cached_requests:
             st = self.requests[cr.req_id]
             st.block_ids.extend(cr.new_block_ids)
+            if feed and cr.new_token_ids:
+                st.output_ids.extend(cr.new_token_ids)
             # with speculation the scheduler counts in-flight drafts as accepted (>=): the runner
             # knows the true position
             assert st.num_computed_tokens == cr.num_computed_tokens or (
@@ -197,7 +218,7 @@ class ModelRunner:
         if so.state_copies:  # hybrid n > 1 forks: before this step's forward moves the sources on
             self.state_cache.copy_slots(so.state_copies)
         if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.tp.rank == 0 else None
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_output_rank else None
         bs = self.block_size
         decodes: list[RunnerRequestState] = []
         prefills: list[tuple[RunnerRequestState, int]] = []
@@ -284,10 +305,20 @@ class ModelRunner:
             hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
         else:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
-            extra = {} if self.state_cache is None else {
+            stage = {} if self.state_cache is None else {
                 "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], ssm_chunks)}
+            if self.link is not None and not self.pp.is_first:  # the previous stage's stream
+                t_wait = time.perf_counter()
+                stage["intermediate"] = self.link.recv(len(input_ids))
+                self.recv_wait_s += time.perf_counter() - t_wait
             hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
-                                self.kv_caches, meta, **extra)
+                                self.kv_caches, meta, **stage)
+            if self.link is not None and not self.pp.is_last:  # on to the next stage; nothing to sample
+                from asyncengine.worker.pipeline import IntermediateTensors
+
+                self.link.send(IntermediateTensors(*hidden))
+                self.execute_time_s += time.perf_counter() - t0
+                return None
 
         req_ids: list[str] = []
         sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)

@@ -17,7 +17,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.layers.parallel import SINGLE, TPGroup
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
@@ -53,6 +53,7 @@ class Worker:
         self._preloaded = loaded  # uni only: tests share one loaded model between engines
         self._hf_config = hf_config
         self.tp: TPGroup = SINGLE
+        self.pp: PPGroup = FULL
         self.model = None
         self.draft_model = None  # speculative decoding with a draft model
         self.runner: ModelRunner | None = None
@@ -77,8 +78,19 @@ class Worker:
                 torch.cuda.set_device(self.rank % torch.cuda.device_count())
             dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timedelta(seconds=c.distributed_timeout_s))
-            self.tp = TPGroup(rank=self.rank, size=self.world_size, group=dist.group.WORLD,
-                              vocab_parallel=c.tp_vocab_parallel, fixed_order=c.batch_invariant)
+            # rank = stage x tp_size + tp rank: a stage's ranks form its tensor-parallel group; the
+            # same tp rank of the next stage is where the hidden states go
+            n_tp, n_pp = c.tensor_parallel_size, c.pipeline_parallel_size
+            stage, tp_rank = divmod(self.rank, n_tp)
+            group = dist.group.WORLD
+            if n_pp > 1:
+                timeout = timedelta(seconds=c.distributed_timeout_s)
+                groups = [dist.new_group(list(range(s * n_tp, (s + 1) * n_tp)), timeout=timeout) for s in range(n_pp)]
+                group = groups[stage]
+                self.pp = PPGroup(rank=stage, size=n_pp, prev_rank=self.rank - n_tp if stage > 0 else None,
+                                  next_rank=self.rank + n_tp if stage < n_pp - 1 else None)
+            self.tp = TPGroup(rank=tp_rank, size=n_tp, group=group, vocab_parallel=c.tp_vocab_parallel,
+                              fixed_order=c.batch_invariant)
 
     def load_model(self) -> None:
         from asyncengine.models.loader import load_model
@@ -87,9 +99,10 @@ class Worker:
             self.model = self._preloaded.model
             self._preloaded = None
         else:
-            self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config).model
+            self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
+                                    pp=self.pp).model
         set_quantized_activations(self.model, self.config.quantized_activations)
-        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step"):
+        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
             from asyncengine.models.llama_native import NativeStep
 
             self.model.native_step = NativeStep.for_model(self.model)
@@ -174,7 +187,7 @@ class Worker:
         """Build the cache the core planned: ``kv``'s block count and block size, never re-read
         from the config."""
         self.runner = ModelRunner(self.config, self.model, kv, self.eos_token_ids, self.tp,
-                                  draft_model=self.draft_model)
+                                  draft_model=self.draft_model, pp=self.pp)
 
     # ------------------------------------------------------------------ the step
 
@@ -192,6 +205,7 @@ class Worker:
         """Counters of this rank's runner, for stats and tests (what it holds, how busy it was)."""
         r = self.runner
         return {"rank": self.rank, "pid": os.getpid(), "num_threads": torch.get_num_threads(),
+                "pp_rank": self.pp.rank, "tp_rank": self.tp.rank, "recv_wait_s": r.recv_wait_s,
                 "execute_time_s": r.execute_time_s,
                 "request_ids": sorted(r.requests), "num_kv_blocks": r.num_blocks,
                 "weight_bytes": self.weight_bytes(),

@@ -23,7 +23,7 @@ SAMPLE_VALUES = {
     "max_num_seqs": ("3", 3), "max_num_batched_tokens": ("1024", 1024), "enable_prefix_caching": (None, False),
     "enable_chunked_prefill": (None, False), "async_scheduling": (None, False), "policy": ("priority", "priority"),
     "priority_aging_s": ("2.5", 2.5), "max_queued_requests": ("7", 7), "max_queued_tokens": ("900", 900),
-    "attention_backend": ("torch", "torch"), "seed": ("5", 5), "quantized_activations": ("fp32", "fp32"), "batch_invariant": (None, True), "restart_dead_cores": (None, True),
+    "attention_backend": ("torch", "torch"), "seed": ("5", 5), "quantized_activations": ("fp32", "fp32"), "batch_invariant": (None, True), "restart_dead_cores": (None, True), "pipeline_parallel_size": ("2", 2),
     "kv_offload_bytes": ("1GiB", 1 << 30), "kv_offload_dir": ("/tmp/kv", "/tmp/kv"), "kv_offload_dir_bytes": ("2GiB", 2 << 30), "num_threads": ("1", 1),
     "freeze_gc_after_load": (None, False), "engine_core_process": (None, True), "tensor_parallel_size": ("2", 2),
     "data_parallel_size": ("2", 2), "distributed_executor_backend": ("mp", "mp"), "distributed_timeout_s": ("9", 9.0),

@@ -49,7 +49,7 @@ async def settle(eng):
 async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
     requests, refs = tiny_reference("llama")
     eng = dp_engine(tiny_llama_dir, 2)
-    pids = [c.proc.pid for c in eng.core.clients]
+    pids = [c.proc.pid for c in eng.client.clients]
     async with eng:
         outs = await run_all(eng, requests)
         c = compare([o.outputs[0].token_ids for o in outs], refs)
@@ -66,17 +66,17 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
         streams = [eng.generate({"prompt_token_ids": [9 + i, 8, 7]}, greedy(400), request_id=f"long{i}")
                    for i in range(2)]
         for _ in range(500):  # the busy loop sends them at its next turn
-            if all(f"long{i}" in eng.core.owner for i in range(2)):
+            if all(f"long{i}" in eng.client.owner for i in range(2)):
                 break
             await asyncio.sleep(0.01)
-        assert sorted(eng.core.owner[f"long{i}"] for i in range(2)) == [0, 1]  # least loaded: one each
+        assert sorted(eng.client.owner[f"long{i}"] for i in range(2)) == [0, 1]  # least loaded: one each
         for st in streams:
             async for _ in st:
                 break
             await st.aclose()
         s = await settle(eng)  # both cores freed the cancelled requests' blocks
         assert all(core["num_running"] == 0 for core in s["cores"])
-        assert eng.core.owner == {}
+        assert eng.client.owner == {}
 
         # prefix affinity: a prompt that shares three full blocks with an earlier one goes to the
         # core that served it, although the other core is idler, and hits its prefix cache there
@@ -88,7 +88,7 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
         busy = eng.generate({"prompt_token_ids": [3, 4, 5]}, greedy(400), request_id="busy")
         async for _ in busy:  # it runs on core 0 (both idle: the lowest index), as "pa" did
             break
-        assert eng.core.owner["busy"] == 0
+        assert eng.client.owner["busy"] == 0
         # least-loaded routing would send this one to core 1
         await asyncio.wait_for(eng.complete({"prompt_token_ids": shared + [7, 8]}, greedy(2), request_id="pb"),
                                HANG_GUARD_S)
@@ -96,9 +96,9 @@ async def test_dp2_parity_routing_abort_stats(tiny_llama_dir, tiny_reference):
         s = await settle(eng)  # (a core emptied by an abort reports its final load and stats too)
         assert s["dp_prefix_affinity_routed"] == 1
         assert s["cores"][0]["prefix_cache_hits"] - hits0[0] >= 48 and s["cores"][1]["prefix_cache_hits"] == hits0[1]
-    for c in eng.core.clients:
+    for c in eng.client.clients:
         c.proc.join(30)
-    assert not any(c.proc.is_alive() for c in eng.core.clients), pids
+    assert not any(c.proc.is_alive() for c in eng.client.clients), pids
 
 
 async def _drain(stream) -> None:
@@ -124,7 +124,7 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
         assert c["exact"] + c["near_tie"] == len(requests)
         assert all(core["num_steps"] > 0 for core in s["cores"])
 
-        cores = [cl.proc.pid for cl in eng.core.clients]
+        cores = [cl.proc.pid for cl in eng.client.clients]
         pids = set(cores) | {w for p in cores for w in descendants(p)}
         assert len(pids) >= 6, pids  # two cores, two workers each
         streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(200)) for i in range(4)]
@@ -161,8 +161,8 @@ async def test_engine_core_process_parity_abort_and_cleanup(tiny_llama_dir, tiny
     eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", engine_core_process=True,
                                       max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=32,
                                       freeze_gc_after_load=False))
-    assert len(eng.core.clients) == 1
-    proc = eng.core.clients[0].proc
+    assert len(eng.client.clients) == 1
+    proc = eng.client.clients[0].proc
     assert proc.pid != os.getpid() and proc.is_alive()
     async with eng:
         outs = await run_all(eng, requests)

@@ -59,7 +59,7 @@ def test_paused_across_threads_resumes_once_both_are_done():
 @pytest.mark.parametrize("freeze", [True, False])
 def test_engine_loads_with_the_collector_paused(tiny_llama_dir, monkeypatch, freeze):
     from asyncengine import AsyncLLMEngine, EngineConfig
-    from asyncengine.core import engine_core
+    from asyncengine.engine import core as engine_core
 
     seen = []
     real = engine_core.EngineCore.__init__

@@ -409,7 +409,7 @@ async def test_long_stop_strings_are_built_off_the_loop_and_still_match(tiny_lla
     request behaves the same (here: a stop that is the greedy text itself ends it)."""
     import threading
 
-    import asyncengine.engine.async_engine as ae
+    import asyncengine.engine.prompt_intake as ae  # where prompts are prepared
 
     eng = make_engine(tiny_llama_dir)
     built_on = []

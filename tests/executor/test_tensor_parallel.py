@@ -14,7 +14,7 @@ import random
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine.core import EngineCore
 from model_utils import compare
 
 HANG_GUARD_S = 180.0  # a guard against hangs only
@@ -177,6 +177,8 @@ async def test_two_steps_in_flight(llama_tp2):
     try:
         toks, overlapped = {}, {}
         for overlap in (False, True):
+            # the core owns the step pipeline: its queue depth is what async_scheduling sets
+            llama_tp2.batch_queue_size = 2 if overlap else 1
             eng = AsyncLLMEngine(dataclasses.replace(llama_tp2.config, async_scheduling=overlap), core=llama_tp2)
             before = llama_tp2.stats()["num_overlapped_steps"]
             out = await guard(eng.complete({"prompt_token_ids": [11, 12, 13, 14]}, greedy(6),
@@ -186,6 +188,7 @@ async def test_two_steps_in_flight(llama_tp2):
             toks[overlap] = out.outputs[0].token_ids
     finally:
         llama_tp2.collective_rpc(restore_execute)
+        llama_tp2.batch_queue_size = llama_tp2.executor.max_concurrent_batches
     assert overlapped[False] == 0, overlapped
     # 6 steps (1 prefill, 5 decodes): all but the first can be; a very slow event loop may miss one
     assert overlapped[True] >= 3, overlapped

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine.core import EngineCore
 from asyncengine.core.request import Request
 
 HANG_GUARD_S = 120.0  # only a guard against a hang, never what a test checks

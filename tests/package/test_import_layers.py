@@ -25,9 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("asyncengine.__main__", "asyncengine.cli", "asyncengine.integrations")),
     ("public API (lazy re-exports)", ("asyncengine",)),
-    # the engine core belongs with the engine, above the executor it drives (issue 23 item 1 moves
-    # the file; until then core/engine_core.py is placed here by name)
-    ("front end and engine core", ("asyncengine.engine", "asyncengine.core.engine_core")),
+    # the engine core (engine/core.py) belongs with the engine, above the executor it drives
+    ("front end and engine core", ("asyncengine.engine",)),
     ("executors", ("asyncengine.executor",)),
     ("worker (model runner, sampler)", ("asyncengine.worker",)),
     # beside the KV-cache manager (scheduler side) and the model runner (worker side): the engine
@@ -49,13 +48,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("asyncengine.errors",)),
 ]
 
-# Edges being removed by the step-pipeline work (issue 23 items 1-2, branch h-heartA), allowed until
-# it merges; each is (importer, imported). The lead deletes these lines after the merge.
-PENDING: set[tuple[str, str]] = {
-    # core_client <-> ray_cores: the Ray DP client and the process-core client import each other
-    ("asyncengine.engine.core_client", "asyncengine.engine.ray_cores"),
-    ("asyncengine.engine.ray_cores", "asyncengine.engine.core_client"),
-}
+# Edges allowed while a known cycle is being removed; each is (importer, imported), with why. None now.
+PENDING: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -5,13 +5,13 @@ same with and without speculation, and follows the target distribution (chi-squa
 from __future__ import annotations
 
 import random
-from collections import Counter, deque
+from collections import Counter
 
 import pytest
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.engine_core import EngineCore
+from asyncengine.engine.core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.errors import ConfigError
 from asyncengine.sampling_params import SamplingParams
@@ -81,18 +81,12 @@ def run(core: EngineCore, reqs, params=None, overlap: bool = False) -> dict[str,
         p = params(i, m) if params else SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
         core.add_request(Request(request_id=str(i), prompt_token_ids=list(prompt), max_tokens=m, sampling_params=p))
         outs[str(i)] = []
-    inflight: deque = deque()
-    depth = 2 if overlap else 1
+    core.batch_queue_size = 2 if overlap else 1  # the core's own step pipeline, at that depth
     for _ in range(5000):
-        while len(inflight) < depth and core.has_unfinished():
-            so = core.schedule()
-            if so.is_empty and not so.finished_req_ids:
-                break
-            inflight.append((so, core.execute_model(so)))
-        if not inflight:
+        batch = core.step_with_batch_queue()
+        if batch is None:
             break
-        so, fut = inflight.popleft()
-        for o in core.update(so, fut.result()):
+        for o in batch.outputs:
             outs[o.req_id] += o.new_token_ids
     assert not core.has_unfinished(), "engine did not finish"
     assert core.kv.num_free_blocks == core.num_blocks, "KV blocks leaked"

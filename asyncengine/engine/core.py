@@ -1,16 +1,19 @@
-"""EngineCore: the synchronous heart. ``step()`` = schedule -> execute -> update -> outputs.
+"""EngineCore: the heart. It owns the scheduler (with its KV-cache manager), an executor, and the
+step pipeline: a queue of in-flight batches (schedule -> execute -> update), the one
+implementation every driver runs (the offline ``LLM``, the in-process async engine's client, a
+core process, data-parallel and Ray cores).
 
-It owns the scheduler (with its KV-cache manager) and an executor, and knows nothing of text,
-streams or event loops: front ends (``LLM``, ``AsyncLLMEngine``) feed it validated ``Request``s and
-route its ``EngineCoreOutput``s. The async engine drives the three phases itself to overlap them
-(``execute_model`` returns a future). The model, its weights and the KV tensors live behind the
-executor (a thread, worker processes or Ray actors): the core sees only messages.
+It knows nothing of text, streams or event loops: front ends feed it validated ``Request``s and
+route its ``EngineCoreOutputs``. The model, its weights and the KV tensors live behind the executor
+(a thread, worker processes or Ray actors): the core sees only messages. It sits above the
+executor it drives (engine/ -> executor/ -> worker/).
 """
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -20,7 +23,7 @@ from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_sizing import plan_kv_blocks
 from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
-from asyncengine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
@@ -59,6 +62,9 @@ class EngineCore:
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
             check_hybrid_config(config, self.model_info.hf_config)
+        if config.pipeline_parallel_size > 1:
+            from asyncengine.layers.parallel import layer_split
+            layer_split(self.model_info.hf_config.num_hidden_layers, config.pipeline_parallel_size)
         self.executor: Executor = executor_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
@@ -81,20 +87,24 @@ class EngineCore:
             max_model_len=self.max_model_len, policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            kv_connector=kv_connector)
+            kv_connector=kv_connector, pipeline_parallel=config.pipeline_parallel_size > 1)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
         self._steps_in_flight = 0
         self.num_overlapped_steps = 0
         self._flight_lock = threading.Lock()
+        # the step pipeline: (schedule, future of its result), oldest first
+        self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self._started: list[str] = []  # requests scheduled for the first time since take_outputs()
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
         from asyncengine.worker.kernel_info import describe
 
         self.kernels = describe(config)  # the dtype and why, the kernels (the CLI's ready line)
-        log.info("engine core: %s executor, TP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
-                 config.distributed_executor_backend, config.tensor_parallel_size, num_blocks,
-                 config.block_size, self.max_model_len, self.kernels)
+        log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
+                 config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
+                 num_blocks, config.block_size, self.max_model_len, self.kernels)
 
     @property
     def vocab_size(self) -> int:
@@ -116,6 +126,7 @@ class EngineCore:
 
     def abort_all(self) -> None:
         """Abort every request and make the workers forget theirs (after the steps queued)."""
+        self.drop_batches()
         self.scheduler.abort_requests(list(self.scheduler.requests))
         try:
             self.executor.collective_rpc("reset_requests", non_block=True)
@@ -133,7 +144,8 @@ class EngineCore:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
-    # the three phases, separately, for the async engine's overlapped loop
+    # ------------------------------------------------------------------ the three phases
+
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
@@ -156,13 +168,86 @@ class EngineCore:
         self.execute_time_s += out.execute_time_s
         return self.scheduler.update(so, out)
 
+    # ------------------------------------------------------------------ the step pipeline
+    # One queue of in-flight batches (vLLM's ``step_with_batch_queue``), for every driver: fill it
+    # with non-blocking executes while work exists, wait on the oldest, update, refill before the
+    # caller routes the outputs. Depth 1 = the plain loop, 2 = async scheduling (step N+1 planned on
+    # placeholders while N runs), P = pipeline parallelism (P disjoint batches in the pipe).
+
+    def has_work(self) -> bool:
+        """Batches in flight or requests left."""
+        return bool(self._batches) or self.scheduler.has_unfinished()
+
+    def fill_batch_queue(self, depth: int | None = None) -> None:
+        """Schedule and hand the executor batches until ``depth`` (default: the queue's size) are
+        in flight or nothing more can be scheduled. An empty schedule that only ends requests is
+        still sent (the runner drops their state) but ends the filling."""
+        depth = self.batch_queue_size if depth is None else depth
+        while len(self._batches) < depth and self.scheduler.has_unfinished():
+            so = self.schedule()
+            if so.is_empty and not so.finished_req_ids:
+                return
+            self._submit(so)
+            if so.is_empty:
+                return
+
+    def _submit(self, so: SchedulerOutput) -> None:
+        self._started.extend(nr.req_id for nr in so.new_requests)
+        self._batches.append((so, self.execute_model(so)))
+
+    def oldest_batch(self) -> "Future[ModelRunnerOutput] | None":
+        """The future of the batch that finishes next (None: nothing in flight). Await it (the
+        async engine, on its event loop) or block on it, then call :meth:`finish_oldest_batch`."""
+        return self._batches[0][1] if self._batches else None
+
+    def finish_oldest_batch(self, refill: bool = True) -> EngineCoreOutputs:
+        """Fold the oldest batch's (finished) result into the requests; with ``refill``, queue the
+        next batches before returning, so the model runs while the caller routes these outputs."""
+        so, fut = self._batches.popleft()  # consumed even if it failed
+        try:
+            result = fut.result()
+        except BaseException:
+            # the batches behind it were planned on its tokens: they are void (the executor still
+            # runs them, in order; their results are dropped). The caller aborts the requests.
+            self.drop_batches()
+            raise
+        outputs = self.update(so, result)
+        if refill:
+            self.fill_batch_queue()
+        return self.take_outputs(outputs)
+
+    def take_outputs(self, outputs: list[EngineCoreOutput] = ()) -> EngineCoreOutputs:
+        """``outputs`` with the core's load and the requests started since the last call."""
+        started, self._started = self._started, []
+        return EngineCoreOutputs(outputs=list(outputs), num_running=self.scheduler.num_running,
+                                 num_waiting=self.scheduler.num_waiting, started_req_ids=started)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """One turn of the pipeline, blocking: fill, wait on the oldest, update, refill. None when
+        nothing is in flight and nothing can be scheduled."""
+        self.fill_batch_queue()
+        fut = self.oldest_batch()
+        if fut is None:
+            return None
+        wait([fut])
+        return self.finish_oldest_batch()
+
     def step(self) -> list[EngineCoreOutput]:
-        so = self.schedule()
-        if so.is_empty:
-            if so.finished_req_ids:  # let the runner drop state of aborted requests
-                self.execute(so)
-            return []
-        return self.update(so, self.execute(so))
+        """The plain loop's step, on the same queue: finish the oldest batch in flight, or schedule,
+        execute and wait for one (also a schedule that only ends requests: the runner drops their
+        state), refilling nothing."""
+        if not self._batches:
+            so = self.schedule()
+            if so.is_empty and not so.finished_req_ids:
+                return []
+            self._submit(so)
+        return self.finish_oldest_batch(refill=False).outputs
+
+    def drop_batches(self) -> None:
+        """Forget the batches in flight (their requests were all abandoned); the executor still
+        runs them, in order, before anything queued later."""
+        self._batches.clear()
+        self._started.clear()
 
     # control
     def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
