@@ -179,7 +179,7 @@ class CompileService:
         try:
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
-            flight.future.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, waiter, f))
+            flight.future.add_done_callback(lambda f: _wake(loop, waiter, f))
             entry = await waiter
         finally:
             self._leave(flight, key)
@@ -299,6 +299,13 @@ class CompileService:
             self._failed[_digest(key)] = err
             while len(self._failed) > _FAILED_KEYS:
                 self._failed.popitem(last=False)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, f: concurrent.futures.Future) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, waiter, f)
+    except RuntimeError:  # that loop is closed: nobody waits there any more
+        pass
 
 
 def _settle(waiter: asyncio.Future, f: concurrent.futures.Future) -> None:

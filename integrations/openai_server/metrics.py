@@ -65,6 +65,9 @@ class EngineCollector:
         yield from gauge("asyncengine_spec_decode_mean_accepted_length",
                          "Tokens per verify step of a request (1 + accepted drafts).", "spec_mean_accepted_length")
         yield g("asyncengine_engine_errored", "1 once the engine has died.", value=float(bool(s.get("errored"))))
+        yield from gauge("asyncengine_engine_cores_alive", "Data-parallel engine cores alive (a dead one fails only "
+                         "its requests).", "cores_alive")
+        yield from _grammar_metrics(self.engine)
         cores = s.get("cores")  # data parallel: the same gauges per engine core, labelled
         if cores:
             for name, doc, key in (("asyncengine_core_num_requests_running", "Running requests, per engine core.",
@@ -78,6 +81,30 @@ class EngineCollector:
                     if key in c:
                         fam.add_metric([str(i)], float(c[key]))
                 yield fam
+
+
+def _grammar_metrics(engine):
+    """The engine's grammar compile service (structured/compile_service.py), once it exists."""
+    config = getattr(engine, "config", None)
+    if config is None:
+        return
+    from asyncengine.structured.compile_service import _service_key, _services
+
+    service = _services.get(_service_key(config))
+    if service is None:
+        return
+    cache = service.compiler.cache.stats()
+    yield GaugeMetricFamily("asyncengine_grammar_cache_bytes", "Compiled grammars held (bytes, by the cache's "
+                            "own accounting; bounded by --grammar-cache-bytes).", value=float(cache["bytes"]))
+    yield GaugeMetricFamily("asyncengine_grammar_cache_entries", "Compiled grammars held.", value=float(cache["entries"]))
+    fam = CounterMetricFamily("asyncengine_grammar_compiles", "Grammar requests by outcome: compiled, cache hit, "
+                              "refused (a limit, or remembered as failed), timeout (killed at the CPU budget), "
+                              "cancelled (abandoned, killed).", labels=["outcome"])
+    st = service.stats
+    for label, key in (("compiled", "compiles"), ("hit", "hits"), ("refused", "refused"), ("timeout", "timeouts"),
+                       ("cancelled", "cancelled")):
+        fam.add_metric([label], float(st[key]))
+    yield fam
 
 
 class ServerMetrics:

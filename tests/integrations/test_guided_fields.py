@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -110,3 +111,14 @@ def test_websocket_chat_honours_response_format(server):
             assert f["type"] == "error" and f["error"]["param"] == "structural_tag", f
 
     asyncio.run(main())
+
+
+def test_grammar_metrics(server, client):
+    chat(client, extra_body={"guided_choice": ["x", "y"]})
+    with pytest.raises(openai.BadRequestError):
+        chat(client, extra_body={"guided_regex": "a{1,99999}"})
+    text = httpx.get(server.base_url + "/metrics").text
+    cache = re.search(r"^asyncengine_grammar_cache_bytes (\S+)$", text, re.M)
+    assert cache and float(cache.group(1)) > 0, text[-2000:]
+    refused = re.search(r'^asyncengine_grammar_compiles_total\{outcome="refused"\} (\S+)$', text, re.M)
+    assert refused and float(refused.group(1)) >= 1
