@@ -193,6 +193,10 @@ class AsyncLLMEngine:
         another process resolves it there: no torch needed here)."""
         return self.client.dtype
 
+    def cores_alive(self) -> tuple[int, int]:
+        """(engine cores alive, engine cores): data parallel serves on with fewer (engine/dp_health.py)."""
+        return self.client.cores_alive()
+
     @property
     def kernels(self) -> str:
         """The dtype and why, and the kernels that run the model (worker/kernel_info.py)."""

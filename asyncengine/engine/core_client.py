@@ -116,6 +116,10 @@ class CoreClient(ABC):
     @abstractmethod
     def stats(self) -> dict: ...
 
+    def cores_alive(self) -> tuple[int, int]:
+        """(engine cores alive, engine cores): below the second, the engine serves degraded."""
+        return 1, 1
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop everything the client started (idempotent)."""
@@ -335,6 +339,9 @@ class MPClient(CoreClient):
                 c.abort_all()
             except EngineDeadError:
                 pass
+
+    def cores_alive(self) -> tuple[int, int]:
+        return self.health.num_alive, self.health.num_cores
 
     def check_health(self) -> None:
         """Raises once no core is left; a single dead core is reported by its reader thread."""

@@ -287,10 +287,10 @@ async def health(request: Request) -> Response:
         return _json({"status": "error", "message": "the engine died"}, status=503)
     if st.shutting_down or getattr(engine, "is_closing", False):
         return _json({"status": "shutting_down"}, status=503)
-    health = getattr(getattr(engine, "core", None), "health", None)  # data-parallel cores (dp_health.py)
-    if health is not None and health.num_alive < health.num_cores:
+    alive, cores = engine.cores_alive() if hasattr(engine, "cores_alive") else (1, 1)  # data parallel
+    if alive < cores:
         # still serving on the cores left: 200, so that a load balancer keeps sending
-        return _json({"status": "degraded", "cores_alive": health.num_alive, "cores": health.num_cores})
+        return _json({"status": "degraded", "cores_alive": alive, "cores": cores})
     return _json({"status": "ok"})
 
 

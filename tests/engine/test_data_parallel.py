@@ -129,7 +129,7 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
         assert len(pids) >= 6, pids  # two cores, two workers each
         streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(200)) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(st.__anext__() for st in streams)), HANG_GUARD_S)
-        on = [eng.core.owner[st.request_id] for st in streams]
+        on = [eng.client.owner[st.request_id] for st in streams]
         assert set(on) == {0, 1}, on
 
         async def consume(st, dies: bool):
@@ -143,7 +143,7 @@ async def test_dp2_x_tp2_correctness_and_a_killed_core(tiny_llama_dir, tiny_refe
                 assert out.finished and len(out.outputs[0].token_ids) == 200
         os.kill(cores[1], signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*(consume(st, o == 1) for st, o in zip(streams, on))), HANG_GUARD_S)
-        assert eng.core.health.num_alive == 1 and not eng.errored
+        assert eng.client.health.num_alive == 1 and not eng.errored
         out = [o async for o in eng.generate({"prompt_token_ids": [9, 9, 9]}, greedy(4))][-1]
         assert len(out.outputs[0].token_ids) == 4  # served by the core left
         os.kill(cores[0], signal.SIGKILL)

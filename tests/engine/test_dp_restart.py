@@ -29,10 +29,10 @@ async def test_a_dead_core_is_replaced(tiny_llama_dir):
                                       restart_dead_cores=True, num_threads=1, num_kv_blocks=64,
                                       max_model_len=512, freeze_gc_after_load=False))
     async with eng:
-        old = eng.core.clients[1].proc.pid
+        old = eng.client.clients[1].proc.pid
         streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]}, greedy(300)) for i in range(2)]
         await asyncio.wait_for(asyncio.gather(*(s.__anext__() for s in streams)), HANG_GUARD_S)
-        on = [eng.core.owner[s.request_id] for s in streams]
+        on = [eng.client.owner[s.request_id] for s in streams]
         assert sorted(on) == [0, 1]
         os.kill(old, signal.SIGKILL)
         victim, survivor = (streams[0], streams[1]) if on[0] == 1 else (streams[1], streams[0])
@@ -40,13 +40,13 @@ async def test_a_dead_core_is_replaced(tiny_llama_dir):
             await asyncio.wait_for(last(victim), HANG_GUARD_S)
         assert len((await asyncio.wait_for(last(survivor), HANG_GUARD_S)).outputs[0].token_ids) == 300
         for _ in range(int(HANG_GUARD_S / 0.1)):  # bounded: the new core loads the model
-            if eng.core.health.num_alive == 2:
+            if eng.client.health.num_alive == 2:
                 break
             await asyncio.sleep(0.1)
-        assert eng.core.health.summary()["restarts"] == 1 and eng.core.health.num_alive == 2
-        assert eng.core.clients[1].proc.pid != old and eng.core.clients[1].proc.is_alive()
+        assert eng.client.health.summary()["restarts"] == 1 and eng.client.health.num_alive == 2
+        assert eng.client.clients[1].proc.pid != old and eng.client.clients[1].proc.is_alive()
         outs = await asyncio.wait_for(asyncio.gather(*(last(eng.generate({"prompt_token_ids": [9, i, 9]}, greedy(4)))
                                                        for i in range(6))), HANG_GUARD_S)
         assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-        assert eng.core.stats()["cores"][1]["num_steps"] > 0  # the new core served some of them
-    assert not eng.core.clients[1].proc.is_alive()
+        assert eng.client.stats()["cores"][1]["num_steps"] > 0  # the new core served some of them
+    assert not eng.client.clients[1].proc.is_alive()
