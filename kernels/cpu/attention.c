@@ -12,7 +12,6 @@
  * [0, p]), optionally limited to a sliding window (keys (p - window, p]).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,13 +249,18 @@ static void attn_merge(const float *parts, long part_stride, int nparts, int nr,
     }
 }
 
-/* Splits over keys: when a step has fewer (sequence, kv head, row tile) items than about two per
- * thread (one long chat: 3 kv heads on 2 threads), each item's keys are cut into runs of
- * AE_ATTN_SPLIT so every thread has work; the partials merge in key order. ae_attn_set_split(n > 0)
- * splits every sequence longer than n keys into runs of n whatever the batch (the fixed split size
- * a batch-invariant mode needs); 0 restores the automatic choice, -1 never splits. */
+/* Splits over keys: a sequence whose query rows fit one row tile (decode, a few speculative rows)
+ * and whose keys exceed AE_ATTN_SPLIT has them cut into runs of AE_ATTN_SPLIT, so one long chat
+ * (3 kv heads on 2 threads) keeps every thread busy; the partials merge in key order. The choice
+ * depends on the sequence alone, never on the rest of the batch or the thread count, so a
+ * sequence gets the same bits alone or batched (batch invariance). ae_attn_set_split(n > 0) uses
+ * runs of n instead, 0 restores AE_ATTN_SPLIT, -1 never splits. */
 #define AE_ATTN_SPLIT 256
 static int g_split = 0;
+
+static inline int attn_splits(int split, int rows, int keys) {
+    return split > 0 && rows <= AE_ATTN_ROW_TILE && keys > split ? (keys + split - 1) / split : 1;
+}
 
 void ae_attn_set_split(int keys) { g_split = keys; }
 
@@ -278,18 +282,19 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
     long groups = 0;
     for (int s = 0; s < num_seqs; s++)
         groups += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
-    int split = g_split;
-    if (split == 0) /* automatic: only where the threads would otherwise idle */
-        split = parallel && groups < 2L * omp_get_max_threads() ? AE_ATTN_SPLIT : -1;
+    int split = g_split == 0 ? AE_ATTN_SPLIT : g_split;
     long total = 0, split_items = 0;
+    int part_rows = 1;
     for (int s = 0; s < num_seqs; s++) {
         long gs = (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
-        int keys = context_lens[s] + query_lens[s];
-        int np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+        int np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
         total += gs * np;
-        if (np > 1) split_items += gs * np;
+        if (np > 1) {
+            split_items += gs * np;
+            if (query_lens[s] * g > part_rows) part_rows = query_lens[s] * g;
+        }
     }
-    const long part_stride = (long)AE_ATTN_ROW_TILE * (D + 2);
+    const long part_stride = (long)part_rows * (D + 2); /* one partial: rows x D sums, rows maxima and sums */
     float *parts = NULL;
     if (split_items) {
         parts = (float *)malloc(sizeof(float) * (size_t)total * (size_t)part_stride);
@@ -303,8 +308,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
             int s = 0, tiles = 0, np = 1;
             for (; s < num_seqs; s++) {
                 tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
-                int keys = context_lens[s] + query_lens[s];
-                np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
                 if (rem < (long)tiles * Hkv * np) break;
                 rem -= (long)tiles * Hkv * np;
             }
@@ -333,8 +337,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
                 int s = 0, tiles = 0, np = 1;
                 for (; s < num_seqs; s++) {
                     tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
-                    int keys = context_lens[s] + query_lens[s];
-                    np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                    np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
                     if (rem < (long)tiles * Hkv) break;
                     rem -= (long)tiles * Hkv;
                     base += (long)tiles * Hkv * np;

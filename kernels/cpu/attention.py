@@ -50,10 +50,10 @@ def _reset_for_tests() -> None:
 
 
 def set_split(keys: int) -> None:
-    """How the kernel splits a sequence's keys over threads: 0 (the default) = automatically, in
-    runs of 256 keys, only when a step has fewer (sequence, kv head) items than about two per
-    thread (one long chat on 2 cores: 3 kv heads); n > 0 = every sequence longer than n keys, in
-    runs of n, whatever the batch (the fixed split a batch-invariant mode needs); -1 = never."""
+    """How the kernel splits a sequence's keys over threads: a sequence whose query rows fit one
+    tile (decode) and whose keys exceed the split size runs its keys in splits merged in key order,
+    so one long chat keeps both cores busy. The choice depends on the sequence alone (batch
+    invariant). 0 (the default) = splits of 256 keys; n > 0 = splits of n; -1 = never split."""
     if keys < -1:
         raise ValueError(f"split keys must be -1, 0 or positive, got {keys}")
     fns = _lib()
