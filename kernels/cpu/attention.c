@@ -249,14 +249,16 @@ static void attn_merge(const float *parts, long part_stride, int nparts, int nr,
     }
 }
 
-/* Splits over keys: a sequence whose query rows fit one row tile (decode, a few speculative rows)
- * and whose keys exceed AE_ATTN_SPLIT has them cut into runs of AE_ATTN_SPLIT, so one long chat
- * (3 kv heads on 2 threads) keeps every thread busy; the partials merge in key order. The choice
- * depends on the sequence alone, never on the rest of the batch or the thread count, so a
- * sequence gets the same bits alone or batched (batch invariance). ae_attn_set_split(n > 0) uses
- * runs of n instead, 0 restores AE_ATTN_SPLIT, -1 never splits. */
-#define AE_ATTN_SPLIT 256
-static int g_split = 0;
+/* Splits over keys (off by default): with ae_attn_set_split(n > 0), a sequence whose query rows fit
+ * one row tile (decode, a few speculative rows) and whose keys exceed n has them cut into runs of
+ * n, partials merged in key order, so one long chat (3 kv heads on 2 threads) could keep every
+ * thread busy. The choice depends on the sequence alone, never on the rest of the batch or the
+ * thread count (a sequence gets the same bits alone or batched). Off because measured slower on
+ * our 2-core EPYC (one sequence, 2 threads, load ~3: 1,000 keys 36 us whole vs 46 us in runs of
+ * 256; 4,000 keys 114 vs 149-155 us, best of 30): the whole-sequence items are already bound by
+ * reading K/V, and 3 items on 2 threads cost less than the extra items and the merge pass.
+ * 0 or -1: never split. */
+static int g_split = -1;
 
 static inline int attn_splits(int split, int rows, int keys) {
     return split > 0 && rows <= AE_ATTN_ROW_TILE && keys > split ? (keys + split - 1) / split : 1;
@@ -282,7 +284,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
     long groups = 0;
     for (int s = 0; s < num_seqs; s++)
         groups += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
-    int split = g_split == 0 ? AE_ATTN_SPLIT : g_split;
+    int split = g_split;
     long total = 0, split_items = 0;
     int part_rows = 1;
     for (int s = 0; s < num_seqs; s++) {

@@ -50,10 +50,9 @@ def _reset_for_tests() -> None:
 
 
 def set_split(keys: int) -> None:
-    """How the kernel splits a sequence's keys over threads: a sequence whose query rows fit one
-    tile (decode) and whose keys exceed the split size runs its keys in splits merged in key order,
-    so one long chat keeps both cores busy. The choice depends on the sequence alone (batch
-    invariant). 0 (the default) = splits of 256 keys; n > 0 = splits of n; -1 = never split."""
+    """Split a decoding sequence's keys over threads in runs of ``keys`` (partials merged in key
+    order; the choice depends on the sequence alone, so batch invariant); 0 or -1 = never (the
+    default: measured slower on our 2-core machine, kernels/cpu/attention.c says by how much)."""
     if keys < -1:
         raise ValueError(f"split keys must be -1, 0 or positive, got {keys}")
     fns = _lib()
