@@ -12,7 +12,6 @@
  * [0, p]), optionally limited to a sliding window (keys (p - window, p]).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,13 +249,20 @@ static void attn_merge(const float *parts, long part_stride, int nparts, int nr,
     }
 }
 
-/* Splits over keys: when a step has fewer (sequence, kv head, row tile) items than about two per
- * thread (one long chat: 3 kv heads on 2 threads), each item's keys are cut into runs of
- * AE_ATTN_SPLIT so every thread has work; the partials merge in key order. ae_attn_set_split(n > 0)
- * splits every sequence longer than n keys into runs of n whatever the batch (the fixed split size
- * a batch-invariant mode needs); 0 restores the automatic choice, -1 never splits. */
-#define AE_ATTN_SPLIT 256
-static int g_split = 0;
+/* Splits over keys (off by default): with ae_attn_set_split(n > 0), a sequence whose query rows fit
+ * one row tile (decode, a few speculative rows) and whose keys exceed n has them cut into runs of
+ * n, partials merged in key order, so one long chat (3 kv heads on 2 threads) could keep every
+ * thread busy. The choice depends on the sequence alone, never on the rest of the batch or the
+ * thread count (a sequence gets the same bits alone or batched). Off because measured slower on
+ * our 2-core EPYC (one sequence, 2 threads, load ~3: 1,000 keys 36 us whole vs 46 us in runs of
+ * 256; 4,000 keys 114 vs 149-155 us, best of 30): the whole-sequence items are already bound by
+ * reading K/V, and 3 items on 2 threads cost less than the extra items and the merge pass.
+ * 0 or -1: never split. */
+static int g_split = -1;
+
+static inline int attn_splits(int split, int rows, int keys) {
+    return split > 0 && rows <= AE_ATTN_ROW_TILE && keys > split ? (keys + split - 1) / split : 1;
+}
 
 void ae_attn_set_split(int keys) { g_split = keys; }
 
@@ -279,17 +285,18 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
     for (int s = 0; s < num_seqs; s++)
         groups += (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
     int split = g_split;
-    if (split == 0) /* automatic: only where the threads would otherwise idle */
-        split = parallel && groups < 2L * omp_get_max_threads() ? AE_ATTN_SPLIT : -1;
     long total = 0, split_items = 0;
+    int part_rows = 1;
     for (int s = 0; s < num_seqs; s++) {
         long gs = (long)((query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE) * Hkv;
-        int keys = context_lens[s] + query_lens[s];
-        int np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+        int np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
         total += gs * np;
-        if (np > 1) split_items += gs * np;
+        if (np > 1) {
+            split_items += gs * np;
+            if (query_lens[s] * g > part_rows) part_rows = query_lens[s] * g;
+        }
     }
-    const long part_stride = (long)AE_ATTN_ROW_TILE * (D + 2);
+    const long part_stride = (long)part_rows * (D + 2); /* one partial: rows x D sums, rows maxima and sums */
     float *parts = NULL;
     if (split_items) {
         parts = (float *)malloc(sizeof(float) * (size_t)total * (size_t)part_stride);
@@ -303,8 +310,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
             int s = 0, tiles = 0, np = 1;
             for (; s < num_seqs; s++) {
                 tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
-                int keys = context_lens[s] + query_lens[s];
-                np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
                 if (rem < (long)tiles * Hkv * np) break;
                 rem -= (long)tiles * Hkv * np;
             }
@@ -333,8 +339,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
                 int s = 0, tiles = 0, np = 1;
                 for (; s < num_seqs; s++) {
                     tiles = (query_lens[s] * g + AE_ATTN_ROW_TILE - 1) / AE_ATTN_ROW_TILE;
-                    int keys = context_lens[s] + query_lens[s];
-                    np = split > 0 && keys > split ? (keys + split - 1) / split : 1;
+                    np = attn_splits(split, query_lens[s] * g, context_lens[s] + query_lens[s]);
                     if (rem < (long)tiles * Hkv) break;
                     rem -= (long)tiles * Hkv;
                     base += (long)tiles * Hkv * np;

@@ -50,10 +50,9 @@ def _reset_for_tests() -> None:
 
 
 def set_split(keys: int) -> None:
-    """How the kernel splits a sequence's keys over threads: 0 (the default) = automatically, in
-    runs of 256 keys, only when a step has fewer (sequence, kv head) items than about two per
-    thread (one long chat on 2 cores: 3 kv heads); n > 0 = every sequence longer than n keys, in
-    runs of n, whatever the batch (the fixed split a batch-invariant mode needs); -1 = never."""
+    """Split a decoding sequence's keys over threads in runs of ``keys`` (partials merged in key
+    order; the choice depends on the sequence alone, so batch invariant); 0 or -1 = never (the
+    default: measured slower on our 2-core machine, kernels/cpu/attention.c says by how much)."""
     if keys < -1:
         raise ValueError(f"split keys must be -1, 0 or positive, got {keys}")
     fns = _lib()

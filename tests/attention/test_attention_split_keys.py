@@ -1,7 +1,7 @@
-"""The C paged attention split over keys (kernels/cpu/attention.c): one long sequence's keys cut
-into runs so both threads work, the partials merged in key order. Held to the torch reference
-(gather, mask, fp32 softmax) whether it splits automatically, never, or at a fixed size; a fixed
-split gives a sequence the same bits alone or in a batch (what a batch-invariant mode needs)."""
+"""The C paged attention split over keys (kernels/cpu/attention.c): a decoding sequence's keys cut
+into runs so both threads could work on one long chat, the partials merged in key order (off by
+default: measured slower here). Held to the torch reference (gather, mask, fp32 softmax) split or
+not; the split depends on the sequence alone, so it gets the same bits alone or in a batch."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ def _split_mode_restored():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
-    kernel.set_split(0)
+    kernel.set_split(-1)
     torch.set_num_threads(threads)
 
 
@@ -60,20 +60,23 @@ def test_split_matches_the_reference(dtype, tol, split, seqs, window):
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
-def test_automatic_split_changes_the_summation_only():
-    """The automatic split runs for one long sequence (3 kv heads < 2 per thread) and gives the
-    unsplit result up to fp32 rounding, not bit for bit (else this test would not see it run)."""
+def test_split_changes_the_summation_only():
+    """A split runs for one long decoding sequence and gives the unsplit result up to fp32
+    rounding, not bit for bit (else this test would not see it run); 0 and -1 never split."""
     q, k, v, batch = make([(1000, 1)], torch.float32)
     kernel.set_split(-1)
     whole = run(q, k, v, batch)
     kernel.set_split(0)
+    assert torch.equal(run(q, k, v, batch), whole)
+    kernel.set_split(256)
     split = run(q, k, v, batch)
     torch.testing.assert_close(split, whole, atol=2e-6, rtol=2e-6)
     assert not torch.equal(split, whole)
 
 
-def test_fixed_split_is_batch_invariant():
-    kernel.set_split(128)
+@pytest.mark.parametrize("split", [-1, 128, 256])
+def test_split_is_batch_invariant(split):
+    kernel.set_split(split)
     q, k, v, batch = make([(600, 1)], torch.float32, seed=3)
     alone = run(q, k, v, batch)
     # the same sequence (same q, same cache blocks) after three others in one step
