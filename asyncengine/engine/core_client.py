@@ -55,6 +55,11 @@ class CoreClient(ABC):
     @staticmethod
     def make(config: EngineConfig, core: "EngineCore | None" = None) -> "CoreClient":
         """``core``: an engine core already built in this process (tests share one)."""
+        if config.prefill_cores or config.decode_cores:  # never silently colocated
+            from asyncengine.errors import ConfigError
+
+            raise ConfigError("prefill_cores/decode_cores run through PDEngine.from_config (engine/pd_client.py, "
+                              "docs/kv_connector.md); AsyncLLMEngine and `asyncengine serve` do not take them yet")
         if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
             from asyncengine.models.model_info import load_model_info
 
