@@ -50,11 +50,11 @@ def make_req(rid: str, prompt: list[int], max_tokens: int, priority: int = 0, sa
 
 
 def new_sched(num_blocks=32, block_size=4, max_num_seqs=4, budget=16, policy="priority", caching=True,
-              clock=None) -> Scheduler:
+              clock=None, kv_connector=None) -> Scheduler:
     """A real scheduler + KV manager; ``clock`` replaces the priority queue's clock (aging)."""
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     s = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  max_model_len=num_blocks * block_size, policy=policy)
+                  max_model_len=num_blocks * block_size, policy=policy, kv_connector=kv_connector)
     if clock is not None:
         s.waiting.clock = clock
     return s
@@ -156,23 +156,23 @@ def check_accounting(s: Scheduler) -> None:
     samples."""
     running = {r.request_id for r in s.running}
     waiting = {r.request_id for r in s.waiting}
-    held = {r.request_id for r in s._held}
+    held = {r.request_id for r in s.samples.held}
     assert not running & waiting and not held & (running | waiting)
     assert running | waiting | held == set(s.requests)
-    assert len(running) == len(s.running) and len(waiting) == len(s.waiting) and len(held) == len(s._held)
+    assert len(running) == len(s.running) and len(waiting) == len(s.waiting) and len(held) == len(s.samples.held)
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and r.hold_for is None
     for r in s.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.hold_for is None
-    for r in s._held:
+    for r in s.samples.held:
         # a sample 1..n-1 that never ran, waiting for sample 0 of its own request (released by the
         # next schedule() once that one has had its whole prompt or is gone)
         assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 0 and r.num_preemptions == 0
         assert r.parent_id is not None and r.request_id != child_request_id(r.parent_id, 0)
         assert r.hold_for.request_id == child_request_id(r.parent_id, 0)
     live_samples = {rid for rid, r in s.requests.items() if r.parent_id is not None}
-    assert set().union(*s.parents.values()) == live_samples if s.parents else not live_samples
-    for pid, kids in s.parents.items():
+    assert set().union(*s.samples.parents.values()) == live_samples if s.samples.parents else not live_samples
+    for pid, kids in s.samples.parents.items():
         assert kids and all(s.requests[k].parent_id == pid for k in kids)
     assert set(s.kv.req_to_blocks) <= running, "a request that is not running holds blocks"
     holders: dict[int, int] = {}
@@ -211,7 +211,7 @@ class Driver:
     def add(self, req: Request) -> list[Request]:
         """Add a request; returns the core requests it became (its ``n`` samples, or itself)."""
         self.sched.add_request(req)
-        kids = self.sched.parents.get(req.request_id)
+        kids = self.sched.samples.parents.get(req.request_id)
         core = [self.sched.requests[k] for k in sorted(kids)] if kids else [req]
         for r in core:
             self.outputs[r.request_id] = []
@@ -235,10 +235,10 @@ class Driver:
 
     def step(self) -> SchedulerOutput:
         # held samples whose sample 0 has had its whole prompt (or is gone) must leave the hold now
-        ready = [r for r in self.sched._held if r.hold_for.is_finished
+        ready = [r for r in self.sched.samples.held if r.hold_for.is_finished
                  or r.hold_for.num_computed_tokens >= r.hold_for.num_prompt_tokens]
         so = self.sched.schedule()
-        assert not set(map(id, ready)) & set(map(id, self.sched._held)), "a ready sample is still held"
+        assert not set(map(id, ready)) & set(map(id, self.sched.samples.held)), "a ready sample is still held"
         check_no_running_request_skipped(self.sched, so)
         self.num_steps += 1
         assert so.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
@@ -273,7 +273,7 @@ class Driver:
         """Everything finished and freed; each request (each sample of an ``n > 1`` one) finished once,
         with exactly the greedy continuation unless it was aborted."""
         s = self.sched
-        assert not s.requests and not s.running and not len(s.waiting) and not s._held and not s.parents
+        assert not s.requests and not s.running and not len(s.waiting) and not s.samples.held and not s.samples.parents
         assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
         assert all(b.ref_cnt == 0 for b in s.kv.pool.blocks)
         assert len(self.finish_order) == len(set(self.finish_order)), "a request finished twice"

@@ -21,56 +21,29 @@ overwritten by the next step. Only accepted tokens reach stop checks, block hash
 Pipeline parallelism (``pipeline_parallel=True``): batches in flight are disjoint: a request in a
 batch that has not come back is not scheduled again (nor re-admitted), so the engine core can keep
 one batch per stage in flight with no placeholders; each request's step carries the tokens sampled
-since its last one (``CachedRequestData.new_token_ids``) for the stages that do not sample.
+since its last one (``CachedRequestData.new_token_ids``) for the stages that do not sample
+(core/pipeline_in_flight.py).
 
-Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample requests
-(``Request.make_children``: ids ``"<id>#<i>"``, ``seed + i``). With prefix caching on, samples
-1..n-1 are *held* (neither waiting nor running) until sample 0 has had its whole prompt scheduled;
-then they queue at the front and their prefix lookup finds sample 0's full prompt blocks, which they
-share by reference count: the prompt is prefilled once, and each other sample recomputes only the
-prompt's last block (the partial one; or the last full one when the prompt ends exactly on a block
-boundary, since the last prompt token is always recomputed to sample from). With prefix caching off
-nothing can be shared and the samples are independent requests from the start (n prefills).
-Aborting the user's id aborts every sample still running.
+Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample
+requests; those that can share sample 0's prompt wait for it (core/parallel_samples.py).
 
 KV connector (``kv_connector/base.py``; None = none, and none of its calls): a waiting request's
-prompt tokens past its prefix-cache hit may come from outside. Loaded synchronously, they count as
-computed and only the rest is scheduled; loaded asynchronously, the request waits in
-``_kv_waiting`` (no sequence slot, no blocks) until the connector reports the load ended, then
-queues again at the front. When a request finishes, the connector may ask to hold its blocks for
-a transfer (a prefill whose KV another core reads): they stay allocated under a lease until the
-connector reports the transfer done or the lease runs out (then they are freed and the connector
-told); an aborted request's blocks are the connector's to refuse to hold.
+prompt tokens past its prefix-cache hit may come from outside, and a finished request's blocks may
+be held for a transfer out (core/kv_transfer_state.py).
 """
 from __future__ import annotations
 
 import time
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.kv_transfer_state import KVTransferState
+from asyncengine.core.parallel_samples import ParallelSamples
+from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.request_queue import make_queue
 from asyncengine.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
-
-
-class SchedulerStats:
-    __slots__ = ("num_preemptions", "num_steps", "num_scheduled_tokens", "num_finished", "queue_time_s_total",
-                 "num_started", "num_computed_prompt_tokens", "spec_num_drafts", "spec_num_draft_tokens",
-                 "spec_num_accepted_tokens")
-
-    def __init__(self) -> None:
-        self.num_preemptions = 0
-        self.num_steps = 0
-        self.num_scheduled_tokens = 0
-        self.num_finished = 0
-        self.queue_time_s_total = 0.0
-        self.num_started = 0
-        # prompt positions actually computed (prefix-cache hits excluded, recomputes included)
-        self.num_computed_prompt_tokens = 0
-        # speculative decoding: verify steps that had drafts, drafts proposed, drafts accepted
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+from asyncengine.core.sched_stats import SchedulerStats
 
 
 class Scheduler:
@@ -80,12 +53,8 @@ class Scheduler:
                  pipeline_parallel: bool = False) -> None:
         self.kv = kv
         self.connector = kv_connector
-        self._kv_waiting: dict[str, Request] = {}  # asynchronous loads in flight
-        self._leases: dict[str, tuple[Request, float]] = {}  # finished, blocks held until (monotonic)
-        self.num_leases_expired = 0
         self.pipeline_parallel = pipeline_parallel
-        self._in_flight: set[str] = set()  # pipeline parallel: requests in a batch not yet updated
-        self._tokens_sent: dict[str, int] = {}  # pipeline parallel: output tokens the stages were sent
+        self.pp_in_flight = PipelineInFlight()  # pipeline parallel: requests in a batch not yet back
         self.num_spec_tokens = num_spec_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,75 +65,34 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the runner at the next schedule()
-        # n > 1: user request id -> ids of its samples still in the engine
-        self.parents: dict[str, set[str]] = {}
-        self._held: list[Request] = []  # samples waiting for sample 0's prompt (see the docstring)
+        self.samples = ParallelSamples(kv, self.waiting)  # n > 1: samples of each request, held ones
+        self.kv_transfer = KVTransferState(kv, kv_connector, self.waiting)  # loads in, leases out
         self._spec: dict[str, int] = {}  # the step being built: req_id -> draft slots
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests or req.request_id in self.parents or req.request_id in self._leases:
-            raise ValueError(f"request id {req.request_id!r} is already in the engine")
-        if req.sampling_params.n == 1:
-            self.requests[req.request_id] = req
-            req.status = RequestStatus.WAITING
-            self.waiting.add(req)
-            return
-        children = req.make_children()
+        rid = req.request_id
+        if rid in self.requests or rid in self.samples.parents or rid in self.kv_transfer.leases:
+            raise ValueError(f"request id {rid!r} is already in the engine")
+        children = [req] if req.sampling_params.n == 1 else req.make_children()
         for c in children:
             if c.request_id in self.requests:
                 raise ValueError(f"request id {c.request_id!r} is already in the engine")
-        self.parents[req.request_id] = {c.request_id for c in children}
-        leader = children[0]
-        # hold the others only when they can share something: at least one full prompt block (through
-        # the prefix cache, or, for hybrid models, a fork of sample 0's state and blocks: see _fork_held)
-        hold = (self.kv.enable_caching and (leader.num_prompt_tokens - 1) // self.kv.block_size > 0
-                or self.kv.plan_fork(leader) > 0)
+        queue_now = children if req.sampling_params.n == 1 else self.samples.add(req, children)
         for c in children:
             self.requests[c.request_id] = c
             c.status = RequestStatus.WAITING
-            if hold and c is not leader:
-                c.hold_for = leader
-                self._held.append(c)
-            else:
-                self.waiting.add(c)
-
-    def _release_held(self) -> None:
-        """Queue the held samples whose sample 0 has had its whole prompt scheduled (or is gone)."""
-        ready = [c for c in self._held if c.hold_for.is_finished
-                 or c.hold_for.num_computed_tokens >= c.hold_for.num_prompt_tokens]
-        if not ready:
-            return
-        # at the front: they arrived with sample 0, before anything still waiting
-        for c in reversed(ready):
-            self._held.remove(c)
-            c.hold_for = None
-            self.waiting.push_front(c)
-
-    def _fork_held(self, leader: Request) -> None:
-        """Hybrid models, ``n > 1``: sample 0 is scheduled on from its fork point (the last block
-        boundary before its last prompt token; its chunks were cut there) in the step being built,
-        so the runner copies its state, as it stands before this step, into each held sample's
-        slot at the start of the step; the samples share its full prompt blocks and queue at the
-        front with those tokens computed: each computes only the prompt's tail. A sample with no
-        free slot is released to compute its whole prompt itself."""
-        kids = [c for c in self._held if c.hold_for is leader]
-        for c in reversed(kids):
-            self._held.remove(c)
-            c.hold_for = None
-            if self.kv.fork(leader, c):
-                c.num_computed_tokens = self.kv.fork_point(leader)
-            self.waiting.push_front(c)
-        self.kv.end_fork(leader)
+        for c in queue_now:
+            self.waiting.add(c)
 
     def abort_requests(self, request_ids) -> list[str]:
         """Abort whatever of ``request_ids`` is still here (a user id of an ``n > 1`` request
         aborts all its samples); returns the core ids actually aborted."""
         done = []
         for rid in request_ids:
-            kids = self.parents.get(rid)
+            kids = self.samples.parents.get(rid)
             for cid in (sorted(kids) if kids else (rid,)):
                 req = self.requests.get(cid)
                 if req is None:
@@ -176,12 +104,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Requests in the engine, or KV transfers still to hear back from (a read for a request
         aborted meanwhile still holds host slots until the worker reports it)."""
-        return bool(self.requests) or (self.connector is not None and (
-            bool(self._leases) or self.connector.has_pending_transfers()))
+        return bool(self.requests) or self.kv_transfer.has_pending()
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._held) + len(self._kv_waiting)
+        return len(self.waiting) + len(self.samples.held) + len(self.kv_transfer.waiting_for_kv)
 
     @property
     def num_running(self) -> int:
@@ -191,27 +118,17 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.hold_for is not None:
-            self._held.remove(req)
-            req.hold_for = None
-        elif self._kv_waiting.pop(req.request_id, None) is not None:
+            self.samples.unhold(req)
+        elif self.kv_transfer.waiting_for_kv.pop(req.request_id, None) is not None:
             pass
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
-        lease_s = self.connector.request_finished(req) if self.connector is not None else None
-        if lease_s is None:
-            self.kv.free(req)
-        else:
-            self._leases[req.request_id] = (req, time.monotonic() + lease_s)
+        self.kv_transfer.request_finished(req)  # its blocks freed, or held for a transfer out
         del self.requests[req.request_id]
-        if req.parent_id is not None:
-            kids = self.parents.get(req.parent_id)
-            if kids is not None:
-                kids.discard(req.request_id)
-                if not kids:
-                    del self.parents[req.parent_id]
+        self.samples.sample_finished(req)
         self._finished_ids.append(req.request_id)
-        self._tokens_sent.pop(req.request_id, None)
+        self.pp_in_flight.forget(req.request_id)
         self.stats.num_finished += 1
 
     def _preempt(self, req: Request) -> None:
@@ -252,7 +169,7 @@ class Scheduler:
 
     def _tokens_to_schedule(self, req: Request) -> int:
         """Tokens the request could compute now: the rest of its prompt/recompute, or one decode."""
-        if self.pipeline_parallel and req.request_id in self._in_flight:
+        if self.pipeline_parallel and req.request_id in self.pp_in_flight:
             return 0  # disjoint batches: its last step has not come back
         n = req.num_tokens_with_placeholders - req.num_computed_tokens
         if n > 0 and req.num_computed_tokens + n >= req.num_tokens_with_placeholders:
@@ -270,10 +187,10 @@ class Scheduler:
         return k
 
     def schedule(self) -> SchedulerOutput:
-        if self._held:
-            self._release_held()
-        if self._leases:
-            self._expire_leases()
+        if self.samples.held:
+            self.samples.release_ready()
+        if self.kv_transfer.leases:
+            self.kv_transfer.expire_leases()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -322,7 +239,7 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                if req.num_output_placeholders or req.request_id in self._in_flight:
+                if req.num_output_placeholders or req.request_id in self.pp_in_flight:
                     break  # a step of it is still in flight from before its preemption
                 if len(self.running) >= self.max_num_seqs:
                     if not (priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs)):
@@ -335,7 +252,7 @@ class Scheduler:
                     num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
                     if load_async:
                         self.waiting.pop()
-                        self._kv_waiting[req.request_id] = req
+                        self.kv_transfer.waiting_for_kv[req.request_id] = req
                         continue
                 n = req.num_tokens - num_hit - num_ext
                 if n > budget:
@@ -376,11 +293,8 @@ class Scheduler:
         cached_data: list[CachedRequestData] = []
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
-            if self.pipeline_parallel:
-                self._in_flight.add(rid)
+            new_tokens = self.pp_in_flight.send(req) if self.pipeline_parallel else []
             if rid in new_ids:
-                if self.pipeline_parallel:
-                    self._tokens_sent[rid] = len(req.output_token_ids)
                 new_data.append(NewRequestData(
                     req_id=rid, prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
@@ -388,17 +302,13 @@ class Scheduler:
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
                     state_slot=self.kv.state_slot(rid)))
             else:
-                new_tokens = []
-                if self.pipeline_parallel:
-                    new_tokens = req.output_token_ids[self._tokens_sent.get(rid, 0):]
-                    self._tokens_sent[rid] = len(req.output_token_ids)
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens,
                                                      new_token_ids=new_tokens))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            if self._held and self.kv.at_fork_point(req):
-                self._fork_held(req)
+            if self.samples.held and self.kv.at_fork_point(req):
+                self.samples.fork(req)
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1 + spec.get(rid, 0)
@@ -428,44 +338,17 @@ class Scheduler:
         req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
         return new or None
 
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for rid in [rid for rid, (_, deadline) in self._leases.items() if deadline <= now]:
-            self._release_lease(rid)
-            self.num_leases_expired += 1
-            self.connector.lease_expired(rid)
-
-    def _release_lease(self, rid: str) -> None:
-        lease = self._leases.pop(rid, None)
-        if lease is not None:
-            self.kv.free(lease[0])
-
     def kv_connector_stats(self) -> dict:
         """The connector's counters, and the blocks held for transfers (empty without a connector)."""
-        if self.connector is None:
-            return {}
-        held = sum(len(self.kv.req_to_blocks.get(rid, ())) for rid in self._leases)
-        return {**self.connector.stats(), "kv_leases_held": len(self._leases), "kv_blocks_held_for_transfer": held,
-                "kv_leases_expired": self.num_leases_expired}
-
-    def _kv_loaded(self, request_ids: list[str]) -> None:
-        """Asynchronous loads ended: those requests queue again, at the front (they were first)."""
-        for rid in reversed(request_ids):
-            req = self._kv_waiting.pop(rid, None)
-            if req is not None:
-                self.waiting.push_front(req)
+        return self.kv_transfer.stats()
 
     def update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Fold a finished step's sampled tokens into request states; emit per-request outputs
         (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
         if out.kv_connector_output is not None and self.connector is not None:
-            loaded, sent = self.connector.update_connector_output(out.kv_connector_output)
-            self._kv_loaded(loaded)
-            for rid in sent:
-                self._release_lease(rid)
-        if self._in_flight:
-            self._in_flight.difference_update(sched.num_scheduled_tokens)
+            self.kv_transfer.step_done(out.kv_connector_output)
+        self.pp_in_flight.returned(sched.num_scheduled_tokens)
         logprobs = out.logprobs
         prompt_lps = out.prompt_logprobs or {}
         if prompt_lps:

@@ -5,16 +5,13 @@ Python work); the engine core's executor runs the model elsewhere (a dedicated t
 default ``uni`` executor, worker processes with ``mp``; torch releases the GIL in its kernels), so
 the loop stays responsive while the model computes.
 
-The busy loop talks to one ``CoreClient`` (engine/core_client.py), wherever the core runs: it
-hands over inputs and routes each finished batch's outputs. The stepping itself (a queue of
-in-flight batches: the next one is scheduled and queued before this one's outputs are
-detokenized and routed) is the engine core's (engine/core.py); with the core in this process the
-client awaits the batch's future on this loop.
+The engine binds a busy loop (engine/busy_loop.py) to the app's loop, which hands its inputs to
+one ``CoreClient`` (engine/core_client.py) wherever the core runs and routes each finished batch's
+outputs; the engine itself checks and submits requests and answers the public API.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import uuid
@@ -23,9 +20,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.request import Request, child_request_id
+from asyncengine.core.request import child_request_id
 from asyncengine.engine import gc_policy, validation
 from asyncengine.engine.admission import Admission
+from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
@@ -39,10 +37,6 @@ from asyncengine.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from asyncengine.engine.core import EngineCore
-
-log = logging.getLogger(__name__)
-
-_HEALTH_CHECK_S = 1.0  # an idle busy loop checks the core's health this often
 
 
 class AsyncLLMEngine:
@@ -69,15 +63,10 @@ class AsyncLLMEngine:
         if config.freeze_gc_after_load:
             gc_policy.freeze_after_load()
         self.router = StreamRouter(self.output_processor, self.admission, self.client)
-        self._new: list[Request] = []
+        self._busy_loop = BusyLoop(self.client, self.router)  # new requests and aborts wait in it
         self._compiling: dict[str, asyncio.Future] = {}  # request id -> its grammar's compile
-        self._aborts: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
-        self._dead: EngineDeadError | None = None
-        self._closing = False
         self._closed = False
         # metrics
         self._started_at = time.monotonic()
@@ -101,49 +90,42 @@ class AsyncLLMEngine:
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._dead is not None:
+        busy = self._busy_loop
+        if busy.dead is not None:
             # a fresh exception each time (re-raising one object grows its traceback forever)
-            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
+            raise EngineDeadError(str(busy.dead)) from busy.dead.__cause__
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        if self._loop is loop and self._task is not None and not self._task.done():
+        if self._loop is loop and busy.is_running:
             return
-        if self._loop is not None and self._loop is not loop and self._task is not None \
-                and not self._task.done() and not self._loop.is_closed() and self._loop.is_running():
+        if self._loop is not None and self._loop is not loop and busy.is_running \
+                and not self._loop.is_closed() and self._loop.is_running():
             raise RuntimeError(
                 "this AsyncLLMEngine is running on another event loop; use it from that loop "
                 "(or from another thread via asyncio.run_coroutine_threadsafe on that loop)")
         # first use, or the old loop is gone (e.g. a second asyncio.run): rebind
-        if self._task is not None and not self._task.done():
-            self._abandon_all()  # its loop was closed (or stopped) without cancelling the busy loop
+        if busy.is_running:
+            busy.abandon_all()  # its loop was closed (or stopped) without cancelling the busy loop
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        self._wake = asyncio.Event()
         self.intake.bind()
-        wake_event = self._wake
-
-        def wake() -> None:  # from any thread (a remote core's reader)
-            try:
-                loop.call_soon_threadsafe(wake_event.set)
-            except RuntimeError:  # the loop is closed
-                pass
-        self.client.bind(wake, self._drain_inputs)
-        self._task = loop.create_task(self._busy_loop(), name="asyncengine-busy-loop")
+        busy.start(loop)
 
     async def shutdown(self, drain: bool = True) -> None:
         """Stop the engine. drain=True lets running and queued requests finish; drain=False aborts
         them (their streams end with finish_reason "abort")."""
         if self._closed:
             return
-        self._closing = True
+        busy = self._busy_loop
+        busy.closing = True
         if not drain:
             for rid in list(self._slots):
                 self._abort_nowait(rid)
-        if self._task is not None:
-            if not self._task.done():
-                self._wake.set()
+        if busy.task is not None:
+            if not busy.task.done():
+                busy.wake.set()
             try:
-                await self._task  # also collects a dead loop's exception ("never retrieved")
+                await busy.task  # also collects a dead loop's exception ("never retrieved")
             except (EngineDeadError, asyncio.CancelledError):
                 pass
         self._closed = True
@@ -152,7 +134,7 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._busy_loop.is_running
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -165,7 +147,7 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self._busy_loop.dead is not None
 
     @property
     def _slots(self) -> dict[str, RequestSlot]:
@@ -213,7 +195,7 @@ class AsyncLLMEngine:
     @property
     def is_closing(self) -> bool:
         """True from the start of shutdown(): new requests are refused (EngineDeadError)."""
-        return self._closing
+        return self._busy_loop.closing
 
     # ------------------------------------------------------------------ requests
 
@@ -233,7 +215,7 @@ class AsyncLLMEngine:
         prompt is tokenized on a worker thread; its errors surface at the first iteration.)
         """
         self._bind_loop()
-        if self._closing:
+        if self._busy_loop.closing:
             raise EngineDeadError("the engine is shutting down")
         if sampling_params is None:  # the model's defaults (models/sampling_defaults.py)
             sampling_params = self.default_sampling_params
@@ -295,7 +277,7 @@ class AsyncLLMEngine:
                 try:
                     params = await compiling
                 except asyncio.CancelledError:
-                    if compiling.cancelled() and (slot.request_id in self._aborts or not still_wanted()):
+                    if compiling.cancelled() and (slot.request_id in self._busy_loop.aborts or not still_wanted()):
                         return  # aborted while its grammar compiled (the abort ended its stream)
                     raise
                 finally:
@@ -313,12 +295,13 @@ class AsyncLLMEngine:
         req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt)
         # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
-        self.admission.check(req, self.client.num_waiting + sum(r.sampling_params.n for r in self._new))
+        busy = self._busy_loop
+        self.admission.check(req, self.client.num_waiting + sum(r.sampling_params.n for r in busy.new))
         self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
                                           req.arrival_time, stop_automaton=automaton)
         self.admission.add(request_id, req.num_prompt_tokens)
-        self._new.append(req)
-        self._wake.set()
+        busy.new.append(req)
+        busy.wake.set()
 
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
@@ -351,83 +334,12 @@ class AsyncLLMEngine:
     def _mark_abort(self, request_id: str, slot: RequestSlot | None = None) -> None:
         live = self._slots.get(request_id)
         if live is not None and (slot is None or live is slot):
-            self._aborts.add(request_id)
+            self._busy_loop.aborts.add(request_id)
             compiling = self._compiling.pop(request_id, None)
             if compiling is not None:
                 compiling.cancel()
-            if self._wake is not None:
-                self._wake.set()
-
-    # ------------------------------------------------------------------ the busy loop
-
-    def _drain_inputs(self) -> None:
-        core = self.client
-        if self._new:
-            new, self._new = self._new, []
-            for req in new:
-                if req.request_id in self._aborts:
-                    continue  # abandoned before it reached the core
-                try:
-                    core.add_request(req)
-                except Exception as e:  # this request's input: it alone fails
-                    self.router.fail_request(req.request_id, e, "was admitted")
-        if self._aborts:
-            ids, self._aborts = list(self._aborts), set()
-            core.abort_requests(ids)
-            for rid in ids:
-                self.router.end_aborted(rid)
-
-    async def _busy_loop(self) -> None:
-        """Hand the inputs to the core client and route each finished batch it gives back; with
-        nothing to wait for, sleep until an input (or a remote core's output) arrives, looking at
-        the core's health now and then (a dead worker kills the engine now, not at the next
-        request)."""
-        client = self.client
-        try:
-            while True:
-                self._drain_inputs()
-                batch = await client.get_output()
-                if batch is not None:
-                    await self.router.route(batch)
-                    continue
-                if self._closing and not self._new and not self._slots and client.is_idle():
-                    return
-                self._wake.clear()
-                if self._new or self._aborts:
-                    continue
-                # work that cannot be scheduled now (never with a sane config) is retried soon
-                timeout = _HEALTH_CHECK_S if client.is_idle() else 0.01
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                except asyncio.TimeoutError:
-                    client.check_health()
-        except asyncio.CancelledError:
-            # the loop is going away (asyncio.run cancels every task it leaves behind): end this
-            # loop's requests but keep the engine usable from the next loop. Batches already handed
-            # to the executor still run there: their blocks are already in the prefix cache.
-            if self._task is asyncio.current_task():
-                self._abandon_all()
-            raise
-        except GeneratorExit:
-            # the coroutine is being destroyed with its closed loop (the engine has moved on to
-            # another loop, or is garbage): not a fault, and that loop can no longer be touched
-            raise
-        except BaseException as e:  # a model fault: every waiter learns why, nobody hangs
-            dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
-            dead.__cause__ = e
-            log.exception("asyncengine busy loop died")
-            self._dead = dead
-            self.router.fail_all(dead)
-            self._new.clear()
-            raise dead from e
-
-    def _abandon_all(self) -> None:
-        """End every request of the loop the engine leaves (its streams get an "abort" output) and
-        empty the core, so that the next loop starts clean."""
-        self.router.abandon_all()
-        self.client.abort_all()  # the workers forget them once the batches already queued are done
-        self._new.clear()
-        self._aborts.clear()
+            if self._busy_loop.wake is not None:
+                self._busy_loop.wake.set()
 
     # ------------------------------------------------------------------ introspection
 

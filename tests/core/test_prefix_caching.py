@@ -445,12 +445,12 @@ def test_aborting_sample_0_releases_the_held_samples(overlap):
     r = make_req("r", list(range(10, 22)), 4, n=3)  # 12-token prompt in chunks of 4: 3 steps for sample 0
     d.add(r)
     d.step()
-    assert [c.request_id for c in s._held] == ["r#1", "r#2"] and s.num_waiting == 2
+    assert [c.request_id for c in s.samples.held] == ["r#1", "r#2"] and s.num_waiting == 2
     d.step()
-    assert d.abort(["r#0"]) == ["r#0"] and "r" in s.parents
+    assert d.abort(["r#0"]) == ["r#0"] and "r" in s.samples.parents
     so = d.step()
     (first,) = so.num_scheduled_tokens  # the budget of 4 goes to one of them
-    assert not s._held and first in ("r#1", "r#2")
+    assert not s.samples.held and first in ("r#1", "r#2")
     assert s.requests[first].num_cached_tokens == 8  # the two blocks sample 0 wrote
     d.run()
     d.check_done([r])
@@ -532,7 +532,7 @@ class SchedulerKVMachine(RuleBasedStateMachine):
         self.ids.append(r.request_id)
         if n > 1:
             self.ids += [c.request_id for c in samples]
-            SEEN["held"] += len(self.sched._held)
+            SEEN["held"] += len(self.sched.samples.held)
 
     @rule(n=st.integers(1, 4))
     def step(self, n):

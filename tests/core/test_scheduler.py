@@ -110,7 +110,7 @@ class Driver:
     def add(self, req: Request) -> list[Request]:
         """Add a request; returns the core requests it became (its ``n`` samples, or itself)."""
         self.sched.add_request(req)
-        kids = self.sched.parents.get(req.request_id)
+        kids = self.sched.samples.parents.get(req.request_id)
         core = [self.sched.requests[k] for k in sorted(kids)] if kids else [req]
         if kids:
             self.samples[req.request_id] = core
@@ -171,7 +171,7 @@ def expected_tokens(n: int) -> list[int]:
 
 def check_all_done(d: Driver, reqs: list[Request]) -> None:
     s = d.sched
-    assert not s.requests and not s.running and not len(s.waiting) and not s._held and not s.parents
+    assert not s.requests and not s.running and not len(s.waiting) and not s.samples.held and not s.samples.parents
     assert s.kv.num_free_blocks == s.kv.pool.num_blocks and not s.kv.req_to_blocks
     for r in [c for r in reqs for c in d.samples.get(r.request_id, [r])]:
         rid = r.request_id
@@ -555,7 +555,7 @@ def test_request_ids_in_use_are_refused():
     d.add(clash)
     with pytest.raises(ValueError, match="already in the engine"):
         sched.add_request(make_req("q", 3, 1, n=2))
-    assert "q" not in sched.parents and "q#1" not in sched.requests  # refused whole
+    assert "q" not in sched.samples.parents and "q#1" not in sched.requests  # refused whole
     assert set(sched.requests) == {"a", "p#0", "p#1", "q#0"}
     d.run()
     check_all_done(d, [a, pair, clash])

@@ -43,7 +43,7 @@ async def settle(eng: AsyncLLMEngine, iterations: int = 2000) -> None:
     """Wait (a bounded number of short sleeps) until nothing is running, waiting or pending."""
     for _ in range(iterations):
         s = eng.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and not eng._new and not eng._aborts \
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and not eng._busy_loop.new and not eng._busy_loop.aborts \
                 and not eng._slots:
             return
         await asyncio.sleep(0.01)
@@ -264,7 +264,7 @@ async def scenario_overload(model_dir: str) -> None:
         for j in range(2):
             waiting.append(eng.generate(list(range(20 + 40 * j, 60 + 40 * j)), greedy(2)))
             for _ in range(2000):  # let the busy loop hand it to the scheduler
-                if not eng._new:
+                if not eng._busy_loop.new:
                     break
                 await asyncio.sleep(0.005)
         assert eng.core.scheduler.num_waiting >= 1

@@ -46,7 +46,7 @@ def assert_clean_llm(llm: LLM) -> None:
 async def assert_clean(eng: AsyncLLMEngine) -> None:
     for _ in range(2000):
         s = eng.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and not eng._slots and not eng._new:
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and not eng._slots and not eng._busy_loop.new:
             break
         await asyncio.sleep(0.01)
     s = eng.stats()

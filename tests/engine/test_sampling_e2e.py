@@ -169,7 +169,7 @@ def test_n_distinct_with_temperature_identical_greedy(llm):
     assert [c.token_ids for c in g.outputs] == [one.outputs[0].token_ids] * 3
     assert len({round(c.cumulative_logprob, 4) for c in g.outputs}) == 1
     assert all(c.text == one.outputs[0].text for c in g.outputs)
-    assert llm.engine.scheduler.parents == {} and llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.scheduler.samples.parents == {} and llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
 
 def test_n_with_seed_is_seed_plus_i(llm):
@@ -221,7 +221,7 @@ def test_n_shares_prompt_blocks(model_dir, prefix_caching):
     final = outs[-1]
     assert final.finished and len(final.outputs) == n and sum(o.finished for o in outs) == 1
     assert len({tuple(c.token_ids) for c in final.outputs}) == n
-    assert eng.kv.num_free_blocks == eng.num_blocks and eng.scheduler.parents == {}
+    assert eng.kv.num_free_blocks == eng.num_blocks and eng.scheduler.samples.parents == {}
 
 
 def test_n_held_samples_abort_and_release(model_dir):
@@ -236,17 +236,17 @@ def test_n_held_samples_abort_and_release(model_dir):
         llm.output_processor.add_request("p", None, prompt, sp)
         eng.add_request(req)
         llm.output_processor.process(eng.step())  # sample 0's first 16-token chunk
-        assert [c.request_id for c in sched._held] == ["p#1", "p#2"] and sched.num_waiting == 2
+        assert [c.request_id for c in sched.samples.held] == ["p#1", "p#2"] and sched.num_waiting == 2
         assert list(eng.kv.req_to_blocks) == ["p#0"]
         eng.abort_requests([abort_id])
         if abort_id == "p":
             llm.output_processor.abort("p")
-            assert sched.requests == {} and sched.parents == {} and sched._held == []
+            assert sched.requests == {} and sched.samples.parents == {} and sched.samples.held == []
             eng.step()
             assert eng.kv.num_free_blocks == eng.num_blocks
             continue
         # sample 0 aborted alone (as a stop string would): the others are released and finish
-        assert sched.parents == {"p": {"p#1", "p#2"}}
+        assert sched.samples.parents == {"p": {"p#1", "p#2"}}
         llm.output_processor.process([EngineCoreOutput(req_id="p#0", new_token_ids=[], finish_reason="abort")])
         outs = []
         while eng.has_unfinished():
@@ -254,7 +254,7 @@ def test_n_held_samples_abort_and_release(model_dir):
         final = outs[-1]
         assert final.finished and [c.finish_reason for c in final.outputs] == ["abort", "length", "length"]
         assert [len(c.token_ids) for c in final.outputs] == [0, 4, 4]
-        assert sched.parents == {} and eng.kv.num_free_blocks == eng.num_blocks
+        assert sched.samples.parents == {} and eng.kv.num_free_blocks == eng.num_blocks
 
 
 # ---------------------------------------------------------------------------- stops
@@ -478,7 +478,7 @@ async def test_abort_parent_aborts_every_sample(model_dir):
             if not eng.core.scheduler.requests and not eng._slots:
                 break
             await asyncio.sleep(0.01)
-        assert eng.core.scheduler.requests == {} and eng.core.scheduler.parents == {}
+        assert eng.core.scheduler.requests == {} and eng.core.scheduler.samples.parents == {}
         assert eng.output_processor.states == {} and eng.core.kv.num_free_blocks == eng.core.num_blocks
         # an explicit abort of a request that is still held / queued also takes all samples
         stream = eng.generate(prompt_of(91, 40), SamplingParams(n=4, max_tokens=200, temperature=1.0, ignore_eos=True),
@@ -486,7 +486,7 @@ async def test_abort_parent_aborts_every_sample(model_dir):
         await eng.abort("par2")
         outs = await asyncio.wait_for(_collect(stream), HANG_GUARD_S)
         assert outs[-1].finished and {c.finish_reason for c in outs[-1].outputs} == {"abort"}
-        assert eng.core.scheduler.requests == {} and eng.core.scheduler.parents == {}
+        assert eng.core.scheduler.requests == {} and eng.core.scheduler.samples.parents == {}
 
 
 async def test_prompt_logprobs_streamed_once(model_dir, hf_model):

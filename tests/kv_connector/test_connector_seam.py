@@ -41,9 +41,8 @@ class HoldingConnector(SchedulerConnector):
 
 
 def setup(lease_s: float):
-    s = new_sched(num_blocks=16, block_size=4, policy="fcfs")
     conn = HoldingConnector(lease_s)
-    s.connector = conn
+    s = new_sched(num_blocks=16, block_size=4, policy="fcfs", kv_connector=conn)
     return s, conn, KVOracleRunner(s)
 
 

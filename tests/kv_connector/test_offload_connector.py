@@ -63,7 +63,7 @@ def assert_whole(core: EngineCore) -> None:
         conn.host.check_invariants()
         assert conn.host.num_pinned == 0, "host slots still pinned"
         assert not conn.has_pending_transfers()
-        assert not conn._req_pins and not core.scheduler._kv_waiting
+        assert not conn._req_pins and not core.scheduler.kv_transfer.waiting_for_kv
 
 
 def chat(core: EngineCore, num_convs: int = 6, turns: int = 3, seed: int = 0) -> dict[str, list[int]]:
@@ -427,11 +427,11 @@ def test_abort_while_waiting_for_disk_read(tiny, tmp_path):
     try:
         core.add_request(shared_prompts()[1])
         so = core.schedule()  # the lookup finds the system prompt on disk: a read starts, the request waits
-        assert list(core.scheduler._kv_waiting) == ["q1"] and core.scheduler.connector.has_pending_transfers()
+        assert list(core.scheduler.kv_transfer.waiting_for_kv) == ["q1"] and core.scheduler.connector.has_pending_transfers()
         assert so.kv_connector_metadata.stage_from_disk and not so.num_scheduled_tokens
         assert core.kv.num_free_blocks == core.num_blocks  # waiting for a read holds no device block
         core.abort_requests(["q1"])
-        assert not core.scheduler._kv_waiting
+        assert not core.scheduler.kv_transfer.waiting_for_kv
         core.update(so, core.execute(so))
         for _ in range(1000):
             if not core.has_unfinished():
