@@ -92,6 +92,11 @@ class CoreClient(ABC):
     def num_waiting(self) -> int:
         """Requests (samples) waiting to be scheduled, for admission control."""
 
+    @property
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests (samples) being computed."""
+
     @abstractmethod
     def add_request(self, req: Request) -> None: ...
 
@@ -163,6 +168,10 @@ class InprocClient(CoreClient):
     @property
     def num_waiting(self) -> int:
         return self.core.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.core.num_running
 
     def add_request(self, req: Request) -> None:
         self.core.add_request(req)

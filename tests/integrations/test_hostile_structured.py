@@ -122,7 +122,7 @@ def _wait_idle(s: LiveServer) -> None:
     if not e.config.engine_core_process and e.config.data_parallel_size == 1:
         return s.wait_clean()
     for _ in range(int(HANG_GUARD_S / 0.05)):
-        if s.on_loop(lambda: not e._slots and e.core.num_running == 0 and e.core.num_waiting == 0):
+        if s.on_loop(lambda: not e._slots and e.client.num_running == 0 and e.client.num_waiting == 0):
             return
         time.sleep(0.05)
     raise AssertionError(f"the engine did not go idle: {s.stats()}")

@@ -96,7 +96,7 @@ def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
         async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
             stream = pd.generate({"prompt_token_ids": prompts()[0]}, greedy(400), request_id="k")
             await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
-            os.kill(pd.decode[0].core.clients[0].proc.pid, signal.SIGKILL)
+            os.kill(pd.decode[0].client.clients[0].proc.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 async def rest():
                     async for _ in stream:
