@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
-from asyncengine.errors import ConfigError
+from asyncengine.errors import ConfigError, EngineCoreDied
 from model_utils import compare
 
 HANG_GUARD_S = 240.0
@@ -78,8 +78,8 @@ async def test_tp2_one_rank_per_node(ray_cluster, tiny_llama_dir, tiny_reference
 
 async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_reference):
     """Data-parallel replicas on Ray: two engine cores as actors, one on each node (STRICT_SPREAD),
-    behind one front end: token-exact, both serve, stats per core; a lost core actor fails every
-    stream with EngineDeadError; shutdown gives the cluster its CPUs back."""
+    behind one front end: token-exact, both serve, stats per core; a lost core actor fails only its
+    own streams (EngineCoreDied); shutdown gives the cluster its CPUs back."""
     import ray
 
     requests, refs = tiny_reference("llama")
@@ -105,17 +105,25 @@ async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
             await asyncio.sleep(0.02)
         assert s["data_parallel_size"] == 2 and all(core["num_steps"] > 0 for core in s["cores"]), s
 
-        # a core actor lost mid-run: every stream fails with EngineDeadError, nobody hangs
+        # a core actor lost mid-run: its streams fail with EngineCoreDied, the other core's complete
+        # (data parallel degrades: engine/dp_health.py), nobody hangs
         streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]},
                                 SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(st.__anext__() for st in streams)), HANG_GUARD_S)
+        on = [eng.client.owner[st.request_id] for st in streams]
 
-        async def consume(s):
-            with pytest.raises(EngineDeadError):
-                async for _ in s:
+        async def consume(st, dies: bool):
+            if dies:
+                with pytest.raises(EngineCoreDied):
+                    async for _ in st:
+                        pass
+            else:
+                async for out in st:
                     pass
-        await asyncio.wait_for(streams[0].__anext__(), HANG_GUARD_S)
+                assert out.finished and len(out.outputs[0].token_ids) == 300
         clients[1].proc.kill()
-        await asyncio.wait_for(asyncio.gather(*(consume(s) for s in streams)), HANG_GUARD_S)
+        await asyncio.wait_for(asyncio.gather(*(consume(st, o == 1) for st, o in zip(streams, on))), HANG_GUARD_S)
+        assert 1 in on and eng.client.cores_alive() == (1, 2) and not eng.errored
     for _ in range(300):  # both cores' CPUs are free again (actors ended, placement group removed)
         if ray.available_resources().get("CPU", 0) == 2:
             break
