@@ -24,6 +24,7 @@ from asyncengine.layers.mamba2 import Mamba2Shape, SSMStepMeta
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.layers.rotary import RotaryEmbedding
 from asyncengine.models.layer_kinds import layer_kinds
+from asyncengine.models.weight_loading import check_complete, load_tensor
 
 
 @dataclass
@@ -229,31 +230,5 @@ class HybridForCausalLM(nn.Module):
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             target, shard = self._our_name(hf_name)
-            mod_name, _, leaf = target.rpartition(".")
-            layer = modules.get(mod_name)
-            try:
-                if isinstance(layer, Linear) and leaf in ("weight", "bias"):
-                    (layer.load if leaf == "weight" else layer.load_bias)(tensor, shard)
-                elif target in params and shard is None:
-                    p = params[target]
-                    if p.shape != tensor.shape:
-                        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-                    with torch.no_grad():
-                        p.copy_(tensor)
-                else:
-                    raise KeyError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
-            except ValueError as e:
-                raise ValueError(f"{hf_name}: {e}") from None
-            loaded.add(f"{target}#{shard}")
-        expected = set()
-        for n, m in modules.items():
-            if isinstance(m, Linear):
-                keys = [None] if len(m.parts) == 1 else range(len(m.parts))
-                expected |= {f"{n}.weight#{k}" for k in keys}
-                if m.bias is not None:
-                    expected |= {f"{n}.bias#{k}" for k in keys}
-        linear = {f"{n}.{leaf}" for n, m in modules.items() if isinstance(m, Linear) for leaf in ("weight", "bias")}
-        expected |= {f"{n}#None" for n in params if n not in linear}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+            loaded.add(load_tensor(self, modules, params, hf_name, target, shard, tensor))
+        check_complete(modules, params, loaded)

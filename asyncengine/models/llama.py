@@ -26,6 +26,7 @@ from asyncengine.layers.linear import Linear, VocabEmbedding
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup, attention_shard, even_split, vocab_split
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from asyncengine.models.weight_loading import check_complete, load_tensor
 
 
 @dataclass
@@ -319,37 +320,8 @@ class LlamaForCausalLM(nn.Module):
                     parts[i], shard = _FUSED[p]
                     target = ".".join(parts)
                     break
-            mod_name, _, leaf = target.rpartition(".")
-            layer = modules.get(mod_name)
-            try:
-                if isinstance(layer, Linear) and leaf in ("weight", "bias"):
-                    if leaf == "weight":
-                        layer.load(tensor, shard)
-                    else:
-                        layer.load_bias(tensor, shard)
-                elif target in params:
-                    p = params[target]
-                    if p.shape != tensor.shape:
-                        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-                    with torch.no_grad():
-                        p.copy_(tensor)
-                else:
-                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            loaded.add(f"{target}#{shard}")
-        expected = set()
-        for n, m in modules.items():
-            if isinstance(m, Linear):
-                keys = [None] if len(m.parts) == 1 else range(len(m.parts))
-                expected |= {f"{n}.weight#{k}" for k in keys}
-                if m.bias is not None:
-                    expected |= {f"{n}.bias#{k}" for k in keys}
-        linear_params = {f"{n}.{leaf}" for n, m in modules.items() if isinstance(m, Linear) for leaf in ("weight", "bias")}
-        expected |= {f"{n}#None" for n in params if n not in linear_params}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+            loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
+        check_complete(modules, params, loaded)
 
 
 # checkpoint projection -> (our fused layer, part index)
