@@ -3,7 +3,7 @@ parser is built from the standard library alone (plus ``asyncengine.config`` and
 ``models.sampling_defaults``, which import no torch), so ``--help`` and ``--version`` answer without
 importing torch (or asyncio).
 
-The engine's knobs are rows of :data:`ENGINE_OPTIONS`, one per ``EngineConfig`` field: the parser's
+The engine's knobs are rows of :data:`ENGINE_OPTIONS` (cli/engine_options.py), one per ``EngineConfig`` field: the parser's
 flags and the ``EngineConfig`` keyword arguments are both generated from it, and the defaults the
 help shows are read from ``EngineConfig`` itself, so flags, help and engine cannot drift apart
 (``tests/cli/test_cli_args.py`` fails when a field is neither in the table nor in
@@ -12,17 +12,15 @@ help shows are read from ``EngineConfig`` itself, so flags, help and engine cann
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import textwrap
-from typing import Any, Callable
 
-from asyncengine.attention.registry import BACKEND_CHOICES  # torch-free: the backends' table
+from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
+    COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_INT, EngineOption, add_engine_options, default_text,
+    engine_kwargs, parse_json_object, parse_size)
 
 EXIT_USAGE = 2  # argparse's own exit status for bad usage; also every error caught before the model runs
 EXIT_FAILED = 1  # the model ran but a request failed (e.g. a one-shot prompt longer than the context)
 
-COMMANDS = ("chat", "generate", "serve")
 ONE_SHOT = ("chat", "generate")
 
 # ``asyncengine --help``'s first paragraph (plain text: argparse prints it as written)
@@ -59,244 +57,6 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         if "default" not in h and action.default not in (None, argparse.SUPPRESS) and action.option_strings:
             h += " (default: %(default)s)"
         return h
-
-
-# ---------------------------------------------------------------- the engine's knobs
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes."""
-    t = text.strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
-    for u, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(u):
-            t, m = t[:-len(u)], mult
-            break
-    else:
-        m = 1
-    try:
-        n = int(float(t) * m)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
-    return n
-
-
-def parse_json_object(text: str) -> dict:
-    """A JSON object given on the command line, as vLLM's ``--speculative-config`` takes it."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {type(value).__name__}: {text!r}")
-    return value
-
-
-def _positive(kind: Callable) -> Callable:
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-POSITIVE_INT = _positive(int)
-POSITIVE_FLOAT = _positive(float)
-FLAG = "flag"  # a boolean knob: --name / --no-name
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOption:
-    """One ``EngineConfig`` field on the command line.
-
-    default_text: what the help says the default is when the field's own default is None (or needs
-    words); per_command: a default that differs by command (e.g. max_num_seqs), shown in each
-    command's help."""
-
-    field: str
-    help: str
-    type: Callable | str = str
-    choices: tuple | None = None
-    metavar: str | None = None
-    flag: str | None = None  # default: --field-with-dashes
-    short: str | None = None
-    default_text: str | None = None
-    per_command: dict[str, Any] | None = None
-    commands: tuple[str, ...] = COMMANDS
-
-    @property
-    def option(self) -> str:
-        return self.flag or "--" + self.field.replace("_", "-")
-
-
-ENGINE_OPTIONS: tuple[EngineOption, ...] = (
-    EngineOption("tokenizer", "a Hugging Face tokenizer folder to use instead of the model's",
-                 default_text="the model's own", metavar="PATH"),
-    EngineOption("dtype", "compute dtype; auto = the engine's choice for this model on this machine "
-                          "(bfloat16 on a GPU; on CPU chosen by the weights and a measured probe; the "
-                          "ready line says which and why)",
-                 choices=("auto", "float32", "bfloat16", "float16")),
-    EngineOption("device", "where the model runs: auto = cuda when torch sees a GPU, else cpu",
-                 metavar="{auto,cpu,cuda,cuda:N}"),
-    EngineOption("quantization", "weights: by default the checkpoint's own format (a GGUF's Q4_0/Q4_1/Q8_0 "
-                                 "tensors stay quantized and run on CPU kernels; safetensors load dense); "
-                                 "int8 / int4 = quantize dense weights at load (Q8_0 / Q4_1 blocks, CPU); "
-                                 "none = dequantize everything",
-                 choices=("none", "int8", "int4"), default_text="the checkpoint's own format"),
-    EngineOption("max_model_len", "longest conversation in tokens", type=POSITIVE_INT,
-                 default_text="the model's context length"),
-    EngineOption("kv_cache_bytes", "KV cache size, e.g. 512MiB or 2GiB", type=parse_size,
-                 flag="--kv-cache-memory", metavar="SIZE",
-                 default_text="what --max-num-seqs sequences of --max-model-len tokens need, at most "
-                              "--kv-cache-memory-fraction of the available memory; memory is only used as "
-                              "conversations fill it"),
-    EngineOption("kv_offload_bytes", "host-memory tier for prefix-cache blocks evicted from the KV cache, "
-                                     "e.g. 4GiB (docs/kv_connector.md)", type=parse_size, flag="--kv-offload-memory",
-                 metavar="SIZE", default_text="off; 512MiB when --kv-offload-dir is given"),
-    EngineOption("kv_offload_dir", "directory that keeps computed prompt blocks across restarts (several "
-                                   "engines may share it)", metavar="DIR", default_text="off"),
-    EngineOption("kv_offload_dir_bytes", "size bound of --kv-offload-dir, least recently used files out first",
-                 type=parse_size, flag="--kv-offload-dir-size", metavar="SIZE", default_text="8GiB"),
-    EngineOption("kv_cache_memory_fraction", "the most of the available memory a KV cache sized by need "
-                                             "may reserve, (0, 1]", type=POSITIVE_FLOAT),
-    EngineOption("num_kv_blocks", "KV cache size in blocks (instead of --kv-cache-memory)", type=POSITIVE_INT,
-                 default_text="sized by need, as --kv-cache-memory"),
-    EngineOption("block_size", "tokens per KV cache block (a power of two)", type=POSITIVE_INT),
-    EngineOption("max_num_seqs", "most sequences decoded at once", type=POSITIVE_INT,
-                 per_command={"chat": 1, "generate": 1, "serve": 256}),
-    EngineOption("max_num_batched_tokens", "most tokens in one model step (prefill chunks included)",
-                 type=POSITIVE_INT),
-    EngineOption("enable_prefix_caching", "reuse the KV blocks of a shared prompt beginning", type=FLAG),
-    EngineOption("enable_chunked_prefill", "split long prompts over several steps, beside running decodes",
-                 type=FLAG),
-    EngineOption("async_scheduling", "schedule step N+1 while step N runs", type=FLAG),
-    EngineOption("policy", "the order waiting requests are served in (priority: the request's priority "
-                           "field, aged)", choices=("fcfs", "priority"), commands=("serve",)),
-    EngineOption("priority_aging_s", "with --policy priority: a waiting request's priority improves by 1 "
-                                     "every this many seconds", type=POSITIVE_FLOAT, commands=("serve",)),
-    EngineOption("restart_dead_cores", "data parallel: replace a dead engine core with a fresh one (the others "
-                                       "serve meanwhile)", type=FLAG, commands=("serve",)),
-    EngineOption("max_queued_requests", "waiting requests before the server answers 429", type=POSITIVE_INT,
-                 commands=("serve",)),
-    EngineOption("max_queued_tokens", "waiting prompt tokens before the server answers 429", type=POSITIVE_INT,
-                 default_text="unlimited", commands=("serve",)),
-    EngineOption("attention_backend", "attention over the KV cache; auto = triton on a GPU, else cpu (C "
-                                      "kernels, built once per machine) where a C compiler is found, else torch",
-                 choices=BACKEND_CHOICES),
-    EngineOption("seed", "engine random seed", type=int),
-    EngineOption("batch_invariant", "bitwise the same tokens and logprobs for a request alone or in any batch "
-                                    "(CPU; docs/batch_invariance.md)", type=FLAG),
-    EngineOption("quantized_activations", "activations for the block-quantized (GGUF Q4/Q8) kernels: int8 "
-                                          "(integer dot products, llama.cpp's method) or fp32; auto = fp32",
-                 choices=("auto", "int8", "fp32")),
-    EngineOption("num_threads", "torch threads per worker", type=POSITIVE_INT,
-                 default_text="torch's, lowered while other processes keep cores busy; a number pins it"),
-    EngineOption("freeze_gc_after_load", "freeze the objects alive after the load out of the cycle "
-                                         "collector's full passes (engine/gc_policy.py)", type=FLAG),
-    EngineOption("engine_core_process", "run the engine core (scheduler, KV cache, model) in its own process, "
-                                        "so the model step never competes with this process's Python for the "
-                                        "GIL; this process then imports no torch", type=FLAG),
-    EngineOption("tensor_parallel_size", "split the model over this many worker processes (Megatron tensor "
-                                         "parallel)", type=POSITIVE_INT, short="-tp"),
-    EngineOption("pipeline_parallel_size", "split the layers into this many stages (worker processes), batches "
-                                           "pipelined", type=POSITIVE_INT, short="-pp"),
-    EngineOption("data_parallel_size", "run this many engine cores (processes), each with its own KV cache",
-                 type=POSITIVE_INT, short="-dp"),
-    EngineOption("distributed_executor_backend", "uni: one thread; mp: worker processes; ray: Ray actors",
-                 choices=("uni", "mp", "ray"), default_text="uni at --tensor-parallel-size 1, else mp"),
-    EngineOption("distributed_timeout_s", "a collective that waits this long for a peer rank fails the "
-                                          "engine (never a hang)", type=POSITIVE_FLOAT),
-    EngineOption("tp_vocab_parallel", "under tensor parallel, split the embedding and LM head by vocabulary "
-                                      "(less memory per rank, one more collective per step); "
-                                      "--no-tp-vocab-parallel replicates them", type=FLAG),
-    EngineOption("ray_placement_strategy", "with the ray backend: how the ranks' bundles go on nodes "
-                                           "(STRICT_SPREAD = one rank per node)",
-                 choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
-    EngineOption("gpu_memory_utilization", "CUDA: the share of the GPU's memory the engine may use, (0, 1]",
-                 type=POSITIVE_FLOAT),
-    EngineOption("enforce_eager", "CUDA: never capture CUDA graphs for decode steps", type=FLAG),
-    EngineOption("speculative_config", "speculative decoding, as vLLM takes it: a JSON object, e.g. "
-                                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
-                                       "'{\"method\": \"draft_model\", \"model\": \"PATH\", "
-                                       "\"num_speculative_tokens\": 3}' (docs/speculative_decoding.md)",
-                 type=parse_json_object, metavar="JSON", default_text="off"),
-)
-
-# EngineConfig fields deliberately not on the command line, and why
-NOT_ON_THE_COMMAND_LINE = {
-    "model": "the MODEL argument (serve, chat) or --model (generate)",
-    "skip_tokenizer_init": "every command reads and writes text",
-    "limits": "serve's request-limit flags (--max-request-bytes, --max-prompt-chars, ...)",
-    "kv_role": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
-    "kv_transfer_dir": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
-    "kv_transfer_lease_s": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
-    "prefill_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
-    "decode_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
-    "grammar_limits": "serve's structured-output limit flags (--max-grammar-compile-s, --max-enum-values, ...)",
-}
-
-
-def _engine_defaults() -> dict[str, Any]:
-    """EngineConfig's own field defaults (asyncengine.config imports no torch)."""
-    from asyncengine.config import EngineConfig
-
-    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
-
-
-def default_text(opt: EngineOption, command: str, defaults: dict[str, Any]) -> str:
-    """What ``command --help`` says the default of ``opt`` is: the effective one."""
-    if opt.per_command and command in opt.per_command:
-        return str(opt.per_command[command])
-    if opt.default_text is not None:
-        return opt.default_text
-    value = defaults[opt.field]
-    if opt.type is FLAG:
-        return "on" if value else "off"
-    return str(value)
-
-
-def _add_engine_options(p: argparse.ArgumentParser, command: str) -> None:
-    defaults = _engine_defaults()
-    g = p.add_argument_group("engine (EngineConfig's fields)")
-    for opt in ENGINE_OPTIONS:
-        if command not in opt.commands:
-            continue
-        names = [opt.option] + ([opt.short] if opt.short else [])
-        help_text = f"{opt.help} (default: {default_text(opt, command, defaults)})"
-        kw: dict[str, Any] = {"dest": opt.field, "default": None, "help": help_text}
-        if opt.type is FLAG:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = opt.type
-            if opt.choices:
-                kw["choices"] = opt.choices
-            if opt.metavar:
-                kw["metavar"] = opt.metavar
-        g.add_argument(*names, **kw)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the parsed flags: those given, plus the per-command
-    defaults; the rest keep EngineConfig's own defaults."""
-    kw: dict[str, Any] = {}
-    for opt in ENGINE_OPTIONS:
-        if args.cmd not in opt.commands:
-            continue
-        value = getattr(args, opt.field, None)
-        if value is None and opt.per_command:
-            value = opt.per_command.get(args.cmd)
-        if value is not None:
-            kw[opt.field] = value
-    return kw
 
 
 # ---------------------------------------------------------------- sampling
@@ -457,7 +217,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system prompt for the conversation (default: none)")
     _warm_up_arg(c, "chat")
     _sampling(c, "chat")
-    _add_engine_options(c, "chat")
+    add_engine_options(c, "chat")
     g = sub.add_parser("generate", formatter_class=_Help, help="one-shot completion of raw text (no chat template)",
                        description=_para(f"Complete --prompt as raw text (no chat template) and exit; at most "
                                    f"--max-tokens tokens ({GENERATE_MAX_TOKENS} unless given)."))
@@ -465,7 +225,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the text to complete")
     _warm_up_arg(g, "generate")
     _sampling(g, "generate")
-    _add_engine_options(g, "generate")
+    add_engine_options(g, "generate")
     s = sub.add_parser("serve", formatter_class=_Help,
                        help="OpenAI-compatible HTTP server (+ websocket streaming and a web chat page at /)",
                        description=_para("Serve the model over an OpenAI-compatible API (/v1/completions, "
@@ -474,5 +234,5 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     _model_arg(s, positional=True)
     _serve_args(s)
     _warm_up_arg(s, "serve")
-    _add_engine_options(s, "serve")
+    add_engine_options(s, "serve")
     return ap

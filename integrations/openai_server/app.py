@@ -15,11 +15,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -29,25 +27,19 @@ from starlette.routing import Route, WebSocketRoute
 
 from asyncengine.errors import AsyncEngineError
 
-from . import guided, openapi
+from . import openapi
 from .errors import APIError, error_response, from_engine
-from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
-from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .completions import chat_completions, completions
 from .connections import ConnectionCap
+from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
-from .sse import SSE_DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
-from .state import ServerState
-from .tools import ToolPlan
+from .sse import ClientGone
+from .state import ServerState, json_response as _json, server_state as _state
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
-
-
-def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(msgspec.json.encode(obj), status_code=status, headers=headers, media_type="application/json")
 
 
 def find_web_chat_dir() -> Path | None:
@@ -67,201 +59,6 @@ def find_web_chat_dir() -> Path | None:
 
 
 # ---------------------------------------------------------------- endpoints
-
-
-def _state(request) -> ServerState:
-    return request.app.state.server
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _check_samples(st: ServerState, num_prompts: int, n: int) -> None:
-    if num_prompts * n > st.limits.max_samples:
-        raise APIError(400, f"prompts x n is {num_prompts * n}, over the limit max_samples={st.limits.max_samples}",
-                       param="n", code="limit_exceeded")
-
-
-async def completions(request: Request) -> Response:
-    st = _state(request)
-    req: CompletionRequest = await st.read_json(request, CompletionRequest)
-    st.check_model(req.model)
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    _check_samples(st, len(req.prompt) if isinstance(req.prompt, list) and req.prompt
-                   and not isinstance(req.prompt[0], (int, float)) else 1, req.n)
-    k = req.logprobs
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
-                             limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
-    st.check_params(params, req.n)  # before any prompt is tokenized
-    so, field = guided.requested(req)
-    prompts = await st.completion_prompts(req.prompt)
-    for _, ids in prompts:
-        st.check_length(len(ids), req.max_tokens, "prompt")
-    params = await run_until_disconnect(request, st.constrain(params, None, so, False, field))
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await st.submit(prompts, params, req.n, rid)
-    n = req.n
-    created = int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
-    echo_texts = []
-    if req.echo:
-        tok = st.engine.tokenizer
-        echo_texts = [text if text is not None else (tok.decode(ids) if tok is not None else "")
-                      for text, ids in prompts]
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
-
-    if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        offsets = [0] * len(streams)
-
-        def choice(i: int, out, c) -> dict | None:
-            lp = None
-            if k is not None:
-                lp, offsets[i] = completion_logprobs(c.logprobs, k, offsets[i])
-            if not (c.text or out.finished or (lp is not None and lp["tokens"])):
-                return None
-            return {"index": i, "text": c.text, "logprobs": lp}
-
-        first = [{"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
-                 for i, text in enumerate(echo_texts) for j in range(n)]
-        return SSEResponse(_sse_events(st, head, streams, prompt_tokens, include_usage, first, choice))
-
-    try:
-        finals = await _collect_finals(request, st, streams)
-    except ClientGone:
-        return Response(status_code=499)
-    choices = []
-    completion_tokens = 0
-    for i, out in enumerate(finals):
-        c = out.outputs[0]
-        completion_tokens += len(c.token_ids)
-        st.metrics.observe(out, len(c.token_ids))
-        text = (echo_texts[i // n] + c.text) if req.echo else c.text
-        choices.append({"index": i, "text": text,
-                        "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
-                        "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
-    return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
-
-
-async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, include_usage: bool,
-                      first_choices: list[dict], choice):
-    """The SSE stream of a completion or chat request: ``first_choices`` (each in its own event),
-    then one event per output that ``choice(i, out, c)`` turns into a choice dict (None = nothing to
-    send), the usage if asked for, and ``[DONE]``. Engine errors become an error event."""
-    counts = [0] * len(streams)
-    finished = set()
-    try:
-        for c0 in first_choices:
-            yield sse_event({**head, "choices": [c0]})
-        async for i, out in merge_streams(streams):
-            c = out.outputs[0]
-            counts[i] += len(c.token_ids)
-            ch = choice(i, out, c)
-            if ch is not None:
-                ch["finish_reason"] = out.finish_reason if out.finished else None
-                if out.finished:
-                    ch["stop_reason"] = c.stop_reason
-                yield sse_event({**head, "choices": [ch]})
-            if out.finished:
-                finished.add(i)
-                st.metrics.observe(out, counts[i])
-        if include_usage:
-            yield sse_event({**head, "choices": [], "usage": _usage(prompt_tokens, sum(counts))})
-    except (AsyncEngineError, APIError) as e:
-        yield sse_event(from_engine(e, st.engine).body())
-    finally:
-        if len(finished) < len(streams):
-            st.metrics.finished.labels("abort").inc(len(streams) - len(finished))
-    yield SSE_DONE
-
-
-async def _collect_finals(request: Request, st, streams: Submission) -> list:
-    """Every choice's final output (non-streaming). If the client leaves first, the requests are
-    aborted, counted, and ClientGone propagates."""
-    finals: list = [None] * len(streams)
-
-    async def collect():
-        async for i, out in merge_streams(streams):
-            finals[i] = out
-
-    try:
-        await run_until_disconnect(request, collect())
-    except ClientGone:
-        st.metrics.finished.labels("abort").inc(sum(f is None for f in finals))
-        raise
-    except AsyncEngineError as e:
-        raise from_engine(e, st.engine) from None
-    return finals
-
-
-async def chat_completions(request: Request) -> Response:
-    st = _state(request)
-    req: ChatCompletionRequest = await st.read_json(request, ChatCompletionRequest)
-    st.check_model(req.model)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
-    st.check_params(params, req.n)  # before the messages are rendered
-    plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    ids = await st.chat_prompt(req.messages, plan.prompt())  # the tools described in a system message
-    st.check_length(len(ids), max_tokens, "messages")
-    so, field = guided.requested(req)
-    # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
-    params = await run_until_disconnect(request, st.constrain(
-        params, plan.structured(), so, bool(req.stream) and plan.mode in ("required", "named"), field))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await st.submit([(None, ids)], params, req.n, rid)
-    created = int(time.time())
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
-
-    if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        head["object"] = "chat.completion.chunk"
-
-        def choice(i: int, out, c) -> dict | None:
-            lp = {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None
-            if not (c.text or out.finished or (lp is not None and lp["content"])):
-                return None
-            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp}
-
-        first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(len(streams))]
-        return SSEResponse(_sse_events(st, head, streams, len(ids), include_usage, first, choice))
-
-    try:
-        finals = await _collect_finals(request, st, streams)
-    except ClientGone:
-        return Response(status_code=499)
-    choices = []
-    completion_tokens = 0
-    for i, out in enumerate(finals):
-        c = out.outputs[0]
-        completion_tokens += len(c.token_ids)
-        st.metrics.observe(out, len(c.token_ids))
-        calls = plan.tool_calls(c.text) if plan.mode != "none" else None
-        message = {"role": "assistant", "content": c.text}
-        if calls:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-        choices.append({"index": i, "message": message,
-                        "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
-                        "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason,
-                        "stop_reason": c.stop_reason})
-    return _json({**head, "choices": choices, "usage": _usage(len(ids), completion_tokens)})
 
 
 def _model_card(st: ServerState) -> dict:

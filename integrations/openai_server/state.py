@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 from starlette.requests import Request
+from starlette.responses import Response
 
 from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError, InvalidRequestError
@@ -238,3 +239,12 @@ class ServerState:
                 raise from_engine(e, self.engine) from None
             raise
         return Submission(streams, n)
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def server_state(request) -> ServerState:
+    """The server's state, which ``build_app`` puts on the app."""
+    return request.app.state.server
