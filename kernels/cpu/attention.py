@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine.kernels.cpu.build import bind
+from asyncengine.kernels.cpu.build import LazyBinding
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -29,24 +29,9 @@ MAX_BLOCK_SIZE = 256
 # OpenMP threads (below it, waking them costs more than the work)
 PARALLEL_MIN_WORK = 1 << 17
 
-_fns = None
-
-
-def _lib():
-    """The bound functions, or False where the library is not built (cached either way)."""
-    global _fns
-    if _fns is None:
-        _fns = bind(_SIGNATURES)
-    return _fns
-
-
-def available() -> bool:
-    return bool(_lib())
-
-
-def _reset_for_tests() -> None:
-    global _fns
-    _fns = None
+_lib = LazyBinding(_SIGNATURES)  # the bound functions, or False where the library is not built
+available = _lib.available
+_reset_for_tests = _lib.reset
 
 
 def set_split(keys: int) -> None:

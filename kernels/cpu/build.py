@@ -167,6 +167,27 @@ def bind(signatures: dict[str, list]) -> dict | bool:
     return fns
 
 
+class LazyBinding:
+    """A kernel module's functions, bound on first use (:func:`bind`) and cached: the dict of them,
+    or False where the library is not built. ``lib()`` returns that; ``reset()`` forgets it (tests
+    that switch the kernels off and on)."""
+
+    def __init__(self, signatures: dict[str, list]) -> None:
+        self.signatures = signatures
+        self._fns: dict | bool | None = None
+
+    def __call__(self) -> dict | bool:
+        if self._fns is None:
+            self._fns = bind(self.signatures)
+        return self._fns
+
+    def available(self) -> bool:
+        return bool(self())
+
+    def reset(self) -> None:
+        self._fns = None
+
+
 def build_error() -> str | None:
     return _error
 

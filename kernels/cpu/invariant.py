@@ -15,29 +15,14 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from asyncengine.kernels.cpu.build import bind
+from asyncengine.kernels.cpu.build import LazyBinding
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {"ae_inv_linear": [_P, _L, _P, _P, _P, _L, _L, _L, _I, _I]}
 
-_fns = None
-
-
-def _lib():
-    """The bound function, or False where the library is not built (cached either way)."""
-    global _fns
-    if _fns is None:
-        _fns = bind(_SIGNATURES)
-    return _fns
-
-
-def available() -> bool:
-    return bool(_lib())
-
-
-def _reset_for_tests() -> None:
-    global _fns
-    _fns = None
+_lib = LazyBinding(_SIGNATURES)  # the bound functions, or False where the library is not built
+available = _lib.available
+_reset_for_tests = _lib.reset
 
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

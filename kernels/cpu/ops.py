@@ -13,7 +13,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from asyncengine.kernels.cpu.build import bind
+from asyncengine.kernels.cpu.build import LazyBinding
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -26,20 +26,8 @@ _SIGNATURES = {
 # wake-up costs more than the work (a decode step's norm of 576 values is ~0.3 us serial)
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
-_fns = None
-
-
-def _lib():
-    """The bound functions, or False where the library is not built (cached either way)."""
-    global _fns
-    if _fns is None:
-        _fns = bind(_SIGNATURES)
-    return _fns
-
-
-def _reset_for_tests() -> None:
-    global _fns
-    _fns = None
+_lib = LazyBinding(_SIGNATURES)  # the bound functions, or False where the library is not built
+_reset_for_tests = _lib.reset
 
 
 def _kind(x: torch.Tensor) -> int:

@@ -91,7 +91,7 @@ def test_invariant_linear_strided_rows():
 
 def test_rowwise_fallback_is_batch_invariant(monkeypatch):
     """Without the C library, one F.linear per row: M = 1 every time."""
-    monkeypatch.setattr(invariant, "_fns", False)
+    monkeypatch.setattr(invariant._lib, "_fns", False)
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(192, 64, generator=g), torch.randn(40, 64, generator=g)
     assert not invariant.kernel_applies(x, w, None)
