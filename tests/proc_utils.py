@@ -41,3 +41,25 @@ def wait_gone(pids, timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"worker processes still alive: {[p for p in pids if alive(p)]}")
+
+
+async def drain_after_core_death(streams, owners: list[int], dead: int, num_tokens: int) -> None:
+    """Data parallel degrades: each stream owned by core ``dead`` fails with EngineCoreDied, every
+    other one finishes with ``num_tokens`` tokens (engine/dp_health.py)."""
+    import asyncio
+
+    import pytest
+
+    from asyncengine import EngineCoreDied
+
+    async def drain(st, dies: bool) -> None:
+        if dies:
+            with pytest.raises(EngineCoreDied):
+                async for _ in st:
+                    pass
+            return
+        async for out in st:
+            pass
+        assert out.finished and len(out.outputs[0].token_ids) == num_tokens
+
+    await asyncio.gather(*(drain(st, o == dead) for st, o in zip(streams, owners)))

@@ -11,8 +11,9 @@ import textwrap
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
-from asyncengine.errors import ConfigError, EngineCoreDied
+from asyncengine.errors import ConfigError
 from model_utils import compare
+from proc_utils import drain_after_core_death
 
 HANG_GUARD_S = 240.0
 
@@ -112,17 +113,8 @@ async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
         await asyncio.wait_for(asyncio.gather(*(st.__anext__() for st in streams)), HANG_GUARD_S)
         on = [eng.client.owner[st.request_id] for st in streams]
 
-        async def consume(st, dies: bool):
-            if dies:
-                with pytest.raises(EngineCoreDied):
-                    async for _ in st:
-                        pass
-            else:
-                async for out in st:
-                    pass
-                assert out.finished and len(out.outputs[0].token_ids) == 300
         clients[1].proc.kill()
-        await asyncio.wait_for(asyncio.gather(*(consume(st, o == 1) for st, o in zip(streams, on))), HANG_GUARD_S)
+        await asyncio.wait_for(drain_after_core_death(streams, on, dead=1, num_tokens=300), HANG_GUARD_S)
         assert 1 in on and eng.client.cores_alive() == (1, 2) and not eng.errored
     for _ in range(300):  # both cores' CPUs are free again (actors ended, placement group removed)
         if ray.available_resources().get("CPU", 0) == 2:
