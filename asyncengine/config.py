@@ -339,6 +339,10 @@ class EngineConfig:
     # asks the machine: is there a GPU, which CPU dtype is fastest, do the C kernels build).
     @functools.cached_property
     def torch_device(self) -> torch.device:
+        # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
+        from asyncengine.platforms.onednn_caches import bound_onednn_caches
+
+        bound_onednn_caches()
         dev = resolve_device(self.device)
         self._check_quantization_device(dev.type)
         return dev

@@ -19,6 +19,15 @@ A request is *lost* if it got a 5xx, a status it should not, an incomplete strea
 within the hang guard. Afterwards, from the server's public /metrics: *leaked* KV blocks = blocks
 in all - free blocks once idle. RSS growth: the server's RSS at the end vs after the warm-up (the
 first 10% of requests), both taken idle. Prints and writes (--out) the figures.
+
+The memory curve (issue 22, "Memory per shape"): ``--curve-every 500`` samples the idle server
+every 500 requests (smaps_rollup, glibc's mallinfo2 and arena count, Python's object count, and,
+with ``--env ONEDNN_VERBOSE=profile_create``, the oneDNN primitives created so far);
+``--prompt-lens 1:200`` sends random token-id prompts so that the batched token count of a step
+(every GEMM's M) takes many values; ``--dtype bfloat16`` runs the GEMMs through oneDNN:
+
+    python benchmarks/soak.py --requests 4000 --concurrency 64 --seed 3 --dtype bfloat16 \
+        --prompt-lens 1:200 --curve-every 500 --out soak_memory.json
 """
 from __future__ import annotations
 
@@ -27,128 +36,15 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-HANG_GUARD_S = 120.0
-HEARTBEAT_S = 0.01
-MODEL_NAME = "soak"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soak_server import HANG_GUARD_S, MODEL_NAME, ServerProcess, serve  # noqa: E402,F401
+
 PROMPTS = ["The quick brown fox", "def f(x):", "Paris is the capital of", "Once upon a time", "Hello"]
-
-
-# ---------------------------------------------------------------- the server (a child process)
-
-
-async def _serve(args) -> None:
-    import uvicorn
-
-    from asyncengine import AsyncLLMEngine, EngineConfig
-    from asyncengine.integrations.openai_server import build_app
-
-    engine = AsyncLLMEngine(EngineConfig(model=args.model, dtype="float32", max_model_len=args.max_model_len,
-                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs))
-    app = build_app(engine, served_model_name=MODEL_NAME, own_engine=True)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=5))
-    loop = asyncio.get_running_loop()
-    lags: list[float] = []
-
-    async def heartbeat() -> None:
-        while True:
-            t = loop.time()
-            await asyncio.sleep(HEARTBEAT_S)
-            lags.append(loop.time() - t - HEARTBEAT_S)
-            if len(lags) > 2_000_000:
-                del lags[:1_000_000]
-
-    hb = asyncio.create_task(heartbeat())
-    reset = os.path.join(os.path.dirname(args.stats), "reset-lag")
-
-    async def resetter() -> None:  # the client asks for a fresh lag record after its warm-up
-        while True:
-            await asyncio.sleep(0.2)
-            if os.path.exists(reset):
-                os.unlink(reset)
-                lags.clear()
-
-    rs = asyncio.create_task(resetter())
-    try:
-        await server.serve()
-    finally:
-        hb.cancel()
-        rs.cancel()
-        xs = sorted(lags)
-        p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
-        with open(args.stats, "w") as f:
-            json.dump({"lag_p99_ms": p99 * 1e3, "lag_max_ms": (xs[-1] if xs else float("nan")) * 1e3,
-                       "lag_samples": len(xs)}, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """``python benchmarks/soak.py --serve ...`` as a child; stop() returns its loop-lag figures."""
-
-    def __init__(self, model: str, max_model_len: int = 256, num_kv_blocks: int = 256, max_num_seqs: int = 64
-                 ) -> None:
-        self.port = _free_port()
-        self.dir = tempfile.mkdtemp(prefix="soak-")
-        self.stats = os.path.join(self.dir, "stats.json")
-        self.log = open(os.path.join(self.dir, "server.log"), "w+")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", "--model", model, "--port", str(self.port),
-             "--stats", self.stats, "--max-model-len", str(max_model_len), "--num-kv-blocks", str(num_kv_blocks),
-             "--max-num-seqs", str(max_num_seqs)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self) -> None:
-        import httpx
-
-        for _ in range(int(HANG_GUARD_S / 0.1)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.log.seek(0)
-        raise RuntimeError(f"the soak server did not start:\n{self.log.read()[-3000:]}")
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-    def reset_lag(self) -> None:
-        open(os.path.join(self.dir, "reset-lag"), "w").close()
-
-    def stop(self) -> dict:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=HANG_GUARD_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        try:
-            with open(self.stats) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
 
 
 # ---------------------------------------------------------------- the client
@@ -184,14 +80,28 @@ def invalid_requests(port: int) -> list[tuple[str, dict | bytes, dict]]:
 
 
 class Soak:
-    def __init__(self, base_url: str, seed: int = 0, guard_s: float = HANG_GUARD_S) -> None:
+    def __init__(self, base_url: str, seed: int = 0, guard_s: float = HANG_GUARD_S,
+                 prompt_lens: tuple[int, int] | None = None, max_model_len: int = 256) -> None:
         self.base = base_url
+        self.max_model_len = max_model_len
+        self.prompt_lens = prompt_lens  # (lo, hi): completions send random token-id prompts of that many
         self.port = int(base_url.rsplit(":", 1)[1])
         self.rng = random.Random(seed)
         self.guard_s = guard_s
         self.invalid = invalid_requests(self.port)
         self.counts: dict[str, int] = {}
         self.lost: list[str] = []
+
+    def _prompt(self):
+        """A text prompt, or with ``prompt_lens`` a token-id prompt of a random length (many distinct
+        batched token counts: the shapes of every GEMM in a step)."""
+        if self.prompt_lens is None:
+            return self.rng.choice(PROMPTS)
+        return [self.rng.randint(3, 500) for _ in range(self.rng.randint(*self.prompt_lens))]
+
+    def _long(self, prompt) -> int:
+        """max_tokens of a request meant to be cut off: 200, within the context a token-id prompt leaves."""
+        return 200 if isinstance(prompt, str) else max(1, min(200, self.max_model_len - len(prompt) - 1))
 
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -214,7 +124,7 @@ class Soak:
                 "ignore_eos": self.rng.random() < 0.5, "seed": self.rng.randint(0, 99)}
 
     async def _complete(self, client, i) -> str:
-        body = {"model": MODEL_NAME, "prompt": self.rng.choice(PROMPTS), **self._params()}
+        body = {"model": MODEL_NAME, "prompt": self._prompt(), **self._params()}
         if self.rng.random() < 0.2:
             body["stop"] = [self.rng.choice(["e", " the", "\n"])]
         r = await client.post("/v1/completions", json=body)
@@ -242,7 +152,8 @@ class Soak:
         return "ok" if done and finish in ("stop", "length") else f"lost: done={done} finish={finish}"
 
     async def _cancel(self, client, i) -> str:
-        body = {"model": MODEL_NAME, "prompt": self.rng.choice(PROMPTS), "stream": True, "max_tokens": 200,
+        prompt = self._prompt()
+        body = {"model": MODEL_NAME, "prompt": prompt, "stream": True, "max_tokens": self._long(prompt),
                 "ignore_eos": True}
         keep = self.rng.randint(1, 4)
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -257,7 +168,8 @@ class Soak:
         return "cancelled"
 
     async def _disconnect(self, client, i) -> str:
-        body = {"model": MODEL_NAME, "prompt": self.rng.choice(PROMPTS), "max_tokens": 200, "ignore_eos": True}
+        prompt = self._prompt()
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": self._long(prompt), "ignore_eos": True}
         task = asyncio.ensure_future(client.post("/v1/completions", json=body))
         await asyncio.sleep(self.rng.uniform(0.0, 0.05))
         if task.done():
@@ -354,29 +266,66 @@ def wait_idle(base_url: str) -> dict:
     return public_stats(base_url)
 
 
-def soak(server: ServerProcess, requests: int, concurrency: int, seed: int = 0, warmup_frac: float = 0.1) -> dict:
-    """Run the soak against a started server; the figures (server stays up)."""
-    s = Soak(server.base_url, seed)
-    warm = max(1, int(requests * warmup_frac))
+def _point(server: ServerProcess, done: int) -> dict:
+    """One point of the RSS curve, taken idle: the server's smaps and malloc figures, and the
+    oneDNN primitives it created so far where its verbose log is on."""
+    p = server.probe()
+    sm = p.pop("smaps", {})
+    point = {"requests": done, "rss_mb": sm.get("Rss", server.rss_bytes() / 2**20),
+             "anon_mb": sm.get("Anonymous"), **p}
+    if server.env.get("ONEDNN_VERBOSE"):
+        point["onednn"] = server.onednn_creations()
+    return point
+
+
+def soak(server: ServerProcess, requests: int, concurrency: int, seed: int = 0, warmup_frac: float = 0.1,
+         curve_every: int = 0, prompt_lens: tuple[int, int] | None = None, max_model_len: int = 256) -> dict:
+    """Run the soak against a started server; the figures (server stays up). ``curve_every`` > 0:
+    the server's memory (idle) after the warm-up and after every that many requests."""
+    s = Soak(server.base_url, seed, prompt_lens=prompt_lens, max_model_len=max_model_len)
+    warm = max(1, int(requests * warmup_frac)) if not curve_every else min(curve_every, requests)
     t0 = time.perf_counter()
+    curve = [_point(server, 0)] if curve_every else []
     asyncio.run(s.run(warm, concurrency))
     wait_idle(server.base_url)
     rss_warm = server.rss_bytes()
+    if curve_every:
+        curve.append(_point(server, warm))
     server.reset_lag()
     time.sleep(0.5)
-    asyncio.run(s.run(requests - warm, concurrency, start=warm))
+    done = warm
+    while done < requests:
+        n = min(curve_every or requests, requests - done)
+        asyncio.run(s.run(n, concurrency, start=done))
+        done += n
+        stats = wait_idle(server.base_url)
+        if curve_every:
+            curve.append(_point(server, done))
+            print(json.dumps({k: curve[-1].get(k) for k in ("requests", "rss_mb", "in_use_mb", "free_mb", "onednn")}),
+                  file=sys.stderr, flush=True)
     stats = wait_idle(server.base_url)
     elapsed = time.perf_counter() - t0
     rss_end = server.rss_bytes()
     blocks = stats.get("asyncengine_kv_cache_blocks", float("nan"))
     free = stats.get("asyncengine_kv_cache_free_blocks", float("nan"))
-    return {"requests": requests, "concurrency": concurrency, "elapsed_s": elapsed,
-            "outcomes": dict(sorted(s.counts.items())), "lost": len(s.lost), "lost_examples": s.lost[:10],
-            "leaked_blocks": blocks - free, "kv_blocks": blocks,
-            "running": stats.get("asyncengine_num_requests_running"),
-            "waiting": stats.get("asyncengine_num_requests_waiting"),
-            "rss_after_warmup_mb": rss_warm / 2**20, "rss_end_mb": rss_end / 2**20,
-            "rss_growth": (rss_end - rss_warm) / rss_warm}
+    out = {"requests": requests, "concurrency": concurrency, "elapsed_s": elapsed,
+           "outcomes": dict(sorted(s.counts.items())), "lost": len(s.lost), "lost_examples": s.lost[:10],
+           "leaked_blocks": blocks - free, "kv_blocks": blocks,
+           "running": stats.get("asyncengine_num_requests_running"),
+           "waiting": stats.get("asyncengine_num_requests_waiting"),
+           "rss_after_warmup_mb": rss_warm / 2**20, "rss_end_mb": rss_end / 2**20,
+           "rss_growth": (rss_end - rss_warm) / rss_warm}
+    if curve_every:
+        out["curve"] = curve
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return out.split("Model name:")[1].splitlines()[0].strip()
+    except (OSError, IndexError):
+        return ""
 
 
 def make_tiny_model(path: str) -> str:
@@ -400,29 +349,38 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--num-kv-blocks", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 runs oneDNN GEMMs on CPU)")
+    ap.add_argument("--prompt-lens", default=None, metavar="LO:HI",
+                    help="completions send random token-id prompts of LO..HI tokens (default: short text prompts)")
+    ap.add_argument("--curve-every", type=int, default=0, metavar="N",
+                    help="record the server's memory (idle) every N requests (the first N are the warm-up)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment for the server process (e.g. ONEDNN_VERBOSE=profile_create)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.serve:
-        asyncio.run(_serve_with_uvloop(args))
+        asyncio.run(serve(args))
         return 0
     model = args.model or make_tiny_model(os.path.join(tempfile.gettempdir(), "asyncengine-soak-model"))
-    server = ServerProcess(model, args.max_model_len, args.num_kv_blocks, args.max_num_seqs)
+    env = dict(kv.split("=", 1) for kv in args.env)
+    lens = tuple(int(v) for v in args.prompt_lens.split(":")) if args.prompt_lens else None
+    load_start = os.getloadavg()[0]
+    server = ServerProcess(model, args.max_model_len, args.num_kv_blocks, args.max_num_seqs, args.dtype, env)
     try:
         server.wait_ready()
-        res = soak(server, args.requests, args.concurrency, args.seed)
+        res = soak(server, args.requests, args.concurrency, args.seed, curve_every=args.curve_every,
+                   prompt_lens=lens, max_model_len=args.max_model_len)
     finally:
         lag = server.stop()
     res.update(lag)
-    res["load_avg_1m_end"] = os.getloadavg()[0]
+    res.update({"command": "python " + " ".join(sys.argv), "dtype": args.dtype, "server_env": env,
+                "cpu": _cpu_model(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0],
+                "date": time.strftime("%Y-%m-%d %H:%M")})
     print(json.dumps(res, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
     return 0 if res["lost"] == 0 and res["leaked_blocks"] == 0 and res["rss_growth"] < 0.10 else 1
-
-
-async def _serve_with_uvloop(args) -> None:
-    await _serve(args)
 
 
 if __name__ == "__main__":

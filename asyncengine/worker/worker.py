@@ -18,6 +18,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
+from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
@@ -63,6 +64,7 @@ class Worker:
 
     def init_device(self) -> None:
         c = self.config
+        bound_onednn_caches()  # before the model's first GEMM in this process (platforms/onednn_caches.py)
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
         elif self.world_size == 1 and c.torch_device.type == "cpu":

@@ -1,0 +1,46 @@
+"""A capacity for oneDNN's per-shape primitive caches, set before torch first runs oneDNN.
+
+Why (issue 22, "Memory per shape"; docs/benchmarks.md, "Soak"): a bf16 GEMM on CPU runs through
+oneDNN, which JIT-compiles a *primitive* for each problem shape (M x K x N) and keeps it in two
+caches, both 1,024 entries by default: oneDNN's own (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the
+one torch's ideep layer keeps in front of it (``LRU_CACHE_CAPACITY``). M is a step's batched token
+count, so a server sees hundreds of them. Measured on a 2-vCPU AMD EPYC (AVX-512 BF16, torch 2.13,
+oneDNN 3.12): a cached primitive holds ~0.55 MiB of malloc memory (~0.65 MiB of RSS) whatever the
+weight's shape (64x64 to 49152x576), so two full caches pin ~650 MB; a 4,000-request bf16 soak of
+the tiny model grew the server from 642 to 1,086 MB after its warm-up (malloc in use 344 -> 661 MB,
+1,306 primitives JIT-compiled, Python's heap flat). fp32 GEMMs go through MKL and cache nothing.
+
+Bound: :data:`CAPACITY` entries in each cache (~0.55 MiB x CAPACITY at most). A new shape costs a
+JIT compile of ~0.15-0.5 ms per GEMM; a step of a Llama has ~5 distinct GEMM shapes (qkv, o,
+gate_up, down, head), so 128 entries keep ~25 batch sizes warm: decode steps (whose M changes only
+as requests come and go) still hit; prefill chunks of fresh sizes missed anyway at 1,024.
+
+Both variables are read once, when each cache is first used, so :func:`bound_onednn_caches` must run
+before the process's first oneDNN call: the engine calls it where it resolves the CPU device (before
+the dtype probe's GEMMs) and in every worker's start-up, and exports the variables so that processes
+it spawns inherit them. A value the user set wins; ``LRU_CACHE_CAPACITY=0`` crashes torch 2.13 (a
+segfault at the first bf16 GEMM, measured), so 0 is raised to 1.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+CAPACITY = 128
+VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(capacity: int = CAPACITY) -> dict[str, str]:
+    """Set each cache's capacity in this process's environment unless the user did; returns the
+    values now in effect for a cache not yet created. Idempotent."""
+    for name in VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if not value.isdigit():
+            if value:
+                log.warning("%s=%r is not a number: using %d", name, value, capacity)
+            os.environ[name] = str(capacity)
+        elif name == "LRU_CACHE_CAPACITY" and int(value) == 0:
+            os.environ[name] = "1"  # 0 makes torch's ideep cache crash at its first GEMM
+    return {name: os.environ[name] for name in VARIABLES}
