@@ -46,10 +46,12 @@ def bound_onednn_caches(capacity: int = CAPACITY) -> dict[str, str]:
     values now in effect for a cache not yet created. Idempotent."""
     for name in VARIABLES:
         value = os.environ.get(name, "").strip()
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):  # str.isdigit() alone takes "²"
             if value:
                 log.warning("%s=%r is not a number: using %d", name, value, capacity)
             os.environ[name] = str(capacity)
         elif name == "LRU_CACHE_CAPACITY" and int(value) == 0:
             os.environ[name] = "1"  # 0 makes torch's ideep cache crash at its first GEMM
+        else:
+            os.environ[name] = str(int(value))  # as C's atoi reads it: no spaces, no leading zeros
     return {name: os.environ[name] for name in VARIABLES}
