@@ -27,8 +27,9 @@ Both variables are read once, when each cache is first used, so :func:`bound_one
 before the process's first oneDNN call: the engine calls it where it resolves the CPU device (before
 the dtype probe's GEMMs) and in every worker's start-up, and exports the variables so that processes
 it spawns inherit them. An app that runs bf16 GEMMs itself before it builds the engine must set
-the variables (or call this function) before its own first one. A value the user set wins; ``LRU_CACHE_CAPACITY=0`` crashes torch 2.13 (a
-segfault at the first bf16 GEMM, measured), so 0 is raised to 1.
+the variables (or call this function) before its own first one. A value the user set wins;
+``LRU_CACHE_CAPACITY=0`` crashes torch 2.13 (a segfault at the first bf16 GEMM, measured), so 0 is
+raised to 1.
 """
 from __future__ import annotations
 
