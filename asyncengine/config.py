@@ -213,6 +213,11 @@ class EngineConfig:
     pd_skip_hop_below: int = 0
     kv_transfer_dir: str | None = None
     kv_transfer_lease_s: float = 30.0
+    # how the KV moves (kv_connector/pd/transport.py): "shm" files on one host, or "tcp": a prefill
+    # core serves its transfers on kv_transfer_address (host:port, set by the front end) and the
+    # decode core pulls them, on any host
+    kv_transfer_transport: Literal["shm", "tcp"] = "shm"
+    kv_transfer_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -293,6 +298,8 @@ class EngineConfig:
                               f"{self.prefill_cores} and {self.decode_cores}")
         if self.pd_skip_hop_below < 0:
             raise ConfigError(f"pd_skip_hop_below must be >= 0, got {self.pd_skip_hop_below}")
+        if self.kv_transfer_transport not in ("shm", "tcp"):
+            raise ConfigError(f"kv_transfer_transport must be 'shm' or 'tcp', got {self.kv_transfer_transport!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_transfer_lease_s <= 0:

@@ -170,6 +170,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("pd_skip_hop_below", "with --prefill-cores: prompts of fewer tokens skip the prefill core "
                                       "and are computed by the decode core", type=int, metavar="TOKENS",
                  commands=("serve",)),
+    EngineOption("kv_transfer_transport", "with --prefill-cores: how prompt KV moves to a decode core: shm = files "
+                                          "in shared memory (one host), tcp = pulled from the prefill core over TCP",
+                 choices=("shm", "tcp"), commands=("serve",)),
     EngineOption("distributed_executor_backend", "uni: one thread; mp: worker processes; ray: Ray actors",
                  choices=("uni", "mp", "ray"), default_text="uni at --tensor-parallel-size 1, else mp"),
     EngineOption("distributed_timeout_s", "a collective that waits this long for a peer rank fails the "
@@ -198,6 +201,7 @@ NOT_ON_THE_COMMAND_LINE = {
     "kv_role": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
     "kv_transfer_dir": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
     "kv_transfer_lease_s": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
+    "kv_transfer_address": "set by the P/D front end (engine/pd_client.py) for each prefill core (tcp transport)",
     "grammar_limits": "serve's structured-output limit flags (--max-grammar-compile-s, --max-enum-values, ...)",
 }
 

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import os
 import tempfile
+import threading
 import time
 import uuid
 
@@ -41,6 +42,7 @@ from asyncengine.engine.core_stats import combine
 from asyncengine.engine.pd_stream import PDStream
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf
+from asyncengine.kv_connector.pd.transport import make_transport
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 # when to look again for the transfer file of a request that left during its prefill
@@ -69,11 +71,19 @@ class PDEngine:
         # each core its share of the CPUs unless told otherwise (they all step at once)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.prefill_cores + config.decode_cores))
 
-        def core(role: str) -> AsyncLLMEngine:
-            return AsyncLLMEngine(dataclasses.replace(
-                config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
-                engine_core_process=True, data_parallel_size=1, num_threads=threads))
+        self.transport = make_transport(config.kv_transfer_transport, self.transfer_dir)
+        self.sources: dict[int, str | None] = {}  # prefill core (by id) -> its transfer address (tcp)
 
+        def core(role: str) -> AsyncLLMEngine:
+            # tcp: a prefill core serves its transfers on a port picked here, which decode cores are told
+            address = _free_address("127.0.0.1") if role == "prefill" and self.tcp else None
+            e = AsyncLLMEngine(dataclasses.replace(
+                config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
+                kv_transfer_address=address, engine_core_process=True, data_parallel_size=1, num_threads=threads))
+            self.sources[id(e)] = address
+            return e
+
+        self.tcp = config.kv_transfer_transport == "tcp"
         self.prefill: list[AsyncLLMEngine] = []
         self.decode: list[AsyncLLMEngine] = []
         try:
@@ -189,6 +199,15 @@ class PDEngine:
         self._closed = True
         self._remove_transfer_dir()
 
+    def _num_transfers(self) -> int:
+        """Transfers not loaded yet: files here (shm; tcp: pulled, not loaded), and held by the
+        prefill cores' servers (tcp)."""
+        held = self.transport.num_held([a for a in self.sources.values() if a]) if self.tcp else 0
+        try:
+            return held + len(os.listdir(self.transfer_dir))
+        except OSError:
+            return held
+
     def _remove_transfer_dir(self) -> None:
         for name in os.listdir(self.transfer_dir):
             try:
@@ -236,9 +255,10 @@ class PDEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use by a live request")
         hop = self._takes_hop(prompt, params)
         self.num_skipped_hops += not hop
+        p = self._pick(self.prefill) if hop else None
         stream = PDStream(rid, prompt, params, {"priority": priority, "cache_salt": cache_salt},
-                          self._pick(self.prefill) if hop else None, self._pick(self.decode), self.load,
-                          self.stream_closed)
+                          p, self._pick(self.decode), self.load, self.stream_closed,
+                          source=self.sources.get(id(p)))
         self._streams[rid] = stream
         return stream
 
@@ -251,15 +271,22 @@ class PDEngine:
             del self._streams[stream.request_id]
         if finished:
             return
-        path = tf.file_path(self.transfer_dir, stream.request_id)
-        _unlink(path)
+        self._discard(stream.request_id, stream.source)
         if stream.closed_in_prefill:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # dropped outside the loop (garbage collection): the sweep's then
                 return
             for delay in ORPHAN_RECHECK_S + (self.config.kv_transfer_lease_s,):
-                loop.call_later(delay, _unlink, path)
+                loop.call_later(delay, self._discard, stream.request_id, stream.source)
+
+    def _discard(self, request_id: str, source: str | None) -> None:
+        """Delete a request's transfer wherever it waits (tcp: on a thread, never on the loop)."""
+        if self.tcp:
+            threading.Thread(target=self.transport.delete, args=(request_id, source), daemon=True,
+                             name="asyncengine-pd-discard").start()
+        else:
+            self.transport.delete(request_id, source)
 
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw):
@@ -294,15 +321,17 @@ class PDEngine:
             num_streams=len(self._streams), uptime_s=time.monotonic() - self._started_at, errored=self.errored,
             cores_alive=self.cores_alive()[0], cores=prefill + decode, prefill=prefill, decode=decode,
             prefill_cores=len(prefill), decode_cores=len(decode), num_skipped_hops=self.num_skipped_hops,
-            transfer_files=len(os.listdir(self.transfer_dir)) if not self._closed else 0)
+            transfer_files=self._num_transfers() if not self._closed else 0)
         return out
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+def _free_address(host: str) -> str:
+    """``host:port`` with a port free now (the core binds it a moment later)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
 
 
 def _remove_dead_folders(base: str) -> None:

@@ -35,12 +35,14 @@ def aborted(out: RequestOutput, n: int) -> RequestOutput:
 class PDStream:
     def __init__(self, request_id: str, prompt, params: SamplingParams, kw: dict,
                  prefill: "AsyncLLMEngine | None", decode: "AsyncLLMEngine", load: dict[int, int],
-                 on_close: Callable[["PDStream", bool], None]) -> None:
+                 on_close: Callable[["PDStream", bool], None], source: str | None = None) -> None:
         """``prefill`` None: the prompt skips the hop (the decode core computes it). Submits now,
         so that a bad request raises here, as ``AsyncLLMEngine.generate`` does. ``load``: requests in
         flight per core (by ``id``), kept up to date; ``on_close(stream, finished)``: the stream
-        ended, ``finished`` False when its transfer may be left unclaimed."""
+        ended, ``finished`` False when its transfer may be left unclaimed. ``source``: the prefill
+        core's transfer address (tcp transport), passed to the decode core with the request."""
         self._load, self._on_close = load, on_close
+        self.source = source
         self.request_id = request_id
         self._prompt, self._params, self._kw = prompt, params, kw
         self._decode = decode
@@ -94,7 +96,8 @@ class PDStream:
             self._engine = None
             return aborted(out, self._params.n)
         self._engine = self._decode
-        self._inner = self._decode.generate(self._prompt, self._params, request_id=self.request_id, **self._kw)
+        self._inner = self._decode.generate(self._prompt, self._params, request_id=self.request_id, **self._kw,
+                                            kv_transfer_params={"source": self.source} if self.source else None)
         self._load[id(self._engine)] += 1
         return None
 
