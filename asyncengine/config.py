@@ -300,6 +300,8 @@ class EngineConfig:
             raise ConfigError(f"pd_skip_hop_below must be >= 0, got {self.pd_skip_hop_below}")
         if self.kv_transfer_transport not in ("shm", "tcp"):
             raise ConfigError(f"kv_transfer_transport must be 'shm' or 'tcp', got {self.kv_transfer_transport!r}")
+        if self.prefill_cores and self.distributed_executor_backend == "ray" and self.kv_transfer_transport != "tcp":
+            raise ConfigError("P/D cores as Ray actors may run on other nodes: they need kv_transfer_transport='tcp'")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_transfer_lease_s <= 0:

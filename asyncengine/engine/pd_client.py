@@ -1,18 +1,19 @@
 """Disaggregated prefill/decode in one front end: ``prefill_cores`` engine cores that only prefill
-and ``decode_cores`` that decode, each in its own process, KV moved through shared memory.
+and ``decode_cores`` that decode, each in its own process (or a Ray actor, on any node), KV moved
+through shared memory or pulled over TCP (``kv_transfer_transport``, kv_connector/pd/transport.py).
 
 Each request goes first to a prefill core as a one-token request: the core computes the prompt and
-writes its KV to the request's transfer file (kv_connector/pd/) right after that forward. Then the
-same request (same id, prompt and sampling parameters) goes to a decode core, which loads the file
-instead of computing the prompt, computes the last prompt token, samples the first token itself
+hands its KV to the transport (a transfer file; tcp: its own server's memory) right after that
+forward. Then the same request (same id, prompt and sampling parameters; tcp: and the prefill
+core's address) goes to a decode core, which loads the transfer instead of computing the prompt, computes the last prompt token, samples the first token itself
 and streams as any engine does: the prefill core's token is not used, so sampling, penalties and
 seeds behave exactly as on one core. A prompt's prefill thus never shares a step with other
 users' decodes. Each side picks its least loaded core (requests in flight from this front end).
 
 Aborts: leaving the stream early (or ``abort``) aborts the request on whichever core has it,
-which frees its blocks there, and deletes its transfer file if it was written but not claimed. A
-file written by a step already in flight when the abort landed is deleted by the prefill cores'
-sweep once older than ``kv_transfer_lease_s``. A core that dies fails its requests with
+which frees its blocks there, and deletes its transfer if it was written but not claimed (again a
+little later, for a step already in flight when the abort landed; past ``kv_transfer_lease_s`` the
+prefill cores' sweep deletes whatever is left). A core that dies fails its requests with
 ``EngineDeadError`` (the async engine's own death detection). Built from ``AsyncLLMEngine``s with
 ``engine_core_process=True``, so this module adds routing only.
 
@@ -74,12 +75,18 @@ class PDEngine:
         self.transport = make_transport(config.kv_transfer_transport, self.transfer_dir)
         self.sources: dict[int, str | None] = {}  # prefill core (by id) -> its transfer address (tcp)
 
+        ray = config.distributed_executor_backend == "ray"
+
         def core(role: str) -> AsyncLLMEngine:
-            # tcp: a prefill core serves its transfers on a port picked here, which decode cores are told
+            # tcp: a prefill core serves its transfers on a port picked here (on this host: a Ray
+            # actor elsewhere binds the same number on its node), which decode cores are told
             address = _free_address("127.0.0.1") if role == "prefill" and self.tcp else None
+            bind = address if address is None or not ray else "0.0.0.0:" + address.rpartition(":")[2]
             e = AsyncLLMEngine(dataclasses.replace(
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
-                kv_transfer_address=address, engine_core_process=True, data_parallel_size=1, num_threads=threads))
+                kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads))
+            if address is not None and ray:  # the actor's node, as Ray placed it
+                address = f"{e.client.clients[0].node_ip}:{address.rpartition(':')[2]}"
             self.sources[id(e)] = address
             return e
 

@@ -25,6 +25,7 @@ import msgspec
 log = logging.getLogger(__name__)
 _LEN = struct.Struct(">I")
 TIMEOUT_S = 30.0  # a peer that stops answering mid-transfer fails that transfer, never hangs a core
+COUNT_TIMEOUT_S = 2.0  # count() serves stats (/metrics): a peer that does not answer counts 0
 SWEEP_EVERY_S = 1.0
 
 
@@ -149,8 +150,8 @@ class TransferServer:
             self._store.clear()
 
 
-def _call(address: str, op: TransferOp) -> tuple[socket.socket, TransferReply] | None:
-    sock = socket.create_connection(split_address(address), timeout=TIMEOUT_S)
+def _call(address: str, op: TransferOp, timeout: float = TIMEOUT_S) -> tuple[socket.socket, TransferReply] | None:
+    sock = socket.create_connection(split_address(address), timeout=timeout)
     try:
         _send_msg(sock, op)
         reply = _recv_msg(sock, TransferReply)
@@ -207,7 +208,7 @@ def delete(address: str, key: str) -> bool:
 def count(address: str) -> int:
     """How many transfers the server at ``address`` holds (0 if it does not answer)."""
     try:
-        got = _call(address, TransferOp("count"))
+        got = _call(address, TransferOp("count"), COUNT_TIMEOUT_S)
     except OSError:
         return 0
     if got is None:

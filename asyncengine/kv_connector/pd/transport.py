@@ -75,7 +75,7 @@ class TcpTransport:
             self.server = TransferServer(serve_on, lease_s)
 
     def put(self, key: str, header: tf.Header, payload) -> None:
-        self.server.put(tf.request_key(key), header.pack() + memoryview(payload).cast("B").tobytes())
+        self.server.put(tf.request_key(key), b"".join((header.pack(), memoryview(payload).cast("B"))))
 
     def claim(self, key: str, source: str | None, accept: Accept) -> tuple[str, tf.Header] | None:
         from asyncengine.kv_connector.pd import tcp_server
