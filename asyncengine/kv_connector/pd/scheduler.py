@@ -1,13 +1,15 @@
 """The P/D connector's scheduler sides.
 
 Prefill core (:class:`PrefillExporter`): in the step that computes the end of a request's prompt,
-ask the worker to write the prompt's blocks to the request's transfer file right after the forward.
-The request then finishes as usual (the front end asks a prefill core for one token) and its blocks
-are freed at once: the file is the transfer, so no block is held for a decode core that may never
-come (the file's own lease is the sweep's).
+ask the worker to hand the prompt's blocks to the transport (kv_connector/pd/transport.py: a transfer
+file, or the prefill core's TCP server) right after the forward. The request then finishes as usual
+(the front end asks a prefill core for one token) and its blocks are freed at once: the copy is the
+transfer, so no block is held for a decode core that may never come (the transfer's own lease is
+the sweep's).
 
-Decode core (:class:`DecodeImporter`): when a request is looked at, a transfer file for it (whole,
-same fingerprint, same prompt) is claimed and its tokens up to the prompt's last count as external:
+Decode core (:class:`DecodeImporter`): when a request is looked at, its transfer (whole, same
+fingerprint, same prompt; over TCP: pulled from the address in the request's ``kv_transfer_params``)
+is claimed as a local file and its tokens up to the prompt's last count as external:
 they are copied in before this step's forward and only the last prompt token is computed, as with a
 prefix-cache hit. No file (the prefill core failed, the transfer was swept, the request came
 straight here): the decode core computes the prompt itself, counted as a miss.
@@ -96,6 +98,7 @@ class DecodeImporter(SchedulerConnector):
         key = transfer_key(req)
         if key is None:
             return None
+
         def accept(h: tf.Header) -> bool:
             ok = (h.fingerprint == self.fingerprint and h.block_nbytes == self.block_nbytes
                   and h.num_tokens == req.num_prompt_tokens and h.digest == tf.prompt_digest(req.prompt_token_ids))
