@@ -205,12 +205,19 @@ class EngineConfig:
     # prompt). Files nobody claimed within kv_transfer_lease_s are deleted. The P/D front end
     # (engine/pd_client.py) sets these for the cores it starts.
     kv_role: Literal["prefill", "decode"] | None = None
-    # PDEngine.from_config (engine/pd_client.py): this many prefill-only and decode-only cores,
-    # each a process (0 and 0: no disaggregation)
+    # PDEngine (engine/pd_client.py, serve --prefill-cores): this many prefill-only and decode-only
+    # cores, each a process (0 and 0: no disaggregation); prompts of fewer tokens than
+    # pd_skip_hop_below go straight to a decode core (measured: docs/kv_connector.md)
     prefill_cores: int = 0
     decode_cores: int = 0
+    pd_skip_hop_below: int = 0
     kv_transfer_dir: str | None = None
     kv_transfer_lease_s: float = 30.0
+    # how the KV moves (kv_connector/pd/transport.py): "shm" files on one host, or "tcp": a prefill
+    # core serves its transfers on kv_transfer_address (host:port, set by the front end) and the
+    # decode core pulls them, on any host
+    kv_transfer_transport: Literal["shm", "tcp"] = "shm"
+    kv_transfer_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -289,6 +296,12 @@ class EngineConfig:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):
             raise ConfigError(f"prefill_cores and decode_cores are both >= 1 (disaggregated) or both 0, got "
                               f"{self.prefill_cores} and {self.decode_cores}")
+        if self.pd_skip_hop_below < 0:
+            raise ConfigError(f"pd_skip_hop_below must be >= 0, got {self.pd_skip_hop_below}")
+        if self.kv_transfer_transport not in ("shm", "tcp"):
+            raise ConfigError(f"kv_transfer_transport must be 'shm' or 'tcp', got {self.kv_transfer_transport!r}")
+        if self.prefill_cores and self.distributed_executor_backend == "ray" and self.kv_transfer_transport != "tcp":
+            raise ConfigError("P/D cores as Ray actors may run on other nodes: they need kv_transfer_transport='tcp'")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_transfer_lease_s <= 0:

@@ -5,14 +5,18 @@ long prompts, from Python (the same engines ``asyncengine serve`` would drive; n
     python benchmarks/pd_mixed.py --out benchmarks/results/pd_mixed.json
 
 Requests arrive at ``--rate`` per second (Poisson, seed 0) for ``--seconds``: every ``--long-every``-th
-is a long prompt (``--long-tokens`` random token ids, 16 output tokens), the rest short chats (32
-prompt tokens, 64 output tokens), greedy, EOS ignored. Variants, in alternating order over rounds:
+is a long prompt (``--long-tokens`` random token ids, 16 output tokens), the rest short chats
+(``--short-tokens`` prompt tokens, 64 output tokens), greedy, EOS ignored. ``--short-tokens`` may be
+a list (``16,64,128``): each length is a workload of its own, its variants named ``VARIANT@LENGTH``
+(how the hop threshold was chosen: ``pd`` vs ``pdskip`` by short-prompt length). Variants, in alternating order over rounds:
 ``colocated`` (one core, ``engine_core_process=True``), ``dp2`` (``data_parallel_size=2``) and
 ``pd`` (``PDEngine``, 1 prefill + 1 decode core), ``pdskip`` (the same, prompts under
-``--skip-hop-below`` tokens straight to the decode core), each core pinned to ``--num-threads`` (1) torch
+``--skip-hop-below`` tokens straight to the decode core; default: every short prompt, no long one),
+each core pinned to ``--num-threads`` (1) torch
 threads. Reported per variant: TPOT p50/p90 of the short
 chats (time between their tokens: what a long prefill in the same step stalls), TTFT p50 of short
-and long requests, wall time, and the CPU model and load average (the host is shared).
+and long requests, wall time, and the CPU model and load average (the host is shared); medians over
+rounds with their min and max.
 """
 from __future__ import annotations
 
@@ -53,11 +57,11 @@ async def one(eng, prompt, n, rid):
     return ttft, tpot
 
 
-async def run(variant: str, args) -> dict:
+async def run(variant: str, args, short_tokens: int) -> dict:
     base = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, kv_cache_bytes=1 << 30,
                 max_model_len=args.long_tokens + 64, num_threads=args.num_threads)
     if variant in ("pd", "pdskip"):
-        skip = args.skip_hop_below if variant == "pdskip" else 0
+        skip = (args.skip_hop_below or args.long_tokens) if variant == "pdskip" else 0
         eng = PDEngine.from_config(EngineConfig(**base, prefill_cores=1, decode_cores=1), skip_hop_below=skip)
     elif variant == "dp2":
         eng = AsyncLLMEngine(EngineConfig(**base, data_parallel_size=2))
@@ -72,7 +76,7 @@ async def run(variant: str, args) -> dict:
         t0 = time.perf_counter()
         while time.perf_counter() < t_end:
             long = i % args.long_every == args.long_every - 1
-            n_prompt, n_out = (args.long_tokens, 16) if long else (32, 64)
+            n_prompt, n_out = (args.long_tokens, 16) if long else (short_tokens, 64)
             prompt = [rng.randrange(100, 40000) for _ in range(n_prompt)]
             tasks.append(asyncio.ensure_future(one(eng, prompt, n_out, f"{variant}-{i}")))
             kinds.append("long" if long else "short")
@@ -101,17 +105,20 @@ def main() -> int:
                     help="torch threads per core (1: a core is one CPU core; two threads that wait on each "
                          "other on a contended 2-core host make steps many times slower)")
     ap.add_argument("--variants", default="colocated,pd,pdskip,dp2")
-    ap.add_argument("--skip-hop-below", type=int, default=64, help="pdskip: prompts shorter than this skip the hop")
+    ap.add_argument("--short-tokens", default="32", help="short prompts' length; a comma list: one workload each")
+    ap.add_argument("--skip-hop-below", type=int, default=None,
+                    help="pdskip: prompts shorter than this skip the hop (default: --long-tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    variants = args.variants.split(",")
-    rows: dict[str, list] = {v: [] for v in variants}
+    lengths = [int(x) for x in args.short_tokens.split(",")]
+    named = [(v if len(lengths) == 1 else f"{v}@{n}", v, n) for n in lengths for v in args.variants.split(",")]
+    rows: dict[str, list] = {name: [] for name, _, _ in named}
     load = [os.getloadavg()]
     for r in range(args.rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            res = asyncio.run(run(v, args))
-            rows[v].append(res)
-            print(v, json.dumps(res), flush=True)
+        for name, v, n in (named if r % 2 == 0 else named[::-1]):
+            res = asyncio.run(run(v, args, n))
+            rows[name].append(res)
+            print(name, json.dumps(res), flush=True)
             load.append(os.getloadavg())
             write(args, rows, load)  # after every run: a slow sitting that is cut short keeps what it measured
     print(json.dumps(write(args, rows, load)["median"], indent=1))
@@ -120,9 +127,10 @@ def main() -> int:
 
 def write(args, rows: dict, load: list) -> dict:
     summary = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in rows.items() if rs}
+    spread = {v: {k: [min(x[k] for x in rs), max(x[k] for x in rs)] for k in rs[0]} for v, rs in rows.items() if rs}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "cpu": cpu_model(), "nproc": os.cpu_count(), "command": " ".join(["python"] + sys.argv),
-              "load_avg": load, "args": vars(args), "median": summary, "rounds": rows}
+              "load_avg": load, "args": vars(args), "median": summary, "min_max": spread, "rounds": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

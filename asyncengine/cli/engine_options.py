@@ -161,6 +161,18 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                                            "pipelined", type=POSITIVE_INT, short="-pp"),
     EngineOption("data_parallel_size", "run this many engine cores (processes), each with its own KV cache",
                  type=POSITIVE_INT, short="-dp"),
+    EngineOption("prefill_cores", "disaggregated prefill/decode: this many engine cores (processes) only "
+                                  "prefill, and hand each prompt's KV to a decode core (docs/kv_connector.md); "
+                                  "needs --decode-cores", type=POSITIVE_INT, default_text="off",
+                 commands=("serve",)),
+    EngineOption("decode_cores", "disaggregated prefill/decode: this many engine cores (processes) decode",
+                 type=POSITIVE_INT, default_text="off", commands=("serve",)),
+    EngineOption("pd_skip_hop_below", "with --prefill-cores: prompts of fewer tokens skip the prefill core "
+                                      "and are computed by the decode core", type=int, metavar="TOKENS",
+                 commands=("serve",)),
+    EngineOption("kv_transfer_transport", "with --prefill-cores: how prompt KV moves to a decode core: shm = files "
+                                          "in shared memory (one host), tcp = pulled from the prefill core over TCP",
+                 choices=("shm", "tcp"), commands=("serve",)),
     EngineOption("distributed_executor_backend", "uni: one thread; mp: worker processes; ray: Ray actors",
                  choices=("uni", "mp", "ray"), default_text="uni at --tensor-parallel-size 1, else mp"),
     EngineOption("distributed_timeout_s", "a collective that waits this long for a peer rank fails the "
@@ -189,8 +201,7 @@ NOT_ON_THE_COMMAND_LINE = {
     "kv_role": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
     "kv_transfer_dir": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
     "kv_transfer_lease_s": "set by the P/D front end (engine/pd_client.py) for the cores it starts",
-    "prefill_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
-    "decode_cores": "the Python API's PDEngine.from_config (engine/pd_client.py); not served yet",
+    "kv_transfer_address": "set by the P/D front end (engine/pd_client.py) for each prefill core (tcp transport)",
     "grammar_limits": "serve's structured-output limit flags (--max-grammar-compile-s, --max-enum-values, ...)",
 }
 

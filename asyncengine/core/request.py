@@ -71,6 +71,8 @@ class Request:
     hold_for: "Request | None" = None
     # prompt logprobs: positions delivered so far (a recompute after preemption does not resend)
     num_prompt_logprobs: int = 0
+    # P/D: where this request's prompt KV waits ({"source": "host:port"}, kv_connector/pd/)
+    kv_transfer_params: dict[str, str] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,7 +109,8 @@ class Request:
                 request_id=child_request_id(self.request_id, i), prompt_token_ids=self.prompt_token_ids,
                 sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
                 priority=self.priority, arrival_time=self.arrival_time, cache_salt=self.cache_salt,
-                bad_words_token_ids=self.bad_words_token_ids, parent_id=self.request_id))
+                bad_words_token_ids=self.bad_words_token_ids, parent_id=self.request_id,
+                kv_transfer_params=self.kv_transfer_params))
         return children
 
     def token_id_at(self, pos: int) -> int:

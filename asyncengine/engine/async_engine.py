@@ -201,7 +201,7 @@ class AsyncLLMEngine:
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None) -> RequestStream:
+                 cache_salt: str | None = None, kv_transfer_params: dict[str, str] | None = None) -> RequestStream:
         """Submit a request now; returns its async iterator of RequestOutputs (deltas in
         ``out.text_delta`` / ``out.token_ids_delta``; ``out.outputs[0]`` as output_kind says).
         With ``sampling_params.n > 1`` the one stream carries every sample: ``outputs[i]`` has
@@ -213,6 +213,8 @@ class AsyncLLMEngine:
         Raises at once: InvalidRequestError for a bad request, EngineOverloaded when the waiting
         queue is full, EngineDeadError once the engine has died or shut down. (A very long text
         prompt is tokenized on a worker thread; its errors surface at the first iteration.)
+        ``kv_transfer_params``: for the P/D front end (engine/pd_client.py), where this request's
+        prompt KV waits (``{"source": "host:port"}`` of the prefill core that computed it).
         """
         self._bind_loop()
         if self._busy_loop.closing:
@@ -233,10 +235,11 @@ class AsyncLLMEngine:
         slot = RequestSlot(request_id, params.output_kind)
         self._slots[request_id] = slot
         if kind != "now":  # prepared on worker threads; errors surface at the first iteration
-            self._loop.create_task(self._submit_later(slot, kind, payload, params, priority, cache_salt))
+            self._loop.create_task(self._submit_later(slot, kind, payload, params, priority, cache_salt,
+                                                      kv_transfer_params))
             return RequestStream(slot, self._abort_slot)
         try:
-            self._submit(request_id, payload, params, priority, cache_salt)
+            self._submit(request_id, payload, params, priority, cache_salt, kv_transfer_params=kv_transfer_params)
         except BaseException:
             del self._slots[request_id]
             raise
@@ -264,7 +267,8 @@ class AsyncLLMEngine:
         self._bind_loop()
         return await self.intake.encode(prompt)
 
-    async def _submit_later(self, slot: RequestSlot, kind: str, payload, params, priority, cache_salt) -> None:
+    async def _submit_later(self, slot: RequestSlot, kind: str, payload, params, priority, cache_salt,
+                            kv_transfer_params=None) -> None:
         """Prepare on worker threads what ``intake.precheck`` left for later, then submit."""
         def still_wanted() -> bool:
             return self._slots.get(slot.request_id) is slot and not slot.finished
@@ -285,15 +289,18 @@ class AsyncLLMEngine:
                         del self._compiling[slot.request_id]
             ready = await self.intake.prepare(kind, payload, params, still_wanted)
             if ready is not None and still_wanted():
-                self._submit(slot.request_id, ready[0], params, priority, cache_salt, ready[1])
+                self._submit(slot.request_id, ready[0], params, priority, cache_salt, ready[1],
+                             kv_transfer_params=kv_transfer_params)
         except Exception as e:
             if self._slots.get(slot.request_id) is slot:
                 del self._slots[slot.request_id]
             slot.put_error(e)
 
-    def _submit(self, request_id: str, prompt, params, priority, cache_salt, automaton=None) -> None:
+    def _submit(self, request_id: str, prompt, params, priority, cache_salt, automaton=None,
+                kv_transfer_params=None) -> None:
         req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt)
+        req.kv_transfer_params = kv_transfer_params
         # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
         busy = self._busy_loop
         self.admission.check(req, self.client.num_waiting + sum(r.sampling_params.n for r in busy.new))

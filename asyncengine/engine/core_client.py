@@ -30,6 +30,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sched_output import EngineCoreOutputs
 from asyncengine.engine.core_proc import CoreDead, CoreModelInfo, EngineCoreProc
+from asyncengine.engine.core_stats import combine
 from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import EngineDeadError
@@ -59,7 +60,8 @@ class CoreClient(ABC):
             from asyncengine.errors import ConfigError
 
             raise ConfigError("prefill_cores/decode_cores run through PDEngine.from_config (engine/pd_client.py, "
-                              "docs/kv_connector.md); AsyncLLMEngine and `asyncengine serve` do not take them yet")
+                              "docs/kv_connector.md) or `asyncengine serve --prefill-cores`; AsyncLLMEngine "
+                              "does not take them")
         if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
             from asyncengine.models.model_info import load_model_info
 
@@ -366,17 +368,7 @@ class MPClient(CoreClient):
     def stats(self) -> dict:
         """Sums over the cores (means for rates), plus each core's own under "cores"."""
         per = [dict(c.stats, num_running=c.num_running, num_waiting=c.num_waiting) for c in self.clients]
-        out: dict = {}
-        for s in per:
-            for k, v in s.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[k] = out.get(k, 0) + v
-        for k in ("kv_usage", "prefix_cache_hit_rate", "mean_scheduled_tokens_per_step", "mean_queue_time_s"):
-            if k in out:
-                out[k] /= len(per)
-        if out.get("spec_num_draft_tokens"):  # rates from the summed counts, not a mean of means
-            out["spec_acceptance_rate"] = out["spec_num_accepted_tokens"] / out["spec_num_draft_tokens"]
-            out["spec_mean_accepted_length"] = 1 + out["spec_num_accepted_tokens"] / out["spec_num_drafts"]
+        out = combine(per)
         out["num_kv_blocks"] = sum(s.get("num_kv_blocks", self.num_blocks) for s in per)
         out["data_parallel_size"] = len(per)
         out["dp_prefix_affinity_routed"] = self.router.num_affinity_routed

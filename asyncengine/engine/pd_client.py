@@ -1,20 +1,28 @@
 """Disaggregated prefill/decode in one front end: ``prefill_cores`` engine cores that only prefill
-and ``decode_cores`` that decode, each in its own process, KV moved through shared memory.
+and ``decode_cores`` that decode, each in its own process (or a Ray actor, on any node), KV moved
+through shared memory or pulled over TCP (``kv_transfer_transport``, kv_connector/pd/transport.py).
 
 Each request goes first to a prefill core as a one-token request: the core computes the prompt and
-writes its KV to the request's transfer file (kv_connector/pd/) right after that forward. Then the
-same request (same id, prompt and sampling parameters) goes to a decode core, which loads the file
-instead of computing the prompt, computes the last prompt token, samples the first token itself
+hands its KV to the transport (a transfer file; tcp: its own server's memory) right after that
+forward. Then the same request (same id, prompt and sampling parameters; tcp: and the prefill
+core's address) goes to a decode core, which loads the transfer instead of computing the prompt, computes the last prompt token, samples the first token itself
 and streams as any engine does: the prefill core's token is not used, so sampling, penalties and
 seeds behave exactly as on one core. A prompt's prefill thus never shares a step with other
 users' decodes. Each side picks its least loaded core (requests in flight from this front end).
 
 Aborts: leaving the stream early (or ``abort``) aborts the request on whichever core has it,
-which frees its blocks there, and deletes its transfer file if it was written but not claimed. A
-file written by a step already in flight when the abort landed is deleted by the prefill cores'
-sweep once older than ``kv_transfer_lease_s``. A core that dies fails its requests with
+which frees its blocks there, and deletes its transfer if it was written but not claimed (again a
+little later, for a step already in flight when the abort landed; past ``kv_transfer_lease_s`` the
+prefill cores' sweep deletes whatever is left). A core that dies fails its requests with
 ``EngineDeadError`` (the async engine's own death detection). Built from ``AsyncLLMEngine``s with
 ``engine_core_process=True``, so this module adds routing only.
+
+``PDEngine`` answers the front-end API of ``AsyncLLMEngine`` (what the OpenAI server and the
+adapters use: generate, abort, encode, the checks, stats, health, the model's facts), so that
+``asyncengine serve --prefill-cores P --decode-cores D`` serves through it unchanged. The model's
+facts come from a decode core (every core loads the same model); the engine counts as errored once
+any core died (a request needs both sides); ``stats()`` sums the pools over the cores, as data
+parallel does, with each core's own under ``cores`` (and ``prefill``/``decode``).
 """
 from __future__ import annotations
 
@@ -22,52 +30,94 @@ import asyncio
 import dataclasses
 import os
 import tempfile
+import threading
+import time
 import uuid
 
+import msgspec
+
 from asyncengine.config import EngineConfig
+from asyncengine.engine import validation
 from asyncengine.engine.async_engine import AsyncLLMEngine
+from asyncengine.engine.core_stats import combine
+from asyncengine.engine.pd_stream import PDStream
+from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.kv_connector.pd.transport import make_transport
+from asyncengine.sampling_params import OutputKind, SamplingParams
+
+# when to look again for the transfer file of a request that left during its prefill
+ORPHAN_RECHECK_S = (0.05, 0.5, 2.0, 10.0)
+# per-core keys of an AsyncLLMEngine's stats that mean nothing summed over P/D cores
+_FRONT_END_KEYS = ("cores", "data_parallel_size", "dp_prefix_affinity_routed", "cores_alive", "errored",
+                   "num_streams", "uptime_s")
 
 
 class PDEngine:
-    def __init__(self, config: EngineConfig, skip_hop_below: int = 0) -> None:
-        """``skip_hop_below``: prompts of fewer tokens (token ids or text; chat messages always take
-        the hop) go straight to a decode core, which computes them itself: a short prompt's prefill
-        stalls the decodes little, and the hop costs it a queue and a step."""
+    def __init__(self, config: EngineConfig, skip_hop_below: int | None = None) -> None:
+        """``skip_hop_below`` (default ``config.pd_skip_hop_below``): prompts of fewer tokens (token
+        ids or text; chat messages always take the hop) go straight to a decode core, which computes
+        them itself: a short prompt's prefill stalls the decodes little, and the hop costs it a
+        queue and a step."""
         if config.prefill_cores < 1 or config.decode_cores < 1:
             raise ValueError("PDEngine needs prefill_cores >= 1 and decode_cores >= 1")
         self.config = config
-        self.skip_hop_below = skip_hop_below
+        self.skip_hop_below = config.pd_skip_hop_below if skip_hop_below is None else skip_hop_below
         self.num_skipped_hops = 0
         base = config.kv_transfer_dir or tf.default_dir()
         os.makedirs(base, exist_ok=True)
         _remove_dead_folders(base)
         # a folder per front end (named by its pid): its cores' files, removed with it
         self.transfer_dir = tempfile.mkdtemp(prefix=f"pd-{os.getpid()}-", dir=base)
+        # each core its share of the CPUs unless told otherwise (they all step at once)
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.prefill_cores + config.decode_cores))
+
+        self.transport = make_transport(config.kv_transfer_transport, self.transfer_dir)
+        self.sources: dict[int, str | None] = {}  # prefill core (by id) -> its transfer address (tcp)
+
+        ray = config.distributed_executor_backend == "ray"
 
         def core(role: str) -> AsyncLLMEngine:
-            return AsyncLLMEngine(dataclasses.replace(
+            # tcp: a prefill core serves its transfers on a port picked here (on this host: a Ray
+            # actor elsewhere binds the same number on its node), which decode cores are told
+            address = _free_address("127.0.0.1") if role == "prefill" and self.tcp else None
+            bind = address if address is None or not ray else "0.0.0.0:" + address.rpartition(":")[2]
+            e = AsyncLLMEngine(dataclasses.replace(
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
-                engine_core_process=True, data_parallel_size=1))
+                kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads))
+            if address is not None and ray:  # the actor's node, as Ray placed it
+                address = f"{e.client.clients[0].node_ip}:{address.rpartition(':')[2]}"
+            self.sources[id(e)] = address
+            return e
 
-        self.prefill = [core("prefill") for _ in range(config.prefill_cores)]
-        self.decode = [core("decode") for _ in range(config.decode_cores)]
-        self._load = {id(e): 0 for e in self.prefill + self.decode}
+        self.tcp = config.kv_transfer_transport == "tcp"
+        self.prefill: list[AsyncLLMEngine] = []
+        self.decode: list[AsyncLLMEngine] = []
+        try:
+            self.prefill += [core("prefill") for _ in range(config.prefill_cores)]
+            self.decode += [core("decode") for _ in range(config.decode_cores)]
+        except BaseException:
+            self._stop_cores()
+            raise
+        self.load = {id(e): 0 for e in self.engines}  # requests in flight from this front end, per core
+        self._streams: dict[str, PDStream] = {}
+        self._closing = False
         self._closed = False
+        self._started_at = time.monotonic()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, skip_hop_below: int = 0) -> "PDEngine":
+    def from_config(cls, config: EngineConfig, skip_hop_below: int | None = None) -> "PDEngine":
         return cls(config, skip_hop_below)
 
-    def _num_prompt_tokens(self, prompt) -> int | None:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return len(prompt["prompt_token_ids"])
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        if isinstance(prompt, str) and self.tokenizer is not None:
-            return len(self.tokenizer.encode(prompt))
-        return None  # chat messages: the template is the engine's to apply
+    def _stop_cores(self) -> None:
+        for e in self.engines:
+            try:
+                e.client.shutdown()
+            except Exception:
+                pass
+        self._remove_transfer_dir()
+
+    # ------------------------------------------------------------------ what front ends read
 
     @property
     def engines(self) -> list[AsyncLLMEngine]:
@@ -76,6 +126,61 @@ class PDEngine:
     @property
     def tokenizer(self):
         return self.decode[0].tokenizer
+
+    @property
+    def limits(self) -> validation.RequestLimits:
+        return self.decode[0].limits
+
+    @property
+    def default_sampling_params(self) -> SamplingParams:
+        return self.decode[0].default_sampling_params
+
+    @property
+    def max_model_len(self) -> int:
+        return min(e.max_model_len for e in self.engines)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decode[0].vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self.decode[0].dtype
+
+    @property
+    def kernels(self) -> str:
+        return f"{self.decode[0].kernels}; P/D {len(self.prefill)} prefill + {len(self.decode)} decode cores"
+
+    @property
+    def errored(self) -> bool:
+        """Once any core died: a request needs a core of each side (the server then stops)."""
+        return any(e.errored for e in self.engines)
+
+    @property
+    def is_closing(self) -> bool:
+        return self._closing or any(e.is_closing for e in self.engines)
+
+    @property
+    def is_running(self) -> bool:
+        return all(e.is_running for e in self.engines)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.decode[0].loop
+
+    def cores_alive(self) -> tuple[int, int]:
+        return sum(not e.errored for e in self.engines), len(self.engines)
+
+    def check_sampling_params(self, params: SamplingParams) -> SamplingParams:
+        return self.decode[0].check_sampling_params(params)
+
+    async def check_structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        return await self.decode[0].check_structured_outputs(params)
+
+    async def encode(self, prompt) -> tuple[str | None, list[int]]:
+        return await self.decode[0].encode(prompt)
+
+    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         for e in self.engines:
@@ -89,10 +194,28 @@ class PDEngine:
         await self.shutdown(drain=False)
 
     async def shutdown(self, drain: bool = True) -> None:
+        """As ``AsyncLLMEngine.shutdown``. drain=True: the prefill cores finish their requests first,
+        then the decode cores theirs (a request not yet handed to a decode core by then, because
+        nobody read its stream, fails with EngineDeadError)."""
         if self._closed:
             return
-        self._closed = True
+        self._closing = True
+        if drain:
+            await asyncio.gather(*(e.shutdown(drain=True) for e in self.prefill), return_exceptions=True)
         await asyncio.gather(*(e.shutdown(drain=drain) for e in self.engines), return_exceptions=True)
+        self._closed = True
+        self._remove_transfer_dir()
+
+    def _num_transfers(self) -> int:
+        """Transfers not loaded yet: files here (shm; tcp: pulled, not loaded), and held by the
+        prefill cores' servers (tcp)."""
+        held = self.transport.num_held([a for a in self.sources.values() if a]) if self.tcp else 0
+        try:
+            return held + len(os.listdir(self.transfer_dir))
+        except OSError:
+            return held
+
+    def _remove_transfer_dir(self) -> None:
         for name in os.listdir(self.transfer_dir):
             try:
                 os.unlink(os.path.join(self.transfer_dir, name))
@@ -103,56 +226,119 @@ class PDEngine:
         except OSError:
             pass
 
-    def _pick(self, engines: list[AsyncLLMEngine]) -> AsyncLLMEngine:
-        return min(engines, key=lambda e: self._load[id(e)])
+    # ------------------------------------------------------------------ requests
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None):
-        """As ``AsyncLLMEngine.generate``: an async iterator of RequestOutputs, streamed by the
-        decode core."""
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        p, d = self._pick(self.prefill), self._pick(self.decode)
-        one = SamplingParams(max_tokens=1, temperature=0.0)
-        kw = dict(request_id=rid, priority=priority, cache_salt=cache_salt)
-        finished = False
-        n = self._num_prompt_tokens(prompt) if self.skip_hop_below else None
-        hop = n is None or n >= self.skip_hop_below
+    def _pick(self, engines: list[AsyncLLMEngine]) -> AsyncLLMEngine:
+        return min(engines, key=lambda e: (e.errored, self.load[id(e)]))
+
+    def _num_prompt_tokens(self, prompt) -> int | None:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return len(prompt["prompt_token_ids"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            return len(self.tokenizer.encode(prompt))
+        return None  # chat messages: the template is the engine's to apply
+
+    def _takes_hop(self, prompt, params: SamplingParams) -> bool:
+        if params.prompt_logprobs is not None:
+            return False  # the decode core computes such a prompt anyway (it needs the prompt's logits)
+        if not self.skip_hop_below:
+            return True
+        n = self._num_prompt_tokens(prompt)
+        return n is None or n >= self.skip_hop_below
+
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None) -> PDStream:
+        """As ``AsyncLLMEngine.generate``: submits now (a bad request raises here) and returns the
+        request's async iterator of RequestOutputs, streamed by the decode core."""
+        if self._closing or self._closed:
+            raise EngineDeadError("the engine is shutting down")
+        params = sampling_params if sampling_params is not None else self.default_sampling_params
+        self.check_sampling_params(params)
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
+        validation.check_request_id(rid, self.limits)
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use by a live request")
+        hop = self._takes_hop(prompt, params)
         self.num_skipped_hops += not hop
-        try:
-            self._load[id(p)] += hop
+        p = self._pick(self.prefill) if hop else None
+        stream = PDStream(rid, prompt, params, {"priority": priority, "cache_salt": cache_salt},
+                          p, self._pick(self.decode), self.load, self.stream_closed,
+                          source=self.sources.get(id(p)))
+        self._streams[rid] = stream
+        return stream
+
+    def stream_closed(self, stream: PDStream, finished: bool) -> None:
+        """The stream ended; ``finished`` False: before a decode core claimed its transfer, which
+        is deleted now, and, if it left during its prefill, again a little later: a step already
+        in flight when the abort reached the prefill core writes the file after it (the prefill
+        cores' sweep would only see it at their next step after the lease)."""
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if finished:
+            return
+        self._discard(stream.request_id, stream.source)
+        if stream.closed_in_prefill:
             try:
-                if hop:
-                    async for _ in p.generate(prompt, one, **kw):
-                        pass
-            finally:
-                self._load[id(p)] -= hop
-            self._load[id(d)] += 1
-            try:
-                async for out in d.generate(prompt, sampling_params, **kw):
-                    finished = out.finished
-                    yield out
-            finally:
-                self._load[id(d)] -= 1
-        finally:
-            if not finished:  # aborted or failed before the decode core claimed the file
-                try:
-                    os.unlink(tf.file_path(self.transfer_dir, rid))
-                except OSError:
-                    pass
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # dropped outside the loop (garbage collection): the sweep's then
+                return
+            for delay in ORPHAN_RECHECK_S + (self.config.kv_transfer_lease_s,):
+                loop.call_later(delay, self._discard, stream.request_id, stream.source)
+
+    def _discard(self, request_id: str, source: str | None) -> None:
+        """Delete a request's transfer wherever it waits (tcp: on a thread, never on the loop)."""
+        if self.tcp:
+            threading.Thread(target=self.transport.delete, args=(request_id, source), daemon=True,
+                             name="asyncengine-pd-discard").start()
+        else:
+            self.transport.delete(request_id, source)
+
+    async def complete(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, **kw):
+        """Run one request to the end and return its final output."""
+        params = msgspec.structs.replace(sampling_params or self.default_sampling_params,
+                                         output_kind=OutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.generate(prompt, params, request_id, **kw):
+            final = out
+        return final
 
     async def abort(self, request_id: str) -> None:
-        for e in self.engines:
-            await e.abort(request_id)
-        try:
-            os.unlink(tf.file_path(self.transfer_dir, request_id))
-        except OSError:
-            pass
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await stream.abort()
+
+    # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:
-        """Per core: its engine's stats (``prefill``/``decode`` lists), and the transfer files now."""
-        return {"prefill": [e.stats() for e in self.prefill], "decode": [e.stats() for e in self.decode],
-                "transfer_files": len(os.listdir(self.transfer_dir)) if not self._closed else 0,
-                "num_skipped_hops": self.num_skipped_hops}
+        """The pools and counters summed over every core (as data parallel: what /metrics reads),
+        each core's own under ``cores`` (with its ``role``) and under ``prefill``/``decode``."""
+        def core(e: AsyncLLMEngine, role: str) -> dict:
+            s = {k: v for k, v in e.stats().items() if k not in _FRONT_END_KEYS}
+            return {**s, "role": role, "errored": e.errored}
+
+        prefill = [core(e, "prefill") for e in self.prefill]
+        decode = [core(e, "decode") for e in self.decode]
+        out = combine(prefill + decode)
+        out.update(
+            tokens_per_s=sum(s.get("tokens_per_s", 0) for s in decode),
+            total_output_tokens=sum(s.get("total_output_tokens", 0) for s in decode),
+            num_streams=len(self._streams), uptime_s=time.monotonic() - self._started_at, errored=self.errored,
+            cores_alive=self.cores_alive()[0], cores=prefill + decode, prefill=prefill, decode=decode,
+            prefill_cores=len(prefill), decode_cores=len(decode), num_skipped_hops=self.num_skipped_hops,
+            transfer_files=self._num_transfers() if not self._closed else 0)
+        return out
+
+
+def _free_address(host: str) -> str:
+    """``host:port`` with a port free now (the core binds it a moment later)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
 
 
 def _remove_dead_folders(base: str) -> None:

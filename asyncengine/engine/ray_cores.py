@@ -107,7 +107,7 @@ class RayEngineCores:
         return RayEngineCoreProc(core_config, index, sink, cores=self)
 
     def start_actor(self, core_config: EngineConfig, index: int):
-        """Start core ``index``'s actor and connect to it: (connection, process handle, node id)."""
+        """Start core ``index``'s actor and connect to it: (connection, process handle, node id, node ip)."""
         from multiprocessing.connection import Client
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -139,7 +139,7 @@ class RayEngineCores:
             except Exception:
                 pass
             raise
-        return conn, _ActorProcess(ray, actor, run_ref, pid), node_id
+        return conn, _ActorProcess(ray, actor, run_ref, pid), node_id, ip
 
     def shutdown(self) -> None:
         if self.pg is not None:
@@ -161,10 +161,11 @@ class RayEngineCoreProc(EngineCoreProc):
     def __init__(self, config: EngineConfig, index: int, sink, *, cores: RayEngineCores) -> None:
         self._cores = cores
         self.node_id: str | None = None
+        self.node_ip: str | None = None  # where the core's own servers listen (the P/D TCP transport)
         super().__init__(config, index, sink)
 
     def _launch(self, config: EngineConfig):
-        conn, proc, self.node_id = self._cores.start_actor(config, self.index)
+        conn, proc, self.node_id, self.node_ip = self._cores.start_actor(config, self.index)
         return conn, proc
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -114,6 +114,10 @@ class RequestStream:
     async def aclose(self) -> None:
         self._abandon()
 
+    def close(self) -> None:
+        """``aclose()`` for code that cannot await (a wrapping stream's cleanup)."""
+        self._abandon()
+
     def __del__(self) -> None:
         try:
             self._abandon()

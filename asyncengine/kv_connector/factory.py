@@ -37,18 +37,27 @@ def transfer_dir(config: "EngineConfig") -> str:
     return config.kv_transfer_dir or default_dir()
 
 
+def pd_transport(config: "EngineConfig", serve: bool = False):
+    """The P/D transport of a core (kv_connector/pd/transport.py); ``serve``: a prefill core's
+    worker, which serves its transfers (tcp) on ``kv_transfer_address``."""
+    from asyncengine.kv_connector.pd.transport import make_transport
+
+    serve_on = (config.kv_transfer_address or "127.0.0.1:0") if serve else None
+    return make_transport(config.kv_transfer_transport, transfer_dir(config), serve_on, config.kv_transfer_lease_s)
+
+
 def make_scheduler_connector(config: "EngineConfig", kv: "KVCacheManager",
                              bytes_per_block: int) -> "SchedulerConnector | None":
     """``bytes_per_block``: one block of this rank's cache (what a host slot and a file hold)."""
     if config.kv_role == "prefill":
         from asyncengine.kv_connector.pd.scheduler import PrefillExporter
 
-        return PrefillExporter(kv, transfer_dir(config))
+        return PrefillExporter(kv)
     if config.kv_role == "decode":
         from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
         from asyncengine.kv_connector.pd.scheduler import DecodeImporter
 
-        return DecodeImporter(kv, transfer_dir(config), kv_fingerprint(config), bytes_per_block)
+        return DecodeImporter(kv, pd_transport(config), kv_fingerprint(config), bytes_per_block)
     if not offload_enabled(config):
         return None
     from asyncengine.kv_connector.offload.scheduler import OffloadScheduler
@@ -70,8 +79,9 @@ def make_worker_connector(config: "EngineConfig", backend_name: str, kv_caches) 
         from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
         from asyncengine.kv_connector.pd.worker import PDWorker
 
-        return PDWorker(HostPool(kv_caches, block_dim(backend_name), 1), transfer_dir(config),
-                        kv_fingerprint(config), config.kv_transfer_lease_s, sweeps=config.kv_role == "prefill")
+        prefill = config.kv_role == "prefill"
+        return PDWorker(HostPool(kv_caches, block_dim(backend_name), 1), pd_transport(config, serve=prefill),
+                        transfer_dir(config), kv_fingerprint(config), config.kv_transfer_lease_s, sweeps=prefill)
     from asyncengine.kv_connector.offload.worker import OffloadWorker
 
     pool = HostPool(kv_caches, block_dim(backend_name), num_host_slots(config, bytes_per_block))

@@ -24,10 +24,10 @@ class StageJob(msgspec.Struct, array_like=True):
 
 
 class ExportJob(msgspec.Struct, array_like=True):
-    """P/D, prefill side: after the forward, write these blocks (the request's whole prompt) to
-    its transfer file."""
+    """P/D, prefill side: after the forward, hand these blocks (the request's whole prompt) to the
+    transport as the transfer of request ``key``."""
 
-    path: str
+    key: str
     block_ids: list[int]
     num_tokens: int
     prompt_digest: bytes

@@ -19,7 +19,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     listens, so the first client does not pay the first step's one-time costs
     (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
     up, before the server listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
-    one request may cost). Returns the exit status: 0, or 1 when it stopped because the engine died
+    one request may cost; ``prefill_cores``/``decode_cores`` serve through a PDEngine,
+    engine/pd_client.py). Returns the exit status: 0, or 1 when it stopped because the engine died
     (after answering in-flight clients; a supervisor restarts it)."""
     import uvicorn
 
@@ -30,8 +31,13 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
-    engine = AsyncLLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                         **engine_kwargs))
+    config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
+    if config.prefill_cores:  # disaggregated prefill/decode: the same front-end API over P + D cores
+        from asyncengine.engine.pd_client import PDEngine
+
+        engine = PDEngine(config)
+    else:
+        engine = AsyncLLMEngine(config)
     server: uvicorn.Server | None = None
 
     def stop() -> None:

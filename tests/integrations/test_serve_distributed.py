@@ -1,8 +1,10 @@
-"""``asyncengine serve`` with tensor parallelism (two worker processes) and with data parallelism
-(two engine-core processes): the official openai client gets the same greedy answer as an
-in-process TP=1 engine, /metrics labels the cores, and Ctrl-C leaves no process behind."""
+"""``asyncengine serve`` with tensor parallelism (two worker processes), with data parallelism
+(two engine-core processes) and disaggregated prefill/decode (a prefill and a decode core): the
+official openai client gets the same greedy answer as an in-process TP=1 engine, /metrics labels
+the cores, and Ctrl-C leaves no process behind (nor, for P/D, a transfer folder)."""
 from __future__ import annotations
 
+import os
 
 import httpx
 import openai
@@ -27,7 +29,8 @@ def reference(tiny_llama_dir):
 @pytest.mark.parametrize("flags,workers", [
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"], 2),
     (["--data-parallel-size", "2"], 2),
-], ids=["tp2-mp", "dp2"])
+    (["--prefill-cores", "1", "--decode-cores", "1"], 2),
+], ids=["tp2-mp", "dp2", "pd1+1"])
 def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
     with running_serve(tiny_llama_dir, tmp_path, "--dtype", "float32", "--max-model-len", "256",
                        "--num-threads", "1", *flags) as (proc, base):
@@ -45,8 +48,12 @@ def test_serve_distributed(tiny_llama_dir, tmp_path, reference, flags, workers):
                                                stream=True, extra_body={"ignore_eos": True}))
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference
         metrics = httpx.get(base + "/metrics").text
-        if "--data-parallel-size" in flags:
+        if "--data-parallel-size" in flags or "--prefill-cores" in flags:
             assert 'asyncengine_core_num_requests_running{core="1"}' in metrics
     from proc_utils import wait_gone
 
     wait_gone(below)  # no worker or engine-core process left behind
+    if "--prefill-cores" in flags:  # the server's folder of transfer files went with it
+        from asyncengine.kv_connector.pd.transfer_file import default_dir
+
+        assert not [n for n in os.listdir(default_dir()) if n.startswith(f"pd-{proc.pid}-")]

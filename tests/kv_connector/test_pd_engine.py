@@ -122,3 +122,65 @@ def test_folders_of_dead_front_ends_are_removed(tmp_path):
         (d / "x.kv").write_bytes(b"1")
     _remove_dead_folders(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+
+
+def free(core_stats: dict) -> int:
+    """A core's free blocks; a core that has not reported yet (never stepped) has them all."""
+    return core_stats.get("num_free_kv_blocks", core_stats["num_kv_blocks"])
+
+
+async def idle(pd: PDEngine) -> dict:
+    """pd.stats() once no request runs, every pool is whole and no file is left (bounded wait)."""
+    for _ in range(int(HANG_GUARD_S / 0.02)):
+        s = pd.stats()
+        if s["num_streams"] == 0 and s["transfer_files"] == 0 and all(
+                c["num_running"] + c["num_waiting"] == 0 and free(c) == c["num_kv_blocks"]
+                for c in s["cores"]):
+            break
+        await asyncio.sleep(0.02)
+    return s
+
+
+def test_abort_in_every_phase_and_errors_at_once(tiny_llama_dir, tmp_path):
+    """pd.abort while queued for the prefill, and once the prefill core is done but before the
+    decode core is asked: the stream ends with "abort", no token, nothing held; a bad request raises
+    at generate(), as one engine's does."""
+    from asyncengine import InvalidRequestError
+
+    async def main():
+        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+            async def drain(stream):
+                return [o async for o in stream]
+
+            stream = pd.generate({"prompt_token_ids": prompts()[0]}, greedy(50), request_id="a")
+            assert stream.phase == "prefill"
+            await pd.abort("a")
+            outs = await asyncio.wait_for(drain(stream), HANG_GUARD_S)
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+            exported = (await idle(pd))["prefill"][0].get("kv_transfer_exported_requests", 0)
+
+            stream = pd.generate({"prompt_token_ids": prompts()[1]}, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, n=2),
+                                 request_id="b")
+            for _ in range(int(HANG_GUARD_S / 0.02)):  # the prefill core exports it; nobody reads the stream
+                if pd.stats()["prefill"][0].get("kv_transfer_exported_requests", 0) > exported:
+                    break
+                await asyncio.sleep(0.02)
+            await pd.abort("b")
+            outs = await asyncio.wait_for(drain(stream), HANG_GUARD_S)
+            assert len(outs) == 1 and outs[0].finished
+            assert [(c.index, c.finish_reason, c.token_ids) for c in outs[0].outputs] == [(0, "abort", []),
+                                                                                          (1, "abort", [])]
+            s = await idle(pd)
+            assert s["transfer_files"] == 0 and s["num_streams"] == 0
+            assert s["decode"][0].get("kv_transfer_imported_requests", 0) == 0
+            assert all(free(c) == c["num_kv_blocks"] for c in s["cores"])
+
+            live = pd.generate({"prompt_token_ids": prompts()[2]}, greedy(4), request_id="c")
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                pd.generate({"prompt_token_ids": prompts()[2]}, greedy(4), request_id="c")
+            with pytest.raises(InvalidRequestError):
+                pd.generate({"prompt_token_ids": [5] * 5000}, greedy(4), request_id="d")
+            assert len(await asyncio.wait_for(drain(live), HANG_GUARD_S)) >= 1
+            assert (await idle(pd))["num_streams"] == 0
+
+    asyncio.run(main())

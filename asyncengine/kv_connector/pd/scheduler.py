@@ -1,29 +1,35 @@
 """The P/D connector's scheduler sides.
 
 Prefill core (:class:`PrefillExporter`): in the step that computes the end of a request's prompt,
-ask the worker to write the prompt's blocks to the request's transfer file right after the forward.
-The request then finishes as usual (the front end asks a prefill core for one token) and its blocks
-are freed at once: the file is the transfer, so no block is held for a decode core that may never
-come (the file's own lease is the sweep's).
+ask the worker to hand the prompt's blocks to the transport (kv_connector/pd/transport.py: a transfer
+file, or the prefill core's TCP server) right after the forward. The request then finishes as usual
+(the front end asks a prefill core for one token) and its blocks are freed at once: the copy is the
+transfer, so no block is held for a decode core that may never come (the transfer's own lease is
+the sweep's).
 
-Decode core (:class:`DecodeImporter`): when a request is looked at, a transfer file for it (whole,
-same fingerprint, same prompt) is claimed and its tokens up to the prompt's last count as external:
+Decode core (:class:`DecodeImporter`): when a request is looked at, its transfer (whole, same
+fingerprint, same prompt; over TCP: pulled from the address in the request's ``kv_transfer_params``)
+is claimed as a local file and its tokens up to the prompt's last count as external:
 they are copied in before this step's forward and only the last prompt token is computed, as with a
 prefix-cache hit. No file (the prefill core failed, the transfer was swept, the request came
 straight here): the decode core computes the prompt itself, counted as a miss.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
 from asyncengine.kv_connector.base import SchedulerConnector
 from asyncengine.kv_connector.messages import ExportJob, ImportJob, KVConnectorMetadata
 from asyncengine.kv_connector.pd import transfer_file as tf
+from asyncengine.kv_connector.pd.tcp_server import BadTransfer
 
 if TYPE_CHECKING:
     from asyncengine.core.kv_cache_manager import KVCacheManager
     from asyncengine.core.request import Request
+
+log = logging.getLogger(__name__)
 
 
 def transfer_key(req: "Request") -> str | None:
@@ -37,9 +43,8 @@ def transfer_key(req: "Request") -> str | None:
 
 
 class PrefillExporter(SchedulerConnector):
-    def __init__(self, kv: "KVCacheManager", directory: str) -> None:
+    def __init__(self, kv: "KVCacheManager") -> None:
         self.kv = kv
-        self.dir = directory
         self.counters = {"kv_transfer_exported_requests": 0, "kv_transfer_exported_tokens": 0}
 
     def get_num_new_matched_tokens(self, req, num_computed):
@@ -57,7 +62,7 @@ class PrefillExporter(SchedulerConnector):
             key = transfer_key(req)
             if key is None or not end - n < p <= end:
                 continue
-            jobs.append(ExportJob(path=tf.file_path(self.dir, key), block_ids=self.kv.block_ids(rid)[:-(-p // bs)],
+            jobs.append(ExportJob(key=key, block_ids=self.kv.block_ids(rid)[:-(-p // bs)],
                                   num_tokens=p, prompt_digest=tf.prompt_digest(req.prompt_token_ids)))
             self.counters["kv_transfer_exported_requests"] += 1
             self.counters["kv_transfer_exported_tokens"] += p
@@ -76,9 +81,9 @@ class PrefillExporter(SchedulerConnector):
 
 
 class DecodeImporter(SchedulerConnector):
-    def __init__(self, kv: "KVCacheManager", directory: str, fingerprint: bytes, block_nbytes: int) -> None:
+    def __init__(self, kv: "KVCacheManager", transport, fingerprint: bytes, block_nbytes: int) -> None:
         self.kv = kv
-        self.dir = directory
+        self.transport = transport  # kv_connector/pd/transport.py
         self.fingerprint = fingerprint
         self.block_nbytes = block_nbytes
         self._claims: dict[str, tuple[str, int]] = {}  # request id -> (claimed file, tokens in it)
@@ -93,20 +98,24 @@ class DecodeImporter(SchedulerConnector):
         key = transfer_key(req)
         if key is None:
             return None
-        src = tf.file_path(self.dir, key)
-        h = tf.read_header(src)
-        if h is None:
-            return None
-        if (h.fingerprint != self.fingerprint or h.block_nbytes != self.block_nbytes
-                or h.num_tokens != req.num_prompt_tokens or h.digest != tf.prompt_digest(req.prompt_token_ids)):
-            self.counters["kv_transfer_rejected_files"] += 1  # another model/layout, or not this prompt
-            return None
-        dst = tf.claimed_path(self.dir, key)
+
+        def accept(h: tf.Header) -> bool:
+            ok = (h.fingerprint == self.fingerprint and h.block_nbytes == self.block_nbytes
+                  and h.num_tokens == req.num_prompt_tokens and h.digest == tf.prompt_digest(req.prompt_token_ids))
+            if not ok:
+                self.counters["kv_transfer_rejected_files"] += 1  # another model/layout, or not this prompt
+            return ok
+
+        source = (req.kv_transfer_params or {}).get("source")
         try:
-            os.rename(src, dst)
-        except OSError:  # taken away meanwhile (aborted, swept)
+            got = self.transport.claim(key, source, accept)
+        except BadTransfer as e:  # short or corrupt on the way: computed here instead, never loaded
+            log.warning("%s: computing the prompt instead", e)
+            self.counters["kv_transfer_rejected_files"] += 1
             return None
-        self._claims[req.request_id] = claim = (dst, h.num_tokens)
+        if got is None:
+            return None
+        self._claims[req.request_id] = claim = (got[0], got[1].num_tokens)
         return claim
 
     def get_num_new_matched_tokens(self, req, num_computed):

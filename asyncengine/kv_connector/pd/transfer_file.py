@@ -74,6 +74,16 @@ def read_header(path: str) -> Header | None:
     return Header(fp, digest, ntok, nblk, nbytes)
 
 
+def parse_header(blob: bytes) -> Header | None:
+    """The header of a whole transfer held in memory (the TCP transport), else None."""
+    if len(blob) < HEADER_SIZE:
+        return None
+    magic, version, _, fp, digest, ntok, nblk, nbytes = _HEADER.unpack_from(blob)
+    if magic != MAGIC or version != VERSION or len(blob) != HEADER_SIZE + nblk * nbytes:
+        return None
+    return Header(fp, digest, ntok, nblk, nbytes)
+
+
 def write(path: str, header: Header, payload) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

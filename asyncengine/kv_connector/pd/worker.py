@@ -19,9 +19,13 @@ SWEEP_EVERY_S = 1.0
 
 
 class PDWorker(WorkerConnector):
-    def __init__(self, pool: HostPool, directory: str, fingerprint: bytes, lease_s: float, sweeps: bool) -> None:
-        self.sweeps = sweeps  # the prefill cores sweep the directory (about once a second, after a step)
+    def __init__(self, pool: HostPool, transport, directory: str, fingerprint: bytes, lease_s: float,
+                 sweeps: bool) -> None:
+        # the prefill cores sweep the directory (about once a second, after a step): unclaimed shm
+        # transfers, and files claimed by decode cores that died
+        self.sweeps = sweeps
         self.pool = pool  # one slot: used for its gather/scatter, not as a cache
+        self.transport = transport  # kv_connector/pd/transport.py: where exports go
         self.dir = directory
         self.fingerprint = fingerprint
         self.lease_s = lease_s
@@ -68,10 +72,10 @@ class PDWorker(WorkerConnector):
             header = tf.Header(self.fingerprint, job.prompt_digest, job.num_tokens, len(job.block_ids),
                                self.pool.block_nbytes)
             try:
-                tf.write(job.path, header, np.ascontiguousarray(rows.numpy()))
+                self.transport.put(job.key, header, np.ascontiguousarray(rows.numpy()))
                 self._count("transfer_written_bytes", rows.numel())
             except OSError as e:  # shared memory full: the decode core computes the prompt itself
-                log.warning("kv transfer: writing %s failed (%s)", job.path, e)
+                log.warning("kv transfer: writing the transfer of %r failed (%s)", job.key, e)
                 self._count("transfer_write_errors")
         self._count("transfer_write_us", int((time.perf_counter() - t0) * 1e6))
 
@@ -81,3 +85,8 @@ class PDWorker(WorkerConnector):
         out = KVConnectorOutput(counters=self.counters)
         self.counters = {}
         return out
+
+    def close(self) -> None:
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
