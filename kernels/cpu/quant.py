@@ -33,6 +33,70 @@ BLOCK = 32
 # name -> (GGML type id, bytes per block of 32)
 QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
+# The x8 layout (kernels/cpu/quant_common.h): rows repacked 8 at a time at load, in place, so the int8
+# kernel makes 8 rows' dot products per vector op (quant_x8.h). A weight's functions below take
+# ``packed=True`` for it; the C side gets the type id with this flag. Same results, bit for bit.
+X8 = 0x100
+GROUP = 8
+
+
+def type_id(qtype: str, packed: bool = False) -> int:
+    return QTYPES[qtype][0] | (X8 if packed else 0)
+
+
+def layout_from_env() -> str:
+    """``ASYNCENGINE_QUANT_LAYOUT`` = x8 (default: repack at load where the rows allow) | rows."""
+    mode = os.environ.get("ASYNCENGINE_QUANT_LAYOUT", "x8").strip().lower() or "x8"
+    if mode not in ("x8", "rows"):
+        raise ValueError(f"ASYNCENGINE_QUANT_LAYOUT={mode!r}: expected x8 or rows")
+    return mode
+
+
+def can_pack(n: int) -> bool:
+    """Whether a weight of ``n`` rows is repacked at load: whole groups of 8, the C kernels built,
+    and the layout switch on."""
+    return n > 0 and n % GROUP == 0 and layout_from_env() == "x8" and kernels_available()
+
+
+def pack(w: torch.Tensor, qtype: str, k: int) -> None:
+    """The file's rows -> x8, in place (no copy of the weight is made; one group of scratch)."""
+    _convert(w, qtype, k, "ae_q_repack_x8")
+
+
+def unpack(w: torch.Tensor, qtype: str, k: int) -> None:
+    """x8 -> the file's rows, in place."""
+    _convert(w, qtype, k, "ae_q_unpack_x8")
+
+
+def _convert(w: torch.Tensor, qtype: str, k: int, fn: str) -> None:
+    n = check(w, qtype, k)
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built: weights stay in the file's layout")
+    rc = getattr(lib, fn)(QTYPES[qtype][0], w.data_ptr(), n, k, torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"{fn} failed ({rc}): N={n} must be a multiple of {GROUP}, or out of memory")
+
+
+def x8_torch(w: torch.Tensor, qtype: str, k: int, inverse: bool = False) -> torch.Tensor:
+    """The x8 layout in torch (a copy): the reference the C repacking is tested against, and how the
+    torch fallbacks read a packed weight. ``inverse``: x8 -> rows."""
+    n, bs = w.shape[0], QTYPES[qtype][1]
+    nb, g = k // BLOCK, n // GROUP
+    hdr, chunks = (4 if qtype == "Q4_1" else 2), (4 if qtype == "Q8_0" else 2)
+    if not inverse:
+        t = w.reshape(g, GROUP, nb, bs).permute(0, 2, 1, 3)  # [g, nb, row, bs]
+        parts = [t[..., 0:2].reshape(g, nb, 16)] + ([t[..., 2:4].reshape(g, nb, 16)] if qtype == "Q4_1" else [])
+        q = t[..., hdr:].reshape(g, nb, GROUP, chunks, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, chunks * 64)
+        return torch.cat(parts + [q], dim=-1).reshape(n, nb * bs).contiguous()
+    t = w.reshape(g, nb, GROUP * bs)
+    parts = [t[..., 0:16].reshape(g, nb, GROUP, 2)]
+    if qtype == "Q4_1":
+        parts.append(t[..., 16:32].reshape(g, nb, GROUP, 2))
+    q = t[..., 8 * hdr:].reshape(g, nb, chunks, GROUP, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP, chunks * 8)
+    rows = torch.cat(parts + [q], dim=-1)  # [g, nb, row, bs]
+    return rows.permute(0, 2, 1, 3).reshape(n, nb * bs).contiguous()
+
 # fp32 activations: at or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
 # and calls torch.mm (the BLAS's register blocking beats ours once W is reused by enough rows).
 # Measured on a 2-core AVX2 EPYC (docs/quantization.md): the kernel wins below ~48 rows.
@@ -83,8 +147,10 @@ def _lib():
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
         lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
+        lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64, c_int]
         for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
-                  lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa):
+                  lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa, lib.ae_q_repack_x8,
+                  lib.ae_q_unpack_x8):
             f.restype = c_int
         lib._ae_q_ready = True
         _apply_isa_env(lib)
@@ -224,28 +290,29 @@ def _quantize_blocks(x: torch.Tensor, qtype: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- the kernels
 
 
-def dequantize(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+def dequantize(w: torch.Tensor, qtype: str, k: int, packed: bool = False) -> torch.Tensor:
     """fp32 [N, k] (the C kernel, multi-threaded, where available)."""
     n = check(w, qtype, k)
     lib = _lib()
     if lib is None:
-        return dequantize_torch(w, qtype, k)
+        return dequantize_torch(x8_torch(w, qtype, k, inverse=True) if packed else w, qtype, k)
     out = torch.empty(n, k, dtype=torch.float32)
-    lib.ae_q_dequant(QTYPES[qtype][0], w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
+    lib.ae_q_dequant(type_id(qtype, packed), w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
     return out
 
 
-def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int, packed: bool = False) -> torch.Tensor:
     """fp32 rows ``dequant(W)[ids]``, shape ``ids.shape + (k,)``. Ids must be in range (checked)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
         raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows")
     lib = _lib()
     if lib is None:
-        out = dequantize_torch(w.index_select(0, flat), qtype, k)
+        rows = x8_torch(w, qtype, k, inverse=True) if packed else w
+        out = dequantize_torch(rows.index_select(0, flat), qtype, k)
     else:
         out = torch.empty(flat.numel(), k, dtype=torch.float32)
-        lib.ae_q_embed(QTYPES[qtype][0], w.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+        lib.ae_q_embed(type_id(qtype, packed), w.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr(),
                        torch.get_num_threads())
     return out.view(*ids.shape, k)
 
@@ -267,14 +334,15 @@ def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None,
-         activations: str | None = None, fixed_order: bool = False) -> torch.Tensor:
+         activations: str | None = None, fixed_order: bool = False, packed: bool = False) -> torch.Tensor:
     """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
     the result is in ``x``'s dtype). ``w`` must have passed :func:`check`. ``activations``
     ("int8" | "fp32", default :data:`ACTIVATIONS`): "int8" runs the integer kernel at every M (one
     numeric path whatever the batch; it also beats the tiled path 2x at M = 512), "fp32" the exact
     kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact.
     ``fixed_order`` (batch-invariant mode) keeps the exact kernel at every M in fp32 too: each output
-    is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M."""
+    is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M.
+    ``packed``: ``w`` is in the x8 layout (:func:`pack`); the results are the same bits."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -285,16 +353,16 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
     lib = _lib()
     mode = _mode(activations)
     if lib is None:
-        out = gemm_torch(x2, w, qtype, k, bias)
+        out = gemm_torch(x2, x8_torch(w, qtype, k, inverse=True) if packed else w, qtype, k, bias)
     elif mode == "fp32" and m >= LARGE_M and not fixed_order:
-        out = _gemm_tiled(lib, x2, w, qtype, k, bias)
+        out = _gemm_tiled(lib, x2, w, qtype, k, bias, packed)
     else:
         out = torch.empty(m, n, dtype=torch.float32)
         b = None
         if bias is not None:
             b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
         kernel = lib.ae_q_gemm_i8 if mode == "int8" else lib.ae_q_gemm
-        if kernel(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
+        if kernel(type_id(qtype, packed), x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
                   out.data_ptr(), n, 0, torch.get_num_threads()):
             raise MemoryError(f"quantized gemm of {m} x {k} rows failed (out of memory for the int8 copy?)")
     out = out.view(*x.shape[:-1], n)
@@ -308,22 +376,23 @@ def _mode(activations: str | None) -> str:
     return mode
 
 
-def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, activations: str | None = None) -> torch.Tensor:
+def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, activations: str | None = None,
+                 packed: bool = False) -> torch.Tensor:
     """The register-blocked kernel for any M (benchmarks compare it with the tiled path)."""
     lib = _lib()
     out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     kernel = lib.ae_q_gemm_i8 if _mode(activations) == "int8" else lib.ae_q_gemm
-    kernel(QTYPES[qtype][0], x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
+    kernel(type_id(qtype, packed), x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
                   out.data_ptr(), w.shape[0], 0, torch.get_num_threads())
     return out
 
 
-def _gemm_tiled(lib, x2, w, qtype, k, bias):
+def _gemm_tiled(lib, x2, w, qtype, k, bias, packed=False):
     """Large M: W dequantized a tile of rows at a time (C) into fp32 scratch, then torch.mm."""
     n = w.shape[0]
     rows = max(1, min(n, _TILE_BYTES // (4 * k)))
     scratch = torch.empty(rows, k, dtype=torch.float32)
-    tid, nt = QTYPES[qtype][0], torch.get_num_threads()
+    tid, nt = type_id(qtype, packed), torch.get_num_threads()
     if rows == n:
         lib.ae_q_dequant(tid, w.data_ptr(), k, 0, n, scratch.data_ptr(), nt)
         return torch.mm(x2, scratch.t()) if bias is None else torch.addmm(bias.float(), x2, scratch.t())
