@@ -172,10 +172,11 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(row_i8)(const int
 /* Rows [n0, n1) of out for every row of x; type and x8 compile-time constants (see gemm_i8). */
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
     const int type, const int x8, int64_t n0, const int64_t n1, const int8_t *q, const float *d, const float *s,
-    const int32_t *xsum, int64_t M, int64_t K, const uint8_t *w, const float *bias, float *out, int64_t ldo,
-    int accumulate) {
+    const int32_t *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *out,
+    int64_t ldo, int accumulate) {
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
-    (void)xsum, (void)row_bytes;
+    const uint8_t *wend = w + N * row_bytes;
+    (void)xsum, (void)row_bytes, (void)wend;
 #if AE_LVL >= 1
     if (x8) /* N % 8 == 0: whole groups */
         for (; n0 + AE_Q_NR <= n1; n0 += AE_Q_NR)
@@ -187,11 +188,11 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
                 const float *dt = d + m0 * nb, *st = s + m0 * nb;
                 const int32_t *xt = xsum + m0 * nb;
                 switch (mc) {
-                    case 1: AE_FN(tile_x8)(type, 1, grp, nb, qt, K, dt, st, xt, mc, acc); break;
-                    case 2: AE_FN(tile_x8)(type, 2, grp, nb, qt, K, dt, st, xt, mc, acc); break;
-                    case 3: AE_FN(tile_x8)(type, 3, grp, nb, qt, K, dt, st, xt, mc, acc); break;
-                    case 4: AE_FN(tile_x8)(type, 4, grp, nb, qt, K, dt, st, xt, mc, acc); break;
-                    default: AE_FN(tile_x8)(type, 0, grp, nb, qt, K, dt, st, xt, mc, acc); break;
+                    case 1: AE_FN(tile_x8)(type, 1, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 2: AE_FN(tile_x8)(type, 2, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 3: AE_FN(tile_x8)(type, 3, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 4: AE_FN(tile_x8)(type, 4, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    default: AE_FN(tile_x8)(type, 0, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
                 }
                 for (int64_t i = 0; i < mc; i++)
                     for (int r = 0; r < AE_Q_NR; r++) {
@@ -266,7 +267,7 @@ static AE_TGT int AE_FN(gemm_i8)(int type, const int8_t *q, const float *d, cons
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * AE_Q_CHUNK, n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
 #define AE_Q_CASE(t, f) \
-    case t | f: AE_FN(chunk_i8)(t, f != 0, n0, n1, q, d, s, xsum, M, K, w, bias, out, ldo, accumulate); break;
+    case t | f: AE_FN(chunk_i8)(t, f != 0, n0, n1, q, d, s, xsum, M, K, w, N, bias, out, ldo, accumulate); break;
         switch (type) {
             AE_Q_CASE(AE_Q_Q4_0, 0)
             AE_Q_CASE(AE_Q_Q4_1, 0)

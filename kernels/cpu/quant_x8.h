@@ -18,6 +18,13 @@
  * so there the signs move onto x as in quant_i8.h (|w| <= 128).
  */
 
+/* Software prefetch this far ahead of the block in use (up to the weight's end): on one Zen 5 thread
+ * streaming the default model's 120 projections from memory, 0 B: 2.49-2.67 ms (25-27 GB/s), 4 KB:
+ * 2.41, 16 KB: 2.18 (30.5 GB/s), 24 KB: 2.11, 48 KB: 2.27; the Q8_0 head 0.74-0.81 -> 0.56-0.59 ms
+ * (51 GB/s: the hardware prefetcher alone leaves a third of the bandwidth unused). */
+#ifndef AE_X8_PF
+#define AE_X8_PF 16384
+#endif
 #if AE_LVL >= 1
 #if AE_LVL >= 2
 typedef struct {
@@ -107,7 +114,8 @@ static inline AE_TGT __attribute__((always_inline)) __m256 AE_FN(x8_acc)(const i
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(tile_x8)(const int type, const int fixed,
                                                                       const uint8_t *grp, int64_t nb, const int8_t *q,
                                                                       int64_t K, const float *d, const float *s,
-                                                                      const int32_t *xsum, int64_t mc, float *acc) {
+                                                                      const int32_t *xsum, int64_t mc, float *acc,
+                                                                      const uint8_t *wend) {
     const int64_t gb = 8 * (int64_t)block_bytes(type);
     AE_FN(x8w) wv[4];
     __m256 dw, m = _mm256_setzero_ps();
@@ -115,6 +123,9 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(tile_x8)(const in
         __m256 av[4];
         for (int i = 0; i < fixed; i++) av[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pf = grp + b * gb + AE_X8_PF;
+            if (pf < wend)
+                for (int64_t off = 0; off < gb; off += 64) _mm_prefetch((const char *)(pf + off), _MM_HINT_T0);
             AE_FN(x8_load)(type, grp + b * gb, wv, &dw, &m);
             for (int i = 0; i < fixed; i++)
                 av[i] = AE_FN(x8_acc)(type, AE_FN(x8_isum)(type, wv, q + i * K + b * 32, xsum[i * nb + b]), dw, m,
@@ -125,6 +136,9 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(tile_x8)(const in
     }
     for (int64_t i = 0; i < mc; i++) _mm256_store_ps(acc + 8 * i, _mm256_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pf = grp + b * gb + AE_X8_PF;
+        if (pf < wend)
+            for (int64_t off = 0; off < gb; off += 64) _mm_prefetch((const char *)(pf + off), _MM_HINT_T0);
         AE_FN(x8_load)(type, grp + b * gb, wv, &dw, &m);
         for (int64_t i = 0; i < mc; i++)
             _mm256_store_ps(acc + 8 * i,
