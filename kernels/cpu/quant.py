@@ -73,7 +73,7 @@ def _convert(w: torch.Tensor, qtype: str, k: int, fn: str) -> None:
     lib = _lib()
     if lib is None:
         raise RuntimeError("the CPU kernels are not built: weights stay in the file's layout")
-    rc = getattr(lib, fn)(QTYPES[qtype][0], w.data_ptr(), n, k, torch.get_num_threads())
+    rc = getattr(lib, fn)(QTYPES[qtype][0], w.data_ptr(), n, k)
     if rc:
         raise MemoryError(f"{fn} failed ({rc}): N={n} must be a multiple of {GROUP}, or out of memory")
 
@@ -147,7 +147,7 @@ def _lib():
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
         lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
-        lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64, c_int]
+        lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64]
         for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
                   lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa, lib.ae_q_repack_x8,
                   lib.ae_q_unpack_x8):

@@ -1,13 +1,12 @@
 /* The x8 layout of quant_common.h, made once at load: in place, group by group (8 rows occupy the
- * same 8 * row_bytes bytes in both layouts), with one group of scratch per thread, so no copy of
- * the weights is ever held.
+ * same 8 * row_bytes bytes in both layouts), with one group of scratch, so no copy of the weights
+ * is ever held.
  *
  * Why repack: on the row layout the int8 kernel ran at ~13 GB/s of weight bytes per thread (a third
  * of one thread's read bandwidth) because per 32-weight block it gathered 8 rows' fp16 scales from
  * 8 addresses and reduced 8 vectors of partial sums with an 8x8 transpose; in the x8 layout both
  * are a load (docs/cpu_decode.md has the figures).
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,38 +34,30 @@ static void group_x8(int type, const uint8_t *src, uint8_t *dst, int64_t nb, int
     }
 }
 
-static int convert(int type, uint8_t *w, int64_t N, int64_t K, int to_rows, int nthreads) {
+/* One thread on purpose: ~15 ms per 30 MB (the default model's weights: ~50 ms, once), where an
+ * OpenMP region per weight cost seconds in all when the host's other load kept one thread waiting. */
+static int convert(int type, uint8_t *w, int64_t N, int64_t K, int to_rows) {
     const int bs = block_bytes(type);
     if (!bs || K % 32 || N % 8) return -1;
     const int64_t nb = K / 32, gbytes = 8 * nb * bs, groups = N / 8;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && groups > 64)
-    {
-        uint8_t *tmp = (uint8_t *)malloc((size_t)gbytes);
-        if (!tmp) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (!tmp) continue;
-            uint8_t *grp = w + g * gbytes;
-            memcpy(tmp, grp, (size_t)gbytes);
-            group_x8(type, tmp, grp, nb, to_rows);
-        }
-        free(tmp);
+    uint8_t *tmp = (uint8_t *)malloc((size_t)gbytes);
+    if (!tmp) return -2;
+    for (int64_t g = 0; g < groups; g++) {
+        uint8_t *grp = w + g * gbytes;
+        memcpy(tmp, grp, (size_t)gbytes);
+        group_x8(type, tmp, grp, nb, to_rows);
     }
-    return failed ? -2 : 0;
+    free(tmp);
+    return 0;
 }
 
 /* W [N, K] in the file's row layout -> the x8 layout, in place. N must be a multiple of 8. Returns
- * 0, -1 on a bad argument, -2 when out of memory (then some groups may be converted: the caller
- * drops the weight). */
-int ae_q_repack_x8(int type, uint8_t *w, int64_t N, int64_t K, int nthreads) {
-    return convert(type, w, N, K, 0, nthreads);
+ * 0, -1 on a bad argument, -2 when out of memory (then nothing is converted). */
+int ae_q_repack_x8(int type, uint8_t *w, int64_t N, int64_t K) {
+    return convert(type, w, N, K, 0);
 }
 
 /* The inverse (x8 -> the file's rows), in place: for a layer whose weight is loaded again. */
-int ae_q_unpack_x8(int type, uint8_t *w, int64_t N, int64_t K, int nthreads) {
-    return convert(type, w, N, K, 1, nthreads);
+int ae_q_unpack_x8(int type, uint8_t *w, int64_t N, int64_t K) {
+    return convert(type, w, N, K, 1);
 }
