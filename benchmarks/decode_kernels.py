@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 
@@ -111,7 +112,9 @@ def main() -> None:
         t = time.thread_time()
         big.sum()
         rows.setdefault("read_gb_s", []).append(big.numel() * 4 / (time.thread_time() - t) / 1e9)
-    result = {"model": gguf_path(a.model), "cpu": cpu_info(), "int8_isa_auto": quant.cpu_isa(), "threads": 1,
+    result = {"command": "python benchmarks/decode_kernels.py " + " ".join(sys.argv[1:]),
+              "load_avg": os.getloadavg(),
+              "model": gguf_path(a.model), "cpu": cpu_info(), "int8_isa_auto": quant.cpu_isa(), "threads": 1,
               "projection_bytes_per_token": proj_bytes, "head_bytes": head.qweight.numel(),
               "ms_cpu": {k: spread(v) for k, v in rows.items() if k != "read_gb_s"},
               "read_gb_s": spread(rows["read_gb_s"])}

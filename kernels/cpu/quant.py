@@ -10,15 +10,16 @@ correct, slower. The torch functions are also the references the tests hold the 
 ``quantization="int8" | "int4"`` of a dense checkpoint.
 
 Activations (``ASYNCENGINE_QUANT_ACTIVATIONS``, per engine ``EngineConfig.quantized_activations``):
-``fp32`` (the default) keeps x in fp32 (exact up to summation order), with the tiled dequantize +
-torch.mm path from ``LARGE_M`` rows. ``int8`` quantizes each row of x once to 8-bit blocks of 32
-(scale d = max|x| / 127, and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with
-integer dot products, AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M:
-llama.cpp's method, and as accurate on real text (perplexity of the default model 15.31 vs
-llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25). Why it is not the default: with the
-native decode step it saves ~3% of a decode token's CPU, and it flips the default model's greedy
-answer to the README's own question (a 0.08-nat near-tie in fp32) exactly as llama.cpp's does
-(docs/cpu_decode.md has both measurements).
+``int8`` (the default) quantizes each row of x once to 8-bit blocks of 32 (scale d = max|x| / 127,
+and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with integer dot products,
+AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M, on weights repacked
+at load into the x8 layout (:func:`pack`): llama.cpp's method, and as accurate on real text
+(perplexity of the default model 15.31 vs llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25).
+Why it is the default: a decode token of the default model costs 2.2x less CPU than with fp32
+activations (docs/cpu_decode.md). ``fp32`` keeps x in fp32 (exact up to summation order), with the
+tiled dequantize + torch.mm path from ``LARGE_M`` rows; it agrees with an fp32 reference where int8
+may flip a near-tie (the default model's answer to the README's question: a 0.08-nat tie in fp32,
+flipped by int8 exactly as llama.cpp's does).
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ ACTIVATION_MODES = ("int8", "fp32")
 
 
 def _activations_from_env() -> str:
-    mode = os.environ.get("ASYNCENGINE_QUANT_ACTIVATIONS", "fp32").strip().lower() or "fp32"
+    mode = os.environ.get("ASYNCENGINE_QUANT_ACTIVATIONS", "int8").strip().lower() or "int8"
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"ASYNCENGINE_QUANT_ACTIVATIONS={mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
     return mode

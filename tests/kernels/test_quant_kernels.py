@@ -292,7 +292,7 @@ def test_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="ASYNCENGINE_QUANT_ACTIVATIONS='int4': expected one of int8, fp32"):
         quant._activations_from_env()
     monkeypatch.delenv("ASYNCENGINE_QUANT_ACTIVATIONS")
-    assert quant._activations_from_env() == "fp32"  # the default (why: kernels/cpu/quant.py)
+    assert quant._activations_from_env() == "int8"  # the default (why: kernels/cpu/quant.py)
     blocks = quant.quantize(torch.randn(9, 64), "Q4_1")
     with pytest.raises(ValueError, match="activations='bf16'"):
         quant.gemm(torch.randn(2, 64), blocks, "Q4_1", 64, activations="bf16")
