@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu import invariant, quant
+from asyncengine.kernels.cpu import invariant, quant, repack
 
 BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0
 
@@ -98,7 +98,7 @@ class Linear(nn.Module):
         self.qtype: str | None = None
         # quantized weights: "int8" | "fp32" activations, None = the process default (quant.ACTIVATIONS)
         self.activations: str | None = None
-        # quantized weights: True when qweight holds the x8 layout (quant.pack), not the file's rows
+        # quantized weights: True when qweight holds the x8 layout (repack.pack), not the file's rows
         self.packed = False
 
     def can_quantize(self) -> bool:
@@ -141,10 +141,10 @@ class Linear(nn.Module):
         """Repack (or unpack) the quantized weight in place for its activation mode (above)."""
         if not self.quantized or self.qweight.device.type != "cpu":
             return
-        want = (self.activations or quant.ACTIVATIONS) == "int8" and quant.can_pack(self.out_features)
+        want = (self.activations or quant.ACTIVATIONS) == "int8" and repack.can_pack(self.out_features)
         if want != self.packed:
             with torch.no_grad():
-                (quant.pack if want else quant.unpack)(self.qweight, self.qtype, self.in_features)
+                (repack.pack if want else repack.unpack)(self.qweight, self.qtype, self.in_features)
             self.packed = want
 
     def load(self, tensor: torch.Tensor | QuantizedTensor, part: int | None = None) -> None:
@@ -153,7 +153,7 @@ class Linear(nn.Module):
         a packed weight is unpacked for the copy and packed again)."""
         if self.packed:
             with torch.no_grad():
-                quant.unpack(self.qweight, self.qtype, self.in_features)
+                repack.unpack(self.qweight, self.qtype, self.in_features)
             self.packed = False
             try:
                 self.load(tensor, part)

@@ -13,7 +13,7 @@ Activations (``ASYNCENGINE_QUANT_ACTIVATIONS``, per engine ``EngineConfig.quanti
 ``int8`` (the default) quantizes each row of x once to 8-bit blocks of 32 (scale d = max|x| / 127,
 and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with integer dot products,
 AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M, on weights repacked
-at load into the x8 layout (:func:`pack`): llama.cpp's method, and as accurate on real text
+at load into the x8 layout (kernels/cpu/repack.py): llama.cpp's method, and as accurate on real text
 (perplexity of the default model 15.31 vs llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25).
 Why it is the default: a decode token of the default model costs 2.2x less CPU than with fp32
 activations (docs/cpu_decode.md). ``fp32`` keeps x in fp32 (exact up to summation order), with the
@@ -34,69 +34,20 @@ BLOCK = 32
 # name -> (GGML type id, bytes per block of 32)
 QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
-# The x8 layout (kernels/cpu/quant_common.h): rows repacked 8 at a time at load, in place, so the int8
-# kernel makes 8 rows' dot products per vector op (quant_x8.h). A weight's functions below take
-# ``packed=True`` for it; the C side gets the type id with this flag. Same results, bit for bit.
+# The x8 layout (kernels/cpu/quant_common.h, repacking: kernels/cpu/repack.py): rows repacked 8 at a
+# time at load, in place, for the int8 kernel. The functions below take ``packed=True`` for a weight
+# in it; the C side gets the type id with this flag. Same results, bit for bit.
 X8 = 0x100
-GROUP = 8
 
 
 def type_id(qtype: str, packed: bool = False) -> int:
     return QTYPES[qtype][0] | (X8 if packed else 0)
 
 
-def layout_from_env() -> str:
-    """``ASYNCENGINE_QUANT_LAYOUT`` = x8 (default: repack at load where the rows allow) | rows."""
-    mode = os.environ.get("ASYNCENGINE_QUANT_LAYOUT", "x8").strip().lower() or "x8"
-    if mode not in ("x8", "rows"):
-        raise ValueError(f"ASYNCENGINE_QUANT_LAYOUT={mode!r}: expected x8 or rows")
-    return mode
+def _rows(w: torch.Tensor, qtype: str, k: int, packed: bool) -> torch.Tensor:
+    """The file's row layout of ``w`` (a copy where packed): for the torch fallbacks."""
+    return x8_torch(w, qtype, k, inverse=True) if packed else w
 
-
-def can_pack(n: int) -> bool:
-    """Whether a weight of ``n`` rows is repacked at load: whole groups of 8, the C kernels built,
-    and the layout switch on."""
-    return n > 0 and n % GROUP == 0 and layout_from_env() == "x8" and kernels_available()
-
-
-def pack(w: torch.Tensor, qtype: str, k: int) -> None:
-    """The file's rows -> x8, in place (no copy of the weight is made; one group of scratch)."""
-    _convert(w, qtype, k, "ae_q_repack_x8")
-
-
-def unpack(w: torch.Tensor, qtype: str, k: int) -> None:
-    """x8 -> the file's rows, in place."""
-    _convert(w, qtype, k, "ae_q_unpack_x8")
-
-
-def _convert(w: torch.Tensor, qtype: str, k: int, fn: str) -> None:
-    n = check(w, qtype, k)
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not built: weights stay in the file's layout")
-    rc = getattr(lib, fn)(QTYPES[qtype][0], w.data_ptr(), n, k)
-    if rc:
-        raise MemoryError(f"{fn} failed ({rc}): N={n} must be a multiple of {GROUP}, or out of memory")
-
-
-def x8_torch(w: torch.Tensor, qtype: str, k: int, inverse: bool = False) -> torch.Tensor:
-    """The x8 layout in torch (a copy): the reference the C repacking is tested against, and how the
-    torch fallbacks read a packed weight. ``inverse``: x8 -> rows."""
-    n, bs = w.shape[0], QTYPES[qtype][1]
-    nb, g = k // BLOCK, n // GROUP
-    hdr, chunks = (4 if qtype == "Q4_1" else 2), (4 if qtype == "Q8_0" else 2)
-    if not inverse:
-        t = w.reshape(g, GROUP, nb, bs).permute(0, 2, 1, 3)  # [g, nb, row, bs]
-        parts = [t[..., 0:2].reshape(g, nb, 16)] + ([t[..., 2:4].reshape(g, nb, 16)] if qtype == "Q4_1" else [])
-        q = t[..., hdr:].reshape(g, nb, GROUP, chunks, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, chunks * 64)
-        return torch.cat(parts + [q], dim=-1).reshape(n, nb * bs).contiguous()
-    t = w.reshape(g, nb, GROUP * bs)
-    parts = [t[..., 0:16].reshape(g, nb, GROUP, 2)]
-    if qtype == "Q4_1":
-        parts.append(t[..., 16:32].reshape(g, nb, GROUP, 2))
-    q = t[..., 8 * hdr:].reshape(g, nb, chunks, GROUP, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, GROUP, chunks * 8)
-    rows = torch.cat(parts + [q], dim=-1)  # [g, nb, row, bs]
-    return rows.permute(0, 2, 1, 3).reshape(n, nb * bs).contiguous()
 
 # fp32 activations: at or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
 # and calls torch.mm (the BLAS's register blocking beats ours once W is reused by enough rows).
@@ -226,6 +177,27 @@ def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     return out.reshape(n, k)
 
 
+def x8_torch(w: torch.Tensor, qtype: str, k: int, inverse: bool = False) -> torch.Tensor:
+    """The x8 layout in torch (a copy): the reference the C repacking is tested against, and how the
+    torch fallbacks read a packed weight. ``inverse``: x8 -> rows. (Groups of 8 rows; quants in
+    8-byte chunks: a chunk of each of the group's 8 rows per 64 bytes.)"""
+    n, bs = w.shape[0], QTYPES[qtype][1]
+    nb, g = k // BLOCK, n // 8
+    hdr, chunks = (4 if qtype == "Q4_1" else 2), (4 if qtype == "Q8_0" else 2)
+    if not inverse:
+        t = w.reshape(g, 8, nb, bs).permute(0, 2, 1, 3)  # [g, nb, row, bs]
+        parts = [t[..., 0:2].reshape(g, nb, 16)] + ([t[..., 2:4].reshape(g, nb, 16)] if qtype == "Q4_1" else [])
+        q = t[..., hdr:].reshape(g, nb, 8, chunks, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, chunks * 64)
+        return torch.cat(parts + [q], dim=-1).reshape(n, nb * bs).contiguous()
+    t = w.reshape(g, nb, 8 * bs)
+    parts = [t[..., 0:16].reshape(g, nb, 8, 2)]
+    if qtype == "Q4_1":
+        parts.append(t[..., 16:32].reshape(g, nb, 8, 2))
+    q = t[..., 8 * hdr:].reshape(g, nb, chunks, 8, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, 8, chunks * 8)
+    rows = torch.cat(parts + [q], dim=-1)  # [g, nb, row, bs]
+    return rows.permute(0, 2, 1, 3).reshape(n, nb * bs).contiguous()
+
+
 def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant.c's
     int8 path does it: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even), s = d * sum(q)."""
@@ -296,7 +268,7 @@ def dequantize(w: torch.Tensor, qtype: str, k: int, packed: bool = False) -> tor
     n = check(w, qtype, k)
     lib = _lib()
     if lib is None:
-        return dequantize_torch(x8_torch(w, qtype, k, inverse=True) if packed else w, qtype, k)
+        return dequantize_torch(_rows(w, qtype, k, packed), qtype, k)
     out = torch.empty(n, k, dtype=torch.float32)
     lib.ae_q_dequant(type_id(qtype, packed), w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
     return out
@@ -309,7 +281,7 @@ def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int, packed: bo
         raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows")
     lib = _lib()
     if lib is None:
-        rows = x8_torch(w, qtype, k, inverse=True) if packed else w
+        rows = _rows(w, qtype, k, packed)
         out = dequantize_torch(rows.index_select(0, flat), qtype, k)
     else:
         out = torch.empty(flat.numel(), k, dtype=torch.float32)
@@ -343,7 +315,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
     kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact.
     ``fixed_order`` (batch-invariant mode) keeps the exact kernel at every M in fp32 too: each output
     is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M.
-    ``packed``: ``w`` is in the x8 layout (:func:`pack`); the results are the same bits."""
+    ``packed``: ``w`` is in the x8 layout (``repack.pack``); the results are the same bits."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -354,7 +326,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
     lib = _lib()
     mode = _mode(activations)
     if lib is None:
-        out = gemm_torch(x2, x8_torch(w, qtype, k, inverse=True) if packed else w, qtype, k, bias)
+        out = gemm_torch(x2, _rows(w, qtype, k, packed), qtype, k, bias)
     elif mode == "fp32" and m >= LARGE_M and not fixed_order:
         out = _gemm_tiled(lib, x2, w, qtype, k, bias, packed)
     else:
