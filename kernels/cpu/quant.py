@@ -111,7 +111,7 @@ def _lib():
 
 # ------------------------------------------------------------------------ the int8 kernel's ISA
 
-# The int8 kernel's instruction sets, in quant.c's order (ae_q_cpu_isa): which one runs is chosen
+# The int8 kernel's instruction sets, in quant_i8.c's order (ae_q_cpu_isa): which one runs is chosen
 # at run time from what the CPU reports and the OS grants (cpuid + XCR0), the best by default.
 ISAS = ("scalar", "avx2", "avx512_vnni")
 
@@ -199,7 +199,7 @@ def x8_torch(w: torch.Tensor, qtype: str, k: int, inverse: bool = False) -> torc
 
 
 def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant.c's
+    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant_i8.c's
     int8 path does it: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even), s = d * sum(q)."""
     m, k = x2.shape
     blocks = x2.to(torch.float32).reshape(m, k // BLOCK, BLOCK)

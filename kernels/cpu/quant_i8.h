@@ -1,6 +1,6 @@
-/* The int8-activation GEMM of quant.c, one copy per instruction set (quant.c includes this file
+/* The int8-activation GEMM of quant_i8.c, one copy per instruction set (quant_i8.c includes this file
  * once per ISA, the caller picks the copy at run time: ae_q_isa / ae_q_set_isa). Before each
- * inclusion quant.c defines
+ * inclusion quant_i8.c defines
  *   AE_LVL  0 portable C, 1 AVX2 (maddubs + madd), 2 AVX512-VNNI (vpdpbusd on 256-bit vectors)
  *   AE_FN   name -> name_<isa>           AE_TGT  the target attribute of that ISA (empty for C)
  *
