@@ -100,7 +100,10 @@ def main() -> None:
             tx = best(lambda: quant.gemm(x, packed, q, k, activations="int8", packed=True), r)
             res["layout"].append({"shape": [n, k], "format": q, "m": m, "rows_us": tr * 1e6, "x8_us": tx * 1e6,
                                   "speedup": tr / tx, "x8_weight_gb_s": blocks.numel() / tx / 1e9})
+    from single_stream import cpu_info
+
     res["command"] = "python benchmarks/quant_kernels.py " + " ".join(sys.argv[1:])
+    res["cpu"] = cpu_info()
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:
