@@ -185,7 +185,7 @@ class EngineConfig:
     # activations rounded once to 8-bit blocks of 32 and multiplied with integer dot products
     # (llama.cpp's Q8_0/Q8_1 method; measured perplexity within 1% of llama.cpp's on the same GGUF),
     # "fp32" = activations kept in fp32 (exact up to summation order); "auto" = the process
-    # default (ASYNCENGINE_QUANT_ACTIVATIONS, else fp32: why, kernels/cpu/quant.py)
+    # default (ASYNCENGINE_QUANT_ACTIVATIONS, else int8: why, kernels/cpu/quant.py)
     quantized_activations: Literal["auto", "int8", "fp32"] = "auto"
     # every kernel computes each row in an order that does not depend on the batch, the chunk
     # boundaries or the prefix cache, so a request gets bitwise the same tokens and logprobs alone

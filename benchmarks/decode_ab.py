@@ -136,7 +136,8 @@ async def amain(a) -> dict:
     finally:
         await engine.shutdown()
     result = {"model": path, "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds, "cpu": cpu_info(),
-              "torch_threads": torch.get_num_threads(), "variants": {}, "llama_cpp": {}}
+              "torch_threads": torch.get_num_threads(), "variants": {}, "llama_cpp": {},
+              "command": "python benchmarks/decode_ab.py " + " ".join(sys.argv[1:])}
     for v in variants:
         rs = rows[v]
         entry = {k: spread([x[k] for x in rs])

@@ -7,8 +7,10 @@ One thread (CPU time of the calling thread, ``time.thread_time``: other processe
 wall clock, much less the work a thread does), interleaved rounds, medians with min-max:
 
   projections   the 4 block-quantized projections of every layer (distinct weights per layer, so
-                they stream from memory as in decode), M = 1, per int8 ISA and fp32 activations:
-                ms per token and the GB/s of weight bytes that makes
+                they stream from memory as in decode), M = 1, per int8 ISA and weight layout (x8:
+                repacked at load, the int8 default; rows: the file's) and fp32 activations: ms per
+                token and the GB/s of weight bytes that makes (each of the 120 calls also pays ~6 us
+                of Python: the step below has none)
   head          the tied Q8_0 LM head, M = 1
   step          one decode step of the real model at a 100-token context (layers + final norm,
                 then the head): the native step against the per-op model, int8 and fp32
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 
@@ -64,7 +68,8 @@ def main() -> None:
     def projections(act):
         for ls in layers:
             for lin in ls:
-                quant.gemm(xs[lin.in_features], lin.qweight, lin.qtype, lin.in_features, activations=act)
+                quant.gemm(xs[lin.in_features], lin.qweight, lin.qtype, lin.in_features, activations=act,
+                           packed=lin.packed)
 
     backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                           head_dim=args.head_dim, block_size=16, num_blocks=16, dtype=torch.float32,
@@ -75,31 +80,41 @@ def main() -> None:
     ids, pos = torch.tensor([300]), torch.tensor([ctx])
     native = NativeStep.for_model(model)
 
-    def step(use_native, act):
+    def step(use_native):
         model.native_step = native if use_native else None
-        set_quantized_activations(model, act)
         with torch.inference_mode():
             return model(ids, pos, caches, meta)
 
     isas = quant.ISAS[:quant.ISAS.index(quant.cpu_isa()) + 1]
     rows: dict[str, list[float]] = {}
     big = torch.randn(256 * 1024 * 1024)
+    def mode(act, layout):  # the layers' activations, and the layout that repacks them in place
+        os.environ["ASYNCENGINE_QUANT_LAYOUT"] = layout
+        set_quantized_activations(model, act)
+        step(True)  # first use of this table
+
     for _ in range(a.rounds):
-        for isa in isas:
-            quant.set_isa(isa)
-            rows.setdefault(f"projections int8 {isa}", []).append(cpu_ms(lambda: projections("int8")))
-        quant.set_isa("auto")
-        rows.setdefault("projections fp32", []).append(cpu_ms(lambda: projections("fp32")))
-        for act in ("int8", "fp32"):
-            rows.setdefault(f"head {act}", []).append(cpu_ms(
-                lambda: quant.gemm(hx, head.qweight, head.qtype, head.in_features, activations=act), 3))
+        for act, layout in (("int8", "x8"), ("int8", "rows"), ("fp32", "rows")):
+            mode(act, layout)
+            tag = f"{act} {layout}" if act == "int8" else act
+            for isa in (isas if act == "int8" else ["auto"]):
+                quant.set_isa(isa)
+                name = f"projections {tag}" + (f" {isa}" if act == "int8" else "")
+                rows.setdefault(name, []).append(cpu_ms(lambda: projections(act)))
+            quant.set_isa("auto")
+            rows.setdefault(f"head {tag}", []).append(cpu_ms(
+                lambda: quant.gemm(hx, head.qweight, head.qtype, head.in_features, activations=act,
+                                   packed=head.packed), 3))
             for use in (True, False):
-                rows.setdefault(f"step layers {'native' if use else 'per-op'} {act}", []).append(
-                    cpu_ms(lambda: step(use, act), 5))
+                rows.setdefault(f"step layers {'native' if use else 'per-op'} {tag}", []).append(
+                    cpu_ms(lambda: step(use), 5))
+        os.environ.pop("ASYNCENGINE_QUANT_LAYOUT")
         t = time.thread_time()
         big.sum()
         rows.setdefault("read_gb_s", []).append(big.numel() * 4 / (time.thread_time() - t) / 1e9)
-    result = {"model": gguf_path(a.model), "cpu": cpu_info(), "int8_isa_auto": quant.cpu_isa(), "threads": 1,
+    result = {"command": "python benchmarks/decode_kernels.py " + " ".join(sys.argv[1:]),
+              "load_avg": os.getloadavg(),
+              "model": gguf_path(a.model), "cpu": cpu_info(), "int8_isa_auto": quant.cpu_isa(), "threads": 1,
               "projection_bytes_per_token": proj_bytes, "head_bytes": head.qweight.numel(),
               "ms_cpu": {k: spread(v) for k, v in rows.items() if k != "read_gb_s"},
               "read_gb_s": spread(rows["read_gb_s"])}

@@ -12,6 +12,8 @@ Figures (best of --repeat, so a busy machine disturbs them less; still say when 
                  scratch, then torch.mm); kernels/cpu/quant.py's LARGE_M is where the tiled path wins
   activations    per shape, M = 1 (decode) and 37 (a chat prompt's prefill): the small-M kernel with
                  fp32 activations vs int8 activations (ASYNCENGINE_QUANT_ACTIVATIONS), and the ratio
+  layout         per shape, M = 1, 32 (the native step's largest), 512 (a long prefill): the int8
+                 kernel on the file's row layout vs the x8 layout (kernels/cpu/repack.py)
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=30)
-    ap.add_argument("--only", default=None, choices=["read_gb_s", "gemv", "crossover", "activations"],
+    ap.add_argument("--only", default=None, choices=["read_gb_s", "gemv", "crossover", "activations", "layout"],
                     help="run one section of the figures below (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from asyncengine.kernels.cpu import quant
+    from asyncengine.kernels.cpu import quant, repack
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -86,6 +88,22 @@ def main() -> None:
             ti = best(lambda: quant.gemm_small_m(x, blocks, q, k, activations="int8"), r)
             res["activations"].append({"shape": [n, k], "format": q, "m": m, "fp32_us": tf * 1e6,
                                        "int8_us": ti * 1e6, "speedup": tf / ti})
+    res["layout"] = []
+    for n, k, q in SHAPES if want("layout") else []:
+        blocks = quant.quantize(torch.randn(n, k), q)
+        packed = blocks.clone()
+        repack.pack(packed, q, k)
+        for m in (1, 32, 512):
+            x = torch.randn(m, k)
+            r = max(3, args.repeat // (10 if n * m > 1 << 20 else 1))
+            tr = best(lambda: quant.gemm(x, blocks, q, k, activations="int8"), r)
+            tx = best(lambda: quant.gemm(x, packed, q, k, activations="int8", packed=True), r)
+            res["layout"].append({"shape": [n, k], "format": q, "m": m, "rows_us": tr * 1e6, "x8_us": tx * 1e6,
+                                  "speedup": tr / tx, "x8_weight_gb_s": blocks.numel() / tx / 1e9})
+    from single_stream import cpu_info
+
+    res["command"] = "python benchmarks/quant_kernels.py " + " ".join(sys.argv[1:])
+    res["cpu"] = cpu_info()
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

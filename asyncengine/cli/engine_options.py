@@ -146,7 +146,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("batch_invariant", "bitwise the same tokens and logprobs for a request alone or in any batch "
                                     "(CPU; docs/batch_invariance.md)", type=FLAG),
     EngineOption("quantized_activations", "activations for the block-quantized (GGUF Q4/Q8) kernels: int8 "
-                                          "(integer dot products, llama.cpp's method) or fp32; auto = fp32",
+                                          "(integer dot products, llama.cpp's method) or fp32; auto = int8",
                  choices=("auto", "int8", "fp32")),
     EngineOption("num_threads", "torch threads per worker", type=POSITIVE_INT,
                  default_text="torch's, lowered while other processes keep cores busy; a number pins it"),

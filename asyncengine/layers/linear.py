@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.kernels.cpu import invariant, quant
+from asyncengine.kernels.cpu import invariant, quant, repack
 
 BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0
 
@@ -82,6 +82,8 @@ class Linear(nn.Module):
 
     # fixed reduction order per output row, whatever M (layers/batch_invariant.py sets it)
     batch_invariant = False
+    # bumped whenever a layer's activation mode or layout changes (the native step's table reads both)
+    mode_epoch = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parts: tuple[int, ...] | None = None) -> None:
@@ -96,6 +98,8 @@ class Linear(nn.Module):
         self.qtype: str | None = None
         # quantized weights: "int8" | "fp32" activations, None = the process default (quant.ACTIVATIONS)
         self.activations: str | None = None
+        # quantized weights: True when qweight holds the x8 layout (repack.pack), not the file's rows
+        self.packed = False
 
     def can_quantize(self) -> bool:
         """Block formats need whole blocks of 32 input features per row."""
@@ -124,9 +128,39 @@ class Linear(nn.Module):
         w = self.qweight if self.quantized else self.weight
         return w.numel() * w.element_size()
 
+    def set_activations(self, mode: str | None) -> None:
+        """``mode``: "int8" | "fp32" | None (the process default, ``quant.ACTIVATIONS``). A quantized
+        weight then takes the layout its kernel is fastest on: the x8 layout for int8 (its integer
+        kernel runs 1.4-2.5x faster on it: docs/cpu_decode.md), the file's rows for fp32 (whose kernel
+        reads one row at a time and runs ~10% slower on x8). Both layouts give the same bits."""
+        self.activations = mode
+        self.relayout()
+        Linear.mode_epoch += 1
+
+    def relayout(self) -> None:
+        """Repack (or unpack) the quantized weight in place for its activation mode (above)."""
+        if not self.quantized or self.qweight.device.type != "cpu":
+            return
+        want = (self.activations or quant.ACTIVATIONS) == "int8" and repack.can_pack(self.out_features)
+        if want != self.packed:
+            with torch.no_grad():
+                (repack.pack if want else repack.unpack)(self.qweight, self.qtype, self.in_features)
+            self.packed = want
+
     def load(self, tensor: torch.Tensor | QuantizedTensor, part: int | None = None) -> None:
         """Copy a checkpoint weight (``part``: which fused part, None = the whole weight) into this
-        layer, converting between dense and blocks when the storages differ."""
+        layer, converting between dense and blocks when the storages differ (and between layouts:
+        a packed weight is unpacked for the copy and packed again)."""
+        if self.packed:
+            with torch.no_grad():
+                repack.unpack(self.qweight, self.qtype, self.in_features)
+            self.packed = False
+            try:
+                self.load(tensor, part)
+            finally:
+                self.relayout()
+                Linear.mode_epoch += 1
+            return
         off = sum(self.parts[:part]) if part is not None else 0
         rows = self.parts[part] if part is not None else self.out_features
         shape = tuple(tensor.shape)
@@ -158,11 +192,11 @@ class Linear(nn.Module):
                 return invariant.linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias, activations=self.activations,
-                       fixed_order=self.batch_invariant)
+                       fixed_order=self.batch_invariant, packed=self.packed)
         return y if y.dtype == self._dtype_anchor.dtype else y.to(self._dtype_anchor.dtype)
 
     def extra_repr(self) -> str:
-        fmt = self.qtype or "dense"
+        fmt = (self.qtype + (" x8" if self.packed else "")) if self.qtype else "dense"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {fmt}"
 
 
@@ -192,7 +226,7 @@ class VocabEmbedding(Linear):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
             return F.embedding(ids, self.weight)
-        out = quant.embedding(ids, self.qweight, self.qtype, self.in_features)
+        out = quant.embedding(ids, self.qweight, self.qtype, self.in_features, packed=self.packed)
         return out if out.dtype == self._dtype_anchor.dtype else out.to(self._dtype_anchor.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,10 @@ class NativeStep:
                 and meta.backend.kernels and meta.backend.dtype == torch.float32)
 
     def _layer_table(self, kv_caches, backend):
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        # the layers' modes and layouts too: set_quantized_activations may switch them between steps
+        from asyncengine.layers.linear import Linear
+
+        key = (tuple(k.data_ptr() for k, _ in kv_caches), Linear.mode_epoch, quant.ACTIVATIONS)
         if key != self._caches_key:
             m = self.model
             table = (_Layer * len(m.layers))()
@@ -127,8 +130,9 @@ class NativeStep:
                     layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                     qkv.qweight.data_ptr(), o.qweight.data_ptr(), gu.qweight.data_ptr(), down.qweight.data_ptr(),
                     qkv.bias.data_ptr() if qkv.bias is not None else None, kc.data_ptr(), vc.data_ptr(),
-                    quant.QTYPES[qkv.qtype][0], quant.QTYPES[o.qtype][0], quant.QTYPES[gu.qtype][0],
-                    quant.QTYPES[down.qtype][0], at.sliding_window or 0, int(acts.pop() == "int8"))
+                    quant.type_id(qkv.qtype, qkv.packed), quant.type_id(o.qtype, o.packed),
+                    quant.type_id(gu.qtype, gu.packed), quant.type_id(down.qtype, down.packed),
+                    at.sliding_window or 0, int(acts.pop() == "int8"))
             self._layers, self._caches_key = table, key
             self._keep = kv_caches  # the table points into them
         return self._layers

@@ -34,12 +34,13 @@ def _available_memory(device: torch.device) -> int | None:
 
 
 def set_quantized_activations(model, mode: str) -> None:
-    """Every block-quantized layer multiplies with ``mode`` activations ("auto": the process default)."""
+    """Every block-quantized layer multiplies with ``mode`` activations ("auto": the process default),
+    its weight in that mode's layout (``Linear.set_activations``: repacked in place)."""
     from asyncengine.layers.linear import Linear
 
     for layer in model.modules():
         if isinstance(layer, Linear):
-            layer.activations = None if mode == "auto" else mode
+            layer.set_activations(None if mode == "auto" else mode)
 
 
 class Worker:

@@ -10,15 +10,16 @@ correct, slower. The torch functions are also the references the tests hold the 
 ``quantization="int8" | "int4"`` of a dense checkpoint.
 
 Activations (``ASYNCENGINE_QUANT_ACTIVATIONS``, per engine ``EngineConfig.quantized_activations``):
-``fp32`` (the default) keeps x in fp32 (exact up to summation order), with the tiled dequantize +
-torch.mm path from ``LARGE_M`` rows. ``int8`` quantizes each row of x once to 8-bit blocks of 32
-(scale d = max|x| / 127, and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with
-integer dot products, AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M:
-llama.cpp's method, and as accurate on real text (perplexity of the default model 15.31 vs
-llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25). Why it is not the default: with the
-native decode step it saves ~3% of a decode token's CPU, and it flips the default model's greedy
-answer to the README's own question (a 0.08-nat near-tie in fp32) exactly as llama.cpp's does
-(docs/cpu_decode.md has both measurements).
+``int8`` (the default) quantizes each row of x once to 8-bit blocks of 32 (scale d = max|x| / 127,
+and s = d * sum(q) for the Q4 min terms: ggml's Q8_1) and multiplies with integer dot products,
+AVX512-VNNI / AVX2 / portable C chosen at run time (:func:`isa`), at every M, on weights repacked
+at load into the x8 layout (kernels/cpu/repack.py): llama.cpp's method, and as accurate on real text
+(perplexity of the default model 15.31 vs llama.cpp's 15.34 on the same GGUF and text; fp32: 15.25).
+Why it is the default: a decode token of the default model costs 2.2x less CPU than with fp32
+activations (docs/cpu_decode.md). ``fp32`` keeps x in fp32 (exact up to summation order), with the
+tiled dequantize + torch.mm path from ``LARGE_M`` rows; it agrees with an fp32 reference where int8
+may flip a near-tie (the default model's answer to the README's question: a 0.08-nat tie in fp32,
+flipped by int8 exactly as llama.cpp's does).
 """
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ BLOCK = 32
 # name -> (GGML type id, bytes per block of 32)
 QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
+# The x8 layout (kernels/cpu/quant_common.h, repacking: kernels/cpu/repack.py): rows repacked 8 at a
+# time at load, in place, for the int8 kernel. The functions below take ``packed=True`` for a weight
+# in it; the C side gets the type id with this flag. Same results, bit for bit.
+X8 = 0x100
+
+
+def type_id(qtype: str, packed: bool = False) -> int:
+    return QTYPES[qtype][0] | (X8 if packed else 0)
+
+
+def _rows(w: torch.Tensor, qtype: str, k: int, packed: bool) -> torch.Tensor:
+    """The file's row layout of ``w`` (a copy where packed): for the torch fallbacks."""
+    return x8_torch(w, qtype, k, inverse=True) if packed else w
+
+
 # fp32 activations: at or above this many rows of x, gemm dequantizes W a tile of rows at a time into fp32 scratch
 # and calls torch.mm (the BLAS's register blocking beats ours once W is reused by enough rows).
 # Measured on a 2-core AVX2 EPYC (docs/quantization.md): the kernel wins below ~48 rows.
@@ -43,7 +59,7 @@ ACTIVATION_MODES = ("int8", "fp32")
 
 
 def _activations_from_env() -> str:
-    mode = os.environ.get("ASYNCENGINE_QUANT_ACTIVATIONS", "fp32").strip().lower() or "fp32"
+    mode = os.environ.get("ASYNCENGINE_QUANT_ACTIVATIONS", "int8").strip().lower() or "int8"
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"ASYNCENGINE_QUANT_ACTIVATIONS={mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
     return mode
@@ -83,8 +99,10 @@ def _lib():
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
         lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
+        lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64]
         for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
-                  lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa):
+                  lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa, lib.ae_q_repack_x8,
+                  lib.ae_q_unpack_x8):
             f.restype = c_int
         lib._ae_q_ready = True
         _apply_isa_env(lib)
@@ -93,7 +111,7 @@ def _lib():
 
 # ------------------------------------------------------------------------ the int8 kernel's ISA
 
-# The int8 kernel's instruction sets, in quant.c's order (ae_q_cpu_isa): which one runs is chosen
+# The int8 kernel's instruction sets, in quant_i8.c's order (ae_q_cpu_isa): which one runs is chosen
 # at run time from what the CPU reports and the OS grants (cpuid + XCR0), the best by default.
 ISAS = ("scalar", "avx2", "avx512_vnni")
 
@@ -159,8 +177,29 @@ def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     return out.reshape(n, k)
 
 
+def x8_torch(w: torch.Tensor, qtype: str, k: int, inverse: bool = False) -> torch.Tensor:
+    """The x8 layout in torch (a copy): the reference the C repacking is tested against, and how the
+    torch fallbacks read a packed weight. ``inverse``: x8 -> rows. (Groups of 8 rows; quants in
+    8-byte chunks: a chunk of each of the group's 8 rows per 64 bytes.)"""
+    n, bs = w.shape[0], QTYPES[qtype][1]
+    nb, g = k // BLOCK, n // 8
+    hdr, chunks = (4 if qtype == "Q4_1" else 2), (4 if qtype == "Q8_0" else 2)
+    if not inverse:
+        t = w.reshape(g, 8, nb, bs).permute(0, 2, 1, 3)  # [g, nb, row, bs]
+        parts = [t[..., 0:2].reshape(g, nb, 16)] + ([t[..., 2:4].reshape(g, nb, 16)] if qtype == "Q4_1" else [])
+        q = t[..., hdr:].reshape(g, nb, 8, chunks, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, chunks * 64)
+        return torch.cat(parts + [q], dim=-1).reshape(n, nb * bs).contiguous()
+    t = w.reshape(g, nb, 8 * bs)
+    parts = [t[..., 0:16].reshape(g, nb, 8, 2)]
+    if qtype == "Q4_1":
+        parts.append(t[..., 16:32].reshape(g, nb, 8, 2))
+    q = t[..., 8 * hdr:].reshape(g, nb, chunks, 8, 8).permute(0, 1, 3, 2, 4).reshape(g, nb, 8, chunks * 8)
+    rows = torch.cat(parts + [q], dim=-1)  # [g, nb, row, bs]
+    return rows.permute(0, 2, 1, 3).reshape(n, nb * bs).contiguous()
+
+
 def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant.c's
+    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/32], s fp32 [M, K/32]) exactly as quant_i8.c's
     int8 path does it: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even), s = d * sum(q)."""
     m, k = x2.shape
     blocks = x2.to(torch.float32).reshape(m, k // BLOCK, BLOCK)
@@ -224,28 +263,29 @@ def _quantize_blocks(x: torch.Tensor, qtype: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- the kernels
 
 
-def dequantize(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+def dequantize(w: torch.Tensor, qtype: str, k: int, packed: bool = False) -> torch.Tensor:
     """fp32 [N, k] (the C kernel, multi-threaded, where available)."""
     n = check(w, qtype, k)
     lib = _lib()
     if lib is None:
-        return dequantize_torch(w, qtype, k)
+        return dequantize_torch(_rows(w, qtype, k, packed), qtype, k)
     out = torch.empty(n, k, dtype=torch.float32)
-    lib.ae_q_dequant(QTYPES[qtype][0], w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
+    lib.ae_q_dequant(type_id(qtype, packed), w.data_ptr(), k, 0, n, out.data_ptr(), torch.get_num_threads())
     return out
 
 
-def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+def embedding(ids: torch.Tensor, w: torch.Tensor, qtype: str, k: int, packed: bool = False) -> torch.Tensor:
     """fp32 rows ``dequant(W)[ids]``, shape ``ids.shape + (k,)``. Ids must be in range (checked)."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
         raise IndexError(f"token id out of range for an embedding of {w.shape[0]} rows")
     lib = _lib()
     if lib is None:
-        out = dequantize_torch(w.index_select(0, flat), qtype, k)
+        rows = _rows(w, qtype, k, packed)
+        out = dequantize_torch(rows.index_select(0, flat), qtype, k)
     else:
         out = torch.empty(flat.numel(), k, dtype=torch.float32)
-        lib.ae_q_embed(QTYPES[qtype][0], w.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+        lib.ae_q_embed(type_id(qtype, packed), w.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr(),
                        torch.get_num_threads())
     return out.view(*ids.shape, k)
 
@@ -267,14 +307,15 @@ def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tensor | None = None,
-         activations: str | None = None, fixed_order: bool = False) -> torch.Tensor:
+         activations: str | None = None, fixed_order: bool = False, packed: bool = False) -> torch.Tensor:
     """``x @ dequant(w)^T (+ bias)`` over the last dim of ``x`` (any float dtype; the math is fp32,
     the result is in ``x``'s dtype). ``w`` must have passed :func:`check`. ``activations``
     ("int8" | "fp32", default :data:`ACTIVATIONS`): "int8" runs the integer kernel at every M (one
     numeric path whatever the batch; it also beats the tiled path 2x at M = 512), "fp32" the exact
     kernel below ``LARGE_M`` rows and the tiled path from there. Without the C library: exact.
     ``fixed_order`` (batch-invariant mode) keeps the exact kernel at every M in fp32 too: each output
-    is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M."""
+    is one dot product in a fixed order there, while the tiled path's ``torch.mm`` blocks by M.
+    ``packed``: ``w`` is in the x8 layout (``repack.pack``); the results are the same bits."""
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     n = w.shape[0]
@@ -285,16 +326,16 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, bias: torch.Tenso
     lib = _lib()
     mode = _mode(activations)
     if lib is None:
-        out = gemm_torch(x2, w, qtype, k, bias)
+        out = gemm_torch(x2, _rows(w, qtype, k, packed), qtype, k, bias)
     elif mode == "fp32" and m >= LARGE_M and not fixed_order:
-        out = _gemm_tiled(lib, x2, w, qtype, k, bias)
+        out = _gemm_tiled(lib, x2, w, qtype, k, bias, packed)
     else:
         out = torch.empty(m, n, dtype=torch.float32)
         b = None
         if bias is not None:
             b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
         kernel = lib.ae_q_gemm_i8 if mode == "int8" else lib.ae_q_gemm
-        if kernel(QTYPES[qtype][0], x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
+        if kernel(type_id(qtype, packed), x2.data_ptr(), m, k, w.data_ptr(), n, None if b is None else b.data_ptr(),
                   out.data_ptr(), n, 0, torch.get_num_threads()):
             raise MemoryError(f"quantized gemm of {m} x {k} rows failed (out of memory for the int8 copy?)")
     out = out.view(*x.shape[:-1], n)
@@ -308,22 +349,23 @@ def _mode(activations: str | None) -> str:
     return mode
 
 
-def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, activations: str | None = None) -> torch.Tensor:
+def gemm_small_m(x2: torch.Tensor, w: torch.Tensor, qtype: str, k: int, activations: str | None = None,
+                 packed: bool = False) -> torch.Tensor:
     """The register-blocked kernel for any M (benchmarks compare it with the tiled path)."""
     lib = _lib()
     out = torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32)
     kernel = lib.ae_q_gemm_i8 if _mode(activations) == "int8" else lib.ae_q_gemm
-    kernel(QTYPES[qtype][0], x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
+    kernel(type_id(qtype, packed), x2.data_ptr(), x2.shape[0], k, w.data_ptr(), w.shape[0], None,
                   out.data_ptr(), w.shape[0], 0, torch.get_num_threads())
     return out
 
 
-def _gemm_tiled(lib, x2, w, qtype, k, bias):
+def _gemm_tiled(lib, x2, w, qtype, k, bias, packed=False):
     """Large M: W dequantized a tile of rows at a time (C) into fp32 scratch, then torch.mm."""
     n = w.shape[0]
     rows = max(1, min(n, _TILE_BYTES // (4 * k)))
     scratch = torch.empty(rows, k, dtype=torch.float32)
-    tid, nt = QTYPES[qtype][0], torch.get_num_threads()
+    tid, nt = type_id(qtype, packed), torch.get_num_threads()
     if rows == n:
         lib.ae_q_dequant(tid, w.data_ptr(), k, 0, n, scratch.data_ptr(), nt)
         return torch.mm(x2, scratch.t()) if bias is None else torch.addmm(bias.float(), x2, scratch.t())

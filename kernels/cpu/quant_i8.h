@@ -1,6 +1,6 @@
-/* The int8-activation GEMM of quant.c, one copy per instruction set (quant.c includes this file
+/* The int8-activation GEMM of quant_i8.c, one copy per instruction set (quant_i8.c includes this file
  * once per ISA, the caller picks the copy at run time: ae_q_isa / ae_q_set_isa). Before each
- * inclusion quant.c defines
+ * inclusion quant_i8.c defines
  *   AE_LVL  0 portable C, 1 AVX2 (maddubs + madd), 2 AVX512-VNNI (vpdpbusd on 256-bit vectors)
  *   AE_FN   name -> name_<isa>           AE_TGT  the target attribute of that ISA (empty for C)
  *
@@ -131,62 +131,68 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(tile8)(const int 
 #endif /* AE_LVL >= 1 */
 
 /* res[i] = dot(dequant(W row), int8 x row i) for the mb (<= AE_Q_MB8) rows of a tile: the portable
- * copy's whole kernel, and the SIMD copies' last N % 8 rows. */
-static inline AE_TGT __attribute__((always_inline)) void AE_FN(row_i8)(const int type, const int mb,
-                                                                     const uint8_t *w, int64_t nb, const int8_t *q,
+ * copy's whole kernel, and the SIMD copies' last N % 8 rows of the row layout. The float work is
+ * the SIMD tiles' (dot8, x8_acc) written out per row with explicit fmaf: the same bits. */
+static inline AE_TGT __attribute__((always_inline)) void AE_FN(row_i8)(const int type, const int x8, const int mb,
+                                                                     const ae_qrow *r, int64_t nb, const int8_t *q,
                                                                      int64_t ldq, const float *d, const float *s,
                                                                      float *res) {
-    const int bs = block_bytes(type);
-    float acc[AE_Q_MB8] = {0}, macc[AE_Q_MB8] = {0};
+    float acc[AE_Q_MB8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bs;
+        const uint8_t *blk = r->base + b * r->step;
         int wq[32];
-        const float dw = fp16_to_fp32(blk);
+        const float dw = fp16_to_fp32(blk + r->d);
         float m = 0.0f;
+        uint8_t g[32]; /* x8: the block's quant bytes gathered from their 8-byte chunks */
+        const uint8_t *qb = blk + r->q;
+        if (x8) {
+            for (int c = 0; c < (type == AE_Q_Q8_0 ? 4 : 2); c++) memcpy(g + 8 * c, qb + 64 * c, 8);
+            qb = g;
+        }
         if (type == AE_Q_Q8_0) {
-            for (int j = 0; j < 32; j++) wq[j] = (int8_t)blk[2 + j];
+            for (int j = 0; j < 32; j++) wq[j] = (int8_t)qb[j];
         } else {
-            const uint8_t *qs = blk + (type == AE_Q_Q4_1 ? 4 : 2);
-            m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + 2) : -8.0f * dw;
+            m = type == AE_Q_Q4_1 ? fp16_to_fp32(blk + r->m) : dw * -8.0f;
             for (int j = 0; j < 16; j++) {
-                wq[j] = qs[j] & 0x0F;
-                wq[j + 16] = qs[j] >> 4;
+                wq[j] = qb[j] & 0x0F;
+                wq[j + 16] = qb[j] >> 4;
             }
         }
         for (int i = 0; i < mb; i++) {
             const int8_t *xp = q + i * ldq + b * 32;
             int sum = 0;
             for (int j = 0; j < 32; j++) sum += wq[j] * xp[j];
-            acc[i] += (float)sum * (dw * d[i * nb + b]);
-            if (type != AE_Q_Q8_0) macc[i] += m * s[i * nb + b];
+            acc[i] = fmaf((float)sum, dw * d[i * nb + b], acc[i]);
+            if (type != AE_Q_Q8_0) acc[i] = fmaf(m, s[i * nb + b], acc[i]);
         }
     }
-    for (int i = 0; i < mb; i++) res[i] = acc[i] + macc[i];
+    for (int i = 0; i < mb; i++) res[i] = acc[i];
 }
 
-static inline AE_TGT __attribute__((always_inline)) void AE_FN(gemm_i8_typed)(
-    const int type, const int8_t *q, const float *d, const float *s, int64_t M, int64_t K, const uint8_t *w,
-    int64_t N, const float *bias, float *out, int64_t ldo, int accumulate, int nthreads) {
+/* Rows [n0, n1) of out for every row of x; type and x8 compile-time constants (see gemm_i8). */
+static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
+    const int type, const int x8, int64_t n0, const int64_t n1, const int8_t *q, const float *d, const float *s,
+    const int32_t *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *out,
+    int64_t ldo, int accumulate) {
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
-    const int64_t chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t n0 = c * AE_Q_CHUNK;
-        const int64_t n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
+    const uint8_t *wend = w + N * row_bytes;
+    (void)xsum, (void)row_bytes, (void)wend;
 #if AE_LVL >= 1
+    if (x8) /* N % 8 == 0: whole groups */
         for (; n0 + AE_Q_NR <= n1; n0 += AE_Q_NR)
             for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MC) {
                 const int64_t mc = M - m0 < AE_Q_MC ? M - m0 : AE_Q_MC;
                 float acc[AE_Q_MC * AE_Q_NR] __attribute__((aligned(32)));
-                const uint8_t *wt = w + n0 * row_bytes;
+                const uint8_t *grp = w + n0 * row_bytes;
                 const int8_t *qt = q + m0 * K;
                 const float *dt = d + m0 * nb, *st = s + m0 * nb;
+                const int32_t *xt = xsum + m0 * nb;
                 switch (mc) {
-                    case 1: AE_FN(tile8)(type, 1, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 2: AE_FN(tile8)(type, 2, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 3: AE_FN(tile8)(type, 3, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    case 4: AE_FN(tile8)(type, 4, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
-                    default: AE_FN(tile8)(type, 0, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                    case 1: AE_FN(tile_x8)(type, 1, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 2: AE_FN(tile_x8)(type, 2, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 3: AE_FN(tile_x8)(type, 3, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    case 4: AE_FN(tile_x8)(type, 4, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
+                    default: AE_FN(tile_x8)(type, 0, grp, nb, qt, K, dt, st, xt, mc, acc, wend); break;
                 }
                 for (int64_t i = 0; i < mc; i++)
                     for (int r = 0; r < AE_Q_NR; r++) {
@@ -195,37 +201,83 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(gemm_i8_typed)(
                         *o = accumulate ? *o + v : v;
                     }
             }
-#endif
-        for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB8) { /* the rows left (all of them in portable C) */
-            const int64_t mb = M - m0 < AE_Q_MB8 ? M - m0 : AE_Q_MB8;
+    for (; !x8 && n0 + AE_Q_NR <= n1; n0 += AE_Q_NR)
+        for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MC) {
+            const int64_t mc = M - m0 < AE_Q_MC ? M - m0 : AE_Q_MC;
+            float acc[AE_Q_MC * AE_Q_NR] __attribute__((aligned(32)));
+            const uint8_t *wt = w + n0 * row_bytes;
             const int8_t *qt = q + m0 * K;
             const float *dt = d + m0 * nb, *st = s + m0 * nb;
-            for (int64_t n = n0; n < n1; n++) {
-                float res[AE_Q_MB8];
-                const uint8_t *wr = w + n * row_bytes;
-                switch (mb) {
-                    case 4: AE_FN(row_i8)(type, 4, wr, nb, qt, K, dt, st, res); break;
-                    case 3: AE_FN(row_i8)(type, 3, wr, nb, qt, K, dt, st, res); break;
-                    case 2: AE_FN(row_i8)(type, 2, wr, nb, qt, K, dt, st, res); break;
-                    default: AE_FN(row_i8)(type, 1, wr, nb, qt, K, dt, st, res); break;
+            switch (mc) {
+                case 1: AE_FN(tile8)(type, 1, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                case 2: AE_FN(tile8)(type, 2, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                case 3: AE_FN(tile8)(type, 3, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                case 4: AE_FN(tile8)(type, 4, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+                default: AE_FN(tile8)(type, 0, wt, row_bytes, nb, qt, K, dt, st, mc, acc); break;
+            }
+            for (int64_t i = 0; i < mc; i++)
+                for (int r = 0; r < AE_Q_NR; r++) {
+                    float *o = out + (m0 + i) * ldo + n0 + r;
+                    const float v = acc[i * AE_Q_NR + r] + (bias ? bias[n0 + r] : 0.0f);
+                    *o = accumulate ? *o + v : v;
                 }
-                const float bn = bias ? bias[n] : 0.0f;
-                for (int64_t i = 0; i < mb; i++) {
-                    float *o = out + (m0 + i) * ldo + n;
-                    *o = accumulate ? *o + res[i] + bn : res[i] + bn;
-                }
+        }
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB8) { /* the rows left (all of them in portable C) */
+        const int64_t mb = M - m0 < AE_Q_MB8 ? M - m0 : AE_Q_MB8;
+        const int8_t *qt = q + m0 * K;
+        const float *dt = d + m0 * nb, *st = s + m0 * nb;
+        for (int64_t n = n0; n < n1; n++) {
+            float res[AE_Q_MB8];
+            const ae_qrow wr = qrow(type, x8, w, row_bytes, n);
+            switch (mb) {
+                case 4: AE_FN(row_i8)(type, x8, 4, &wr, nb, qt, K, dt, st, res); break;
+                case 3: AE_FN(row_i8)(type, x8, 3, &wr, nb, qt, K, dt, st, res); break;
+                case 2: AE_FN(row_i8)(type, x8, 2, &wr, nb, qt, K, dt, st, res); break;
+                default: AE_FN(row_i8)(type, x8, 1, &wr, nb, qt, K, dt, st, res); break;
+            }
+            const float bn = bias ? bias[n] : 0.0f;
+            for (int64_t i = 0; i < mb; i++) {
+                float *o = out + (m0 + i) * ldo + n;
+                *o = accumulate ? *o + res[i] + bn : res[i] + bn;
             }
         }
     }
 }
 
-/* The typed kernels behind one entry point per ISA (quant.c's dispatcher calls it). */
-static AE_TGT void AE_FN(gemm_i8)(int type, const int8_t *q, const float *d, const float *s, int64_t M, int64_t K,
-                                  const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo,
-                                  int accumulate, int nthreads) {
-    switch (type) {
-        case AE_Q_Q4_0: AE_FN(gemm_i8_typed)(AE_Q_Q4_0, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
-        case AE_Q_Q4_1: AE_FN(gemm_i8_typed)(AE_Q_Q4_1, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
-        default: AE_FN(gemm_i8_typed)(AE_Q_Q8_0, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads); break;
+/* One entry point per ISA (quant_i8.c's dispatcher calls it); type may carry AE_Q_X8. The switch on
+ * the type is inside the parallel loop: GCC outlines an OpenMP region once, before inlining, so a
+ * region in a function typed by its caller would run with the type as a run-time value (quant.c:
+ * gemm_run). Returns 0, or -1 when out of memory. */
+static AE_TGT int AE_FN(gemm_i8)(int type, const int8_t *q, const float *d, const float *s, int64_t M, int64_t K,
+                                 const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo,
+                                 int accumulate, int nthreads) {
+    const int64_t nb = K / 32, chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
+    int32_t *xsum = NULL; /* per (row of x, block): sum of q, for the x8 Q8_0 kernel's offset */
+    if (type & AE_Q_X8) {
+        xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb > 0 ? M * nb : 1));
+        if (!xsum) return -1;
+        for (int64_t i = 0; i < M * nb; i++) {
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += q[i * 32 + j];
+            xsum[i] = t;
+        }
     }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * AE_Q_CHUNK, n1 = n0 + AE_Q_CHUNK < N ? n0 + AE_Q_CHUNK : N;
+#define AE_Q_CASE(t, f) \
+    case t | f: AE_FN(chunk_i8)(t, f != 0, n0, n1, q, d, s, xsum, M, K, w, N, bias, out, ldo, accumulate); break;
+        switch (type) {
+            AE_Q_CASE(AE_Q_Q4_0, 0)
+            AE_Q_CASE(AE_Q_Q4_1, 0)
+            AE_Q_CASE(AE_Q_Q8_0, 0)
+            AE_Q_CASE(AE_Q_Q4_0, AE_Q_X8)
+            AE_Q_CASE(AE_Q_Q4_1, AE_Q_X8)
+            AE_Q_CASE(AE_Q_Q8_0, AE_Q_X8)
+        }
+#undef AE_Q_CASE
+    }
+    free(xsum);
+    return 0;
 }

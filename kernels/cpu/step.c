@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* the kernels of quant.c, ops.c, attention.c */
+/* the kernels of quant.c, quant_i8.c, ops.c, attention.c */
 int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
               float *out, int64_t ldo, int accumulate, int nthreads);
 int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
@@ -38,7 +38,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* GGUF blocks, rows of K / 32 blocks */
     const float *qkv_bias;            /* [q + 2 kv] or NULL */
     float *k_cache, *v_cache;         /* [Hkv, NB, bs, D] */
-    int32_t qkv_type, o_type, gate_up_type, down_type; /* GGML type ids */
+    int32_t qkv_type, o_type, gate_up_type, down_type; /* GGML type ids (| AE_Q_X8: the x8 layout) */
     int32_t window;                   /* sliding window, 0 = none */
     int32_t act_int8;                 /* 1: int8 activations (ae_q_gemm_i8), 0: fp32 (ae_q_gemm) */
 } ae_step_layer;

@@ -292,7 +292,7 @@ def test_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="ASYNCENGINE_QUANT_ACTIVATIONS='int4': expected one of int8, fp32"):
         quant._activations_from_env()
     monkeypatch.delenv("ASYNCENGINE_QUANT_ACTIVATIONS")
-    assert quant._activations_from_env() == "fp32"  # the default (why: kernels/cpu/quant.py)
+    assert quant._activations_from_env() == "int8"  # the default (why: kernels/cpu/quant.py)
     blocks = quant.quantize(torch.randn(9, 64), "Q4_1")
     with pytest.raises(ValueError, match="activations='bf16'"):
         quant.gemm(torch.randn(2, 64), blocks, "Q4_1", 64, activations="bf16")
@@ -328,8 +328,9 @@ def test_portable_scalar_path(tmp_path):
     """quant.c built without -march (no AVX2 macros: the scalar loops) agrees with the reference,
     both activation paths and the activation quantizer (bit for bit)."""
     so = tmp_path / "quant_scalar.so"
-    subprocess.run(["cc", "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", str(build.SOURCE_DIR / "quant.c"),
-                    str(build.SOURCE_DIR / "runtime.c"), "-o", str(so), "-lm"], check=True, timeout=120)
+    srcs = [str(build.SOURCE_DIR / f) for f in ("quant.c", "quant_i8.c", "quant_x8.c", "runtime.c")]
+    subprocess.run(["cc", "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", *srcs, "-o", str(so), "-lm"],
+                   check=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     assert lib.ae_simd_level() == 0
     assert lib.ae_q_set_isa(0) == 0  # the int8 kernel's portable C copy (its SIMD copies are tested above)

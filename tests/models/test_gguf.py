@@ -729,7 +729,7 @@ def test_engine_greedy_matches_transformers_on_same_gguf(qtype, models, tokenize
     rng = random.Random(7)
     vocab = ref_model.config.vocab_size
     reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 16)) for _ in range(8)]
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", quantized_activations="fp32")  # both compute in fp32
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
                         [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
                         use_tqdm=False)

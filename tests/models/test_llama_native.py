@@ -77,14 +77,14 @@ def test_native_step_is_token_exact_with_the_per_op_path(arch, qtype, activation
     assert native == per_op
 
 
-def test_hidden_states_are_bit_identical(ggufs, monkeypatch):
-    """One decode step of 3 sequences, straight through the model: the native step's hidden states
-    equal the per-op model's to the bit (same kernels, same order)."""
+def _one_step_setup(path):
+    """The model, and a function running one decode step of 3 sequences over a filled context
+    (natively or per op) from the same KV state each time."""
     from asyncengine.attention import SeqChunk, StepBatch, get_backend
     from asyncengine.config import EngineConfig
     from asyncengine.models.loader import load_model
 
-    model = load_model(EngineConfig(model=ggufs[("llama", "Q4_1")], dtype="float32"), tokenizer=False).model
+    model = load_model(EngineConfig(model=path, dtype="float32"), tokenizer=False).model
     a = model.args
     backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
                           block_size=16, num_blocks=16, dtype=torch.float32, device=torch.device("cpu"),
@@ -94,20 +94,50 @@ def test_hidden_states_are_bit_identical(ggufs, monkeypatch):
     for k, v in caches:  # a filled context to attend over
         k.normal_()
         v.normal_()
+    saved = [(k.clone(), v.clone()) for k, v in caches]
     ctx = [5, 17, 30]
     seqs = [SeqChunk(i, 1, c, [4 * i, 4 * i + 1, 4 * i + 2]) for i, c in enumerate(ctx)]
     meta = backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=[64 * i + c for i, c in enumerate(ctx)]))
     ids, pos = torch.tensor([3, 100, 200]), torch.tensor(ctx)
-    with torch.inference_mode():
-        saved = [(k.clone(), v.clone()) for k, v in caches]
-        per_op = model(ids, pos, caches, meta)
+    native = llama_native.NativeStep.for_model(model)
+    assert native is not None and native.accepts(3, meta)
+
+    def step(use_native: bool) -> torch.Tensor:
         for (k, v), (k0, v0) in zip(caches, saved):
             k.copy_(k0)
             v.copy_(v0)
-        model.native_step = llama_native.NativeStep.for_model(model)
-        assert model.native_step is not None and model.native_step.accepts(3, meta)
-        native = model(ids, pos, caches, meta)
-    assert torch.equal(native, per_op)
+        model.native_step = native if use_native else None
+        with torch.inference_mode():
+            return model(ids, pos, caches, meta)
+
+    return model, step
+
+
+def test_hidden_states_are_bit_identical(ggufs, monkeypatch):
+    """One decode step of 3 sequences, straight through the model: the native step's hidden states
+    equal the per-op model's to the bit (same kernels, same order)."""
+    _, step = _one_step_setup(ggufs[("llama", "Q4_1")])
+    per_op = step(False)
+    assert torch.equal(step(True), per_op)
+
+
+def test_the_native_step_follows_a_switch_of_activations_and_layout(ggufs):
+    """Switching the layers' activation mode between steps (which also repacks their weights in
+    place) reaches the native step: its table of kernels is rebuilt, not reused (it once was)."""
+    from asyncengine.kernels.cpu import repack
+    from asyncengine.layers.linear import Linear
+    from asyncengine.worker.worker import set_quantized_activations
+
+    model, step = _one_step_setup(ggufs[("llama", "Q4_1")])
+    out = {}
+    for mode in ("fp32", "int8", "fp32"):
+        set_quantized_activations(model, mode)
+        packed = {m.packed for m in model.modules() if isinstance(m, Linear) and m.quantized}
+        assert packed == {False} if mode == "fp32" or not repack.can_pack(8) else True in packed
+        native, per_op = step(True), step(False)
+        assert torch.equal(native, per_op), mode
+        assert out.setdefault(mode, native) is native or torch.equal(out[mode], native)
+    assert not torch.equal(out["fp32"], out["int8"])
 
 
 def test_where_it_does_not_apply(ggufs, monkeypatch):
