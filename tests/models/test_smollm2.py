@@ -72,11 +72,10 @@ def test_chat_answers_paris(llm32):
 
 
 def test_cli_chat_non_interactive(gguf_path):
-    """The README's main command, minus the install: a piped question, a streamed answer. With the
-    default int8 activations the greedy answer is llama.cpp's (it opens with "L'Étoile": "The" leads
-    by 0.08 nats in fp32, docs/cpu_decode.md); test_chat_answers_paris holds the fp32 path to "Paris"."""
+    """The README's main command, minus the install: a piped question, a streamed answer, and the
+    ready line naming the default kernels (int8 activations for GGUF block formats)."""
     r = subprocess.run([sys.executable, "-m", "asyncengine", "chat", gguf_path, "--max-tokens", "32"],
-                       input="What is the capital of France?\n", capture_output=True, text=True, timeout=600)
+                       input="Write one sentence about the sea.\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "France" in r.stdout
+    assert "sea" in r.stdout.split("> Write one sentence about the sea.", 1)[-1].lower()
     assert "int8 activations" in r.stderr and "tok/s" in r.stderr
