@@ -141,7 +141,15 @@ def load() -> ctypes.CDLL | None:
             if not target.exists():
                 _build(cc, target)
             _lib = ctypes.CDLL(str(target))
-        except Exception as exc:  # no compiler, a failed build: the torch paths run instead
+            from asyncengine.kernels.cpu.isa import apply_env
+
+            apply_env(_lib)
+        except Exception as exc:
+            from asyncengine.kernels.cpu.isa import IsaError
+
+            if isinstance(exc, IsaError):  # a misspelt or impossible ASYNCENGINE_CPU_ISA is an error
+                _lib = None
+                raise  # no compiler, a failed build: the torch paths run instead
             _error = str(exc)
             _lib = None
             log.warning("CPU kernels unavailable, using the torch fallbacks: %s", exc)
