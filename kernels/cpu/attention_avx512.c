@@ -83,8 +83,14 @@ static inline TGT __attribute__((always_inline)) void pv_rows(float *acc, const 
     }
 }
 
+#ifndef AE_ATTN_PREFETCH
+#define AE_ATTN_PREFETCH 2
+#endif
+#ifndef AE_ATTN_PF_HINT
+#define AE_ATTN_PF_HINT _MM_HINT_T0
+#endif
 static inline TGT void prefetch_slab(const char *p, long bytes) {
-    for (long o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    for (long o = 0; o < bytes; o += 64) _mm_prefetch(p + o, AE_ATTN_PF_HINT);
 }
 
 #define RA_FN rows_impl_f32

@@ -21,8 +21,10 @@ static inline RA_TGT __attribute__((always_inline)) void RA_FN(const struct attn
     for (int b = pmin / bs; b <= pmax / bs && pmin <= pmax; b++) {
         const char *kb = (const char *)A->kc + (A->head_off + (long)A->table[b] * bs * D) * elem;
         const char *vb = (const char *)A->vc + (A->head_off + (long)A->table[b] * bs * D) * elem;
-        if (b + 1 <= pmax / bs) {
-            long next = (A->head_off + (long)A->table[b + 1] * bs * D) * elem;
+        /* the slabs AE_ATTN_PREFETCH blocks ahead (the first iteration also the ones before) */
+        for (int pb = b == pmin / bs ? b + 1 : b + AE_ATTN_PREFETCH; pb <= b + AE_ATTN_PREFETCH && pb <= pmax / bs;
+             pb++) {
+            long next = (A->head_off + (long)A->table[pb] * bs * D) * elem;
             prefetch_slab((const char *)A->kc + next, slab_bytes);
             prefetch_slab((const char *)A->vc + next, slab_bytes);
         }
