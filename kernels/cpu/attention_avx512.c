@@ -83,14 +83,19 @@ static inline TGT __attribute__((always_inline)) void pv_rows(float *acc, const 
     }
 }
 
+/* The K and V slabs of block pb of an item, into L2. Measured (one thread, 128 decoding sequences
+ * x 400 keys, bf16, blocks of 16 shuffled: the cache streams from DRAM): a burst of the item's first
+ * 64 blocks at its start, then one block 64 ahead, 36 -> 29 ns per (key, kv head); prefetching
+ * 1-16 blocks ahead instead changed nothing (36-37 ns). */
 #ifndef AE_ATTN_PREFETCH
-#define AE_ATTN_PREFETCH 2
+#define AE_ATTN_PREFETCH 64
 #endif
-#ifndef AE_ATTN_PF_HINT
-#define AE_ATTN_PF_HINT _MM_HINT_T0
-#endif
-static inline TGT void prefetch_slab(const char *p, long bytes) {
-    for (long o = 0; o < bytes; o += 64) _mm_prefetch(p + o, AE_ATTN_PF_HINT);
+static inline TGT void prefetch_block(const struct attn_rows_args *A, int pb, int bs, int D, int elem) {
+    const long off = (A->head_off + (long)A->table[pb] * bs * D) * elem, bytes = (long)bs * D * elem;
+    for (long o = 0; o < bytes; o += 64) {
+        _mm_prefetch((const char *)A->kc + off + o, _MM_HINT_T1);
+        _mm_prefetch((const char *)A->vc + off + o, _MM_HINT_T1);
+    }
 }
 
 #define RA_FN rows_impl_f32

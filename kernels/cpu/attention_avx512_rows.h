@@ -17,17 +17,15 @@ static inline RA_TGT __attribute__((always_inline)) void RA_FN(const struct attn
         if (hi[r] > pmax) pmax = hi[r];
     }
     const int elem = bf16 ? 2 : 4;
-    const long slab_bytes = (long)bs * D * elem;
     for (int b = pmin / bs; b <= pmax / bs && pmin <= pmax; b++) {
         const char *kb = (const char *)A->kc + (A->head_off + (long)A->table[b] * bs * D) * elem;
         const char *vb = (const char *)A->vc + (A->head_off + (long)A->table[b] * bs * D) * elem;
-        /* the slabs AE_ATTN_PREFETCH blocks ahead (the first iteration also the ones before) */
-        for (int pb = b == pmin / bs ? b + 1 : b + AE_ATTN_PREFETCH; pb <= b + AE_ATTN_PREFETCH && pb <= pmax / bs;
-             pb++) {
-            long next = (A->head_off + (long)A->table[pb] * bs * D) * elem;
-            prefetch_slab((const char *)A->kc + next, slab_bytes);
-            prefetch_slab((const char *)A->vc + next, slab_bytes);
-        }
+        /* into L2: the item's first AE_ATTN_PREFETCH blocks at once, then one block that far ahead */
+        const int blast = pmax / bs;
+        if (b == pmin / bs)
+            for (int pb = b; pb < b + AE_ATTN_PREFETCH && pb <= blast; pb++) prefetch_block(A, pb, bs, D, elem);
+        else if (b + AE_ATTN_PREFETCH - 1 <= blast)
+            prefetch_block(A, b + AE_ATTN_PREFETCH - 1, bs, D, elem);
         const int kstart = b * bs;
         int umin = bs, umax = 0;
         for (int r = 0; r < nr; r++) {
