@@ -37,9 +37,11 @@ def test_packed_equals_f_linear(dtype, bias):
             torch.testing.assert_close(got, want, atol=0, rtol=0)  # bf16: what F.linear's oneDNN call gives
         else:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    x3 = torch.randn(2, 5, 96).to(dtype)[:, ::2]  # leading dims, a strided input
-    torch.testing.assert_close(m(x3), F.linear(x3, m.weight, m.bias), atol=1e-5 if dtype == torch.float32 else 0,
-                               rtol=1e-5 if dtype == torch.float32 else 0)
+    # leading dims, a strided input (F.linear then rounds x W^T to bf16 before adding the bias; the
+    # packed call adds it in fp32: bf16 results within one rounding)
+    x3 = torch.randn(2, 5, 96).to(dtype)[:, ::2]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(m(x3), F.linear(x3, m.weight, m.bias), **tol)
 
 
 def test_what_gets_packed(monkeypatch):
