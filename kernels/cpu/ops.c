@@ -21,6 +21,7 @@
 #define OV_STF _mm256_storeu_ps
 #define OV_LDB ae_ld_bf16x8
 #define OV_STB ae_st_bf16x8
+#define OV_RNDB ae_round_bf16x8
 #define OV_CAT(op) _mm256_##op##_ps
 #define OV_ADD _mm256_add_ps
 #define OV_SUB _mm256_sub_ps
@@ -38,6 +39,7 @@
 #undef OV_STF
 #undef OV_LDB
 #undef OV_STB
+#undef OV_RNDB
 #undef OV_CAT
 #undef OV_ADD
 #undef OV_SUB
@@ -54,6 +56,7 @@
 #define OV_STF _mm512_storeu_ps
 #define OV_LDB ae_ld_bf16x16
 #define OV_STB ae_st_bf16x16
+#define OV_RNDB ae_round_bf16x16
 #define OV_CAT(op) _mm512_##op##_ps
 #define OV_ADD _mm512_add_ps
 #define OV_SUB _mm512_sub_ps

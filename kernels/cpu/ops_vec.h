@@ -2,7 +2,8 @@
  * macros): they replace the scalar bf16 loops, whose per-element conversions and expf made
  * silu_and_mul 13% and add_rms_norm 3% of a bf16 offline step (py-spy, issue 22).
  *   OV_FN(name)  name -> name_<isa>      OV_TGT  the ISA's target attribute
- *   OV_L lanes, OV_V vector type; OV_LDF / OV_STF fp32, OV_LDB / OV_STB bf16 (RNE), OV_SET1, OV_ADD,
+ *   OV_L lanes, OV_V vector type; OV_LDF / OV_STF fp32, OV_LDB / OV_STB bf16 (RNE), OV_RNDB the
+ *   rounding to bf16 in registers, OV_SET1, OV_ADD,
  *   OV_MUL, OV_DIV, OV_FMA, OV_EXP, OV_HSUM
  * Each returns the elements it did (whole vectors); the caller's scalar loop does the rest, with
  * the same rounding steps, so a row's result does not depend on where the split falls.
@@ -13,14 +14,7 @@
 #define OV_ST(p, i, v, bf16) \
     do { if (bf16) OV_STB((uint16_t *)(p) + (i), (v)); else OV_STF((float *)(p) + (i), (v)); } while (0)
 /* the value as the dtype holds it */
-#define OV_ROUND(v, bf16) ((bf16) ? OV_round_bf16(v) : (v))
-
-static inline OV_TGT OV_V OV_FN(ov_round_bf16)(OV_V v) {
-    uint16_t tmp[OV_L];
-    OV_STB(tmp, v);
-    return OV_LDB(tmp);
-}
-#define OV_round_bf16 OV_FN(ov_round_bf16)
+#define OV_ROUND(v, bf16) ((bf16) ? OV_RNDB(v) : (v))
 
 /* out[d] = round(round(silu(g[d])) * u[d]) */
 static inline OV_TGT int OV_FN(ov_silu_row)(const void *x, long xo, void *out, long oo, int inter, int bf16) {
@@ -79,4 +73,3 @@ static inline OV_TGT __attribute__((optimize("fp-contract=off"))) void OV_FN(ov_
 #undef OV_LD
 #undef OV_ST
 #undef OV_ROUND
-#undef OV_round_bf16

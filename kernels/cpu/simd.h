@@ -83,6 +83,25 @@ static inline AE_TGT_AVX512 void ae_st_bf16x16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
 
+/* The value a bf16 store then load would give, in registers (the elementwise ops' intermediate
+ * roundings). */
+static inline AE_TGT_AVX2 __m256 ae_round_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline AE_TGT_AVX512 __m512 ae_round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 static inline AE_TGT_AVX512 float ae_hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 static inline AE_TGT_AVX2 float ae_hsum8(__m256 v) {
