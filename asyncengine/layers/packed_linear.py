@@ -52,14 +52,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
 
 def prepack(model: nn.Module) -> int:
     """Pack every dense CPU projection of ``model`` in bf16 or fp32 (call once its weights are
-    loaded, before it runs); returns how many were packed."""
-    from asyncengine.layers.linear import Linear
-
+    loaded, before it runs); returns how many were packed. A projection is a module with a
+    ``packed`` slot (``layers.linear.Linear``; not imported here: linear.py imports this module)."""
     if not enabled() or not available():
         return 0
     n = 0
     for m in model.modules():
-        if not isinstance(m, Linear) or m.quantized or m.batch_invariant:
+        if not hasattr(type(m), "packed") or m.quantized or m.batch_invariant:
             continue
         w = m.weight
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32) or w.dim() != 2:
