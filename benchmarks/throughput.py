@@ -73,7 +73,7 @@ def result_dict(engine: str, reqs, outputs, elapsed: float, **extra) -> dict:
 def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the command line (None = the engine's default)."""
     opts = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "num_threads": args.threads or None}
+            "num_threads": args.threads or None, "block_size": args.block_size}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="alternate the engines this many times")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--in-process", action="store_true", help="run the engines in this process")
     ap.add_argument("--out", default="", help="write the JSON result here")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.kernels.cpu import invariant, quant, repack
+from asyncengine.layers import packed_linear
 
 BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0
 
@@ -84,6 +85,8 @@ class Linear(nn.Module):
     batch_invariant = False
     # bumped whenever a layer's activation mode or layout changes (the native step's table reads both)
     mode_epoch = 0
+    # a dense weight in oneDNN's blocked layout (layers/packed_linear.py), or None
+    onednn_weight: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parts: tuple[int, ...] | None = None) -> None:
@@ -190,6 +193,8 @@ class Linear(nn.Module):
         if self.qtype is None:
             if self.batch_invariant:
                 return invariant.linear(x, self.weight, self.bias)
+            if self.onednn_weight is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+                return packed_linear.linear(x, self.onednn_weight, self.bias, self.out_features)
             return F.linear(x, self.weight, self.bias)
         y = quant.gemm(x, self.qweight, self.qtype, self.in_features, self.bias, activations=self.activations,
                        fixed_order=self.batch_invariant, packed=self.packed)

@@ -128,6 +128,12 @@ class Worker:
             for model in (self.model, self.draft_model):
                 if model is not None:
                     batch_invariant.enable(model)
+        elif self.config.torch_device.type == "cpu":
+            from asyncengine.layers import packed_linear
+
+            for model in (self.model, self.draft_model):
+                if model is not None:
+                    packed_linear.prepack(model)
 
     def determine_kv_cache_spec(self) -> KVCacheSpec:
         c = self.config

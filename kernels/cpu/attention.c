@@ -16,11 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_rows.h"
 #include "simd.h"
-
-#define AE_ATTN_MAX_D 512
-#define AE_ATTN_MAX_BS 256
-#define AE_ATTN_ROW_TILE 16
 
 static inline float attn_bf16_load(const uint16_t *p) {
     uint32_t u = (uint32_t)(*p) << 16;
@@ -43,19 +40,13 @@ static inline float attn_load(const void *base, long i, int bf16) {
 }
 
 #ifdef __AVX2__
+#define ATTN_AVX2 (isa >= AE_ISA_AVX2) /* the AVX2 loops below, unless a lower ISA is forced */
 static inline __m256 attn_load8(const void *base, long i, int bf16) {
     if (bf16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)base + i);
-}
-
-static inline float attn_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* q . k_j for the 8 keys j0..j0+7 of a slab: 8 accumulators over D, then one transposing reduction. */
@@ -86,7 +77,7 @@ static inline __m256 attn_dot8(const float *q, const void *kb, long j0, int D, i
 static inline __attribute__((always_inline)) void attn_rows(
         const float *qf, const int *qpos, int nr, const void *kc, const void *vc, const int32_t *table,
         long head_off, int bs, int D, int bf16, int window, float *acc, int klo, int khi, float *mo,
-        float *lo_out) {
+        float *lo_out, int isa) {
     float m[AE_ATTN_ROW_TILE], l[AE_ATTN_ROW_TILE];
     float s[AE_ATTN_MAX_BS];
     int pmin = 1 << 30, pmax = -1;
@@ -118,7 +109,7 @@ static inline __attribute__((always_inline)) void attn_rows(
             float *a = acc + (long)r * D;
             float mx = -INFINITY;
 #ifdef __AVX2__
-            if ((D & 7) == 0 && (bs & 7) == 0) {
+            if (ATTN_AVX2 && (D & 7) == 0 && (bs & 7) == 0) {
                 for (int c = j0 & ~7; c < j1; c += 8) {
                     __m256 sv = attn_dot8(q, kb, c, D, bf16);
                     _mm256_storeu_ps(s + c, sv);
@@ -140,12 +131,12 @@ static inline __attribute__((always_inline)) void attn_rows(
 #ifdef __AVX2__
             __m256 mv = _mm256_set1_ps(mnew);
             __m256 sumv = _mm256_setzero_ps();
-            for (; j + 8 <= j1; j += 8) {
+            for (; ATTN_AVX2 && j + 8 <= j1; j += 8) {
                 __m256 p = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
                 _mm256_storeu_ps(s + j, p);
                 sumv = _mm256_add_ps(sumv, p);
             }
-            sum = attn_hsum8(sumv);
+            sum = ae_hsum8(sumv);
 #endif
             for (; j < j1; j++) {
                 s[j] = expf(s[j] - mnew);
@@ -159,7 +150,7 @@ static inline __attribute__((always_inline)) void attn_rows(
                 float p = s[j];
                 long o = (long)j * D;
 #ifdef __AVX2__
-                if ((D & 7) == 0) {
+                if (ATTN_AVX2 && (D & 7) == 0) {
                     __m256 pv = _mm256_set1_ps(p);
                     for (int d = 0; d < D; d += 8)
                         _mm256_storeu_ps(a + d, _mm256_fmadd_ps(pv, attn_load8(vb, o + d, bf16), _mm256_loadu_ps(a + d)));
@@ -170,15 +161,8 @@ static inline __attribute__((always_inline)) void attn_rows(
             }
         }
     }
-    if (mo) {
-        memcpy(mo, m, sizeof(float) * nr);
-        memcpy(lo_out, l, sizeof(float) * nr);
-        return;
-    }
-    for (int r = 0; r < nr; r++) {
-        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int d = 0; d < D; d++) acc[(long)r * D + d] *= inv;
-    }
+    struct attn_rows_args fin = {.nr = nr, .acc = acc, .mo = mo, .lo_out = lo_out};
+    attn_rows_finish(&fin, m, l, D);
 }
 
 /* One (sequence, kv head, row tile), over keys [klo, khi): load its query rows, attend, store the
@@ -187,8 +171,9 @@ static inline __attribute__((always_inline)) void attn_rows(
 static inline __attribute__((always_inline)) void attn_item(
         const void *q, long q_stride, void *out, const void *kc, const void *vc, const int32_t *table,
         int qstart, int ctx, int h, int r0, int r1, int g, int Hkv, int NB, int bs, int D, float scale,
-        int window, int bf16, int klo, int khi, float *part) {
+        int window, int bf16, int klo, int khi, float *part, int isa) {
     float qf[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
+    uint16_t qb[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     float acc[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     int qpos[AE_ATTN_ROW_TILE];
     int nr = r1 - r0;
@@ -197,14 +182,15 @@ static inline __attribute__((always_inline)) void attn_item(
         int row = r0 + r, i = row / g, head = h * g + row % g;  /* rows: (query token, head in group) */
         long src = (long)(qstart + i) * q_stride + (long)head * D;
         for (int d = 0; d < D; d++) qf[(long)r * D + d] = attn_load(q, src + d, bf16) * scale;
+        if (bf16) memcpy(qb + (long)r * D, (const uint16_t *)q + src, sizeof(uint16_t) * D);
         qpos[r] = ctx + i;
     }
-    if (part) {
-        attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, part, klo, khi,
-                  part + (long)nr * D, part + (long)nr * D + nr);
-        return;
-    }
-    attn_rows(qf, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D, bf16, window, acc, klo, khi, NULL, NULL);
+    struct attn_rows_args A = {qf, bf16 ? qb : NULL, scale, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D,
+                               window, part ? part : acc, klo, khi, part ? part + (long)nr * D : NULL,
+                               part ? part + (long)nr * D + nr : NULL};
+    if (!attn_rows_avx512(&A, bf16, isa))
+        attn_rows(qf, qpos, nr, kc, vc, table, A.head_off, bs, D, bf16, window, A.acc, klo, khi, A.mo, A.lo_out, isa);
+    if (part) return;
     for (int r = 0; r < nr; r++) {
         int row = r0 + r, i = row / g, head = h * g + row % g;
         long dst = ((long)(qstart + i) * Hq + head) * D;
@@ -302,6 +288,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
         parts = (float *)malloc(sizeof(float) * (size_t)total * (size_t)part_stride);
         if (!parts) split = -1, total = groups; /* no memory for the partials: unsplit */
     }
+    const int isa = ae_isa();
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -325,7 +312,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
             /* constant head dims and cache type, so the compiler specialises attn_item's loops */
 #define AE_ATTN_CALL(DIM, BF16) attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], \
                                           context_lens[s], h, r0, r1, g, Hkv, NB, bs, DIM, scale, window, BF16, \
-                                          klo, khi, part)
+                                          klo, khi, part, isa)
             if (D == 64) { if (bf16) AE_ATTN_CALL(64, 1); else AE_ATTN_CALL(64, 0); }
             else if (D == 128) { if (bf16) AE_ATTN_CALL(128, 1); else AE_ATTN_CALL(128, 0); }
             else { if (bf16) AE_ATTN_CALL(D, 1); else AE_ATTN_CALL(D, 0); }

@@ -6,7 +6,8 @@ so a machine of another kind, or an edited source, gets its own build. The libra
 a file lock, so concurrent first uses (worker processes, test runs) build it once.
 
 ``ASYNCENGINE_CPU_KERNELS=0`` turns the kernels off (the torch fallbacks then run): tests use it to
-cover the fallback, and a user can use it to rule the kernels out.
+cover the fallback, and a user can use it to rule the kernels out. ``ASYNCENGINE_CPU_ISA`` (set as
+the library loads, below; ``isa.py`` is the API) forces the dense kernels' instruction set.
 """
 from __future__ import annotations
 
@@ -141,7 +142,11 @@ def load() -> ctypes.CDLL | None:
             if not target.exists():
                 _build(cc, target)
             _lib = ctypes.CDLL(str(target))
-        except Exception as exc:  # no compiler, a failed build: the torch paths run instead
+            _apply_isa_env(_lib)
+        except Exception as exc:
+            if isinstance(exc, IsaError):  # a misspelt or impossible ASYNCENGINE_CPU_ISA is an error
+                _lib = None
+                raise  # no compiler, a failed build: the torch paths run instead
             _error = str(exc)
             _lib = None
             log.warning("CPU kernels unavailable, using the torch fallbacks: %s", exc)
@@ -151,6 +156,41 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+# The dense kernels' instruction-set levels (isa.c), in order: each runs every path below it.
+# kernels/cpu/isa.py is the API; the level named by ASYNCENGINE_CPU_ISA is set here, as the library
+# loads, before any kernel runs.
+ISAS = ("scalar", "avx2", "avx512_vnni", "avx512_bf16")
+
+
+class IsaError(ValueError):
+    """An ISA this CPU cannot execute, or an unknown name."""
+
+
+def bind_isa(lib) -> None:
+    if not hasattr(lib, "_ae_isa_ready"):
+        for name, args in (("ae_isa_cpu", []), ("ae_isa_get", []), ("ae_isa_set", [ctypes.c_int])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        lib._ae_isa_ready = True
+
+
+def set_isa_level(lib, name: str, what: str) -> str:
+    """Use level ``name`` (or ``"auto"``); returns the level now in use; IsaError where it cannot."""
+    bind_isa(lib)
+    if name != "auto" and name not in ISAS:
+        raise IsaError(f"{what}={name!r}: expected auto or one of {', '.join(ISAS)}")
+    if lib.ae_isa_set(-1 if name == "auto" else ISAS.index(name)) < 0:
+        raise IsaError(f"{what}={name}: this CPU (or its OS) cannot execute it; the best it can is "
+                       f"{ISAS[lib.ae_isa_cpu()]}")
+    return ISAS[lib.ae_isa_get()]
+
+
+def _apply_isa_env(lib) -> None:
+    want = os.environ.get("ASYNCENGINE_CPU_ISA", "auto").strip().lower() or "auto"
+    if want != "auto":
+        set_isa_level(lib, want, "ASYNCENGINE_CPU_ISA")
 
 
 def bind(signatures: dict[str, list]) -> dict | bool:

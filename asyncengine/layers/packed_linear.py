@@ -1,0 +1,72 @@
+"""Dense CPU projections through oneDNN with the weight reordered once, at load, into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's own
+CPU freezing pass and vLLM's CPU build use) instead of ``F.linear``.
+
+Why: ``F.linear`` reorders the weight on every call for bf16 and, for fp32, runs MKL's sgemm,
+which takes a slow path on AMD CPUs. Measured on the 2-vCPU EPYC (Zen 5, AVX512-BF16), one thread,
+bench-model shapes (K 512/1408, N 512-2816): bf16 1.9x faster at 1 row, ~5% at 200 rows; fp32
+2.4-4x faster at 200-2,048 rows, 5x for the 32,000-row LM head. bf16 results are bit-identical to
+``F.linear``'s; fp32 ones differ in summation order only (~1e-7 relative).
+
+The packed copy sits beside the dense parameter (the embedding, tied heads and the loader keep
+reading that one): the model's dense weights take twice their bytes in memory. Off with
+``ASYNCENGINE_PREPACK=0``; never in the batch-invariant mode, whose linears have their own kernel.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# rows the blocked layout is chosen for (oneDNN picks its blocking from it; any M runs with it)
+ROWS_HINT = 256
+
+
+def enabled() -> bool:
+    return os.environ.get("ASYNCENGINE_PREPACK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] in oneDNN's blocked layout (an opaque tensor for :func:`linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x W^T (+ b)`` with a weight from :func:`pack`; x [..., K], any leading dims."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return y.view(*lead, out_features)
+
+
+def prepack(model: nn.Module) -> int:
+    """Pack every dense CPU projection of ``model`` in bf16 or fp32 (call once its weights are
+    loaded, before it runs); returns how many were packed. A projection is a module with an
+    ``onednn_weight`` slot (``layers.linear.Linear``; not imported here: linear.py imports this module)."""
+    if not enabled() or not available():
+        return 0
+    n = 0
+    for m in model.modules():
+        if not hasattr(type(m), "onednn_weight") or m.quantized or m.batch_invariant:
+            continue
+        w = m.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32) or w.dim() != 2:
+            continue
+        if m.bias is not None and m.bias.dtype != w.dtype:
+            continue
+        m.onednn_weight = pack(w)
+        n += 1
+    if n:
+        log.info("packed %d dense projections for oneDNN", n)
+    return n
