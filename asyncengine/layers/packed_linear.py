@@ -9,8 +9,11 @@ bench-model shapes (K 512/1408, N 512-2816): bf16 1.9x faster at 1 row, ~5% at 2
 ``F.linear``'s; fp32 ones differ in summation order only (~1e-7 relative).
 
 The packed copy sits beside the dense parameter (the embedding, tied heads and the loader keep
-reading that one): the model's dense weights take twice their bytes in memory. Off with
-``ASYNCENGINE_PREPACK=0``; never in the batch-invariant mode, whose linears have their own kernel.
+reading that one): the model's dense weights take twice their bytes in memory. So the copies are
+made only while they fit in a quarter of the memory available at load (``MEMORY_SHARE``): a small
+model gets the speed, a large one is never pushed out of memory by it (it logs what it skipped).
+Off with ``ASYNCENGINE_PREPACK=0``; never in the batch-invariant mode, whose linears have their own
+kernel.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# the packed copies may take at most this share of the memory available when the model is loaded
+MEMORY_SHARE = 0.25
 
 # rows the blocked layout is chosen for (oneDNN picks its blocking from it; any M runs with it)
 ROWS_HINT = 256
@@ -33,6 +39,18 @@ def enabled() -> bool:
 def available() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def available_memory_bytes() -> int:
+    """What the OS says is available now (Linux ``MemAvailable``; physical pages free elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -56,7 +74,7 @@ def prepack(model: nn.Module) -> int:
     ``onednn_weight`` slot (``layers.linear.Linear``; not imported here: linear.py imports this module)."""
     if not enabled() or not available():
         return 0
-    n = 0
+    todo = []
     for m in model.modules():
         if not hasattr(type(m), "onednn_weight") or m.quantized or m.batch_invariant:
             continue
@@ -65,8 +83,16 @@ def prepack(model: nn.Module) -> int:
             continue
         if m.bias is not None and m.bias.dtype != w.dtype:
             continue
-        m.onednn_weight = pack(w)
-        n += 1
-    if n:
-        log.info("packed %d dense projections for oneDNN", n)
-    return n
+        todo.append(m)
+    need = sum(m.weight.numel() * m.weight.element_size() for m in todo)
+    budget = int(MEMORY_SHARE * available_memory_bytes())
+    if need > budget:
+        log.warning("not packing %d dense projections for oneDNN: the copies (%.0f MiB) would exceed "
+                    "%d%% of the memory available (%.0f MiB)", len(todo), need / 2**20,
+                    round(100 * MEMORY_SHARE), budget / 2**20)
+        return 0
+    for m in todo:
+        m.onednn_weight = pack(m.weight)
+    if todo:
+        log.info("packed %d dense projections for oneDNN (%.0f MiB)", len(todo), need / 2**20)
+    return len(todo)

@@ -53,7 +53,19 @@ def test_what_gets_packed(monkeypatch):
     invariant_layer.batch_invariant = True  # its own kernel (layers/batch_invariant.py)
     model.extend([quantized, invariant_layer])
     assert packed_linear.prepack(model) == 2
-    assert [getattr(m, "packed", None) is not None for m in model] == [True, False, True, False, False]
+    assert [m.onednn_weight is not None for m in model] == [True, False, True, False, False]
     monkeypatch.setenv("ASYNCENGINE_PREPACK", "0")
     fresh = dense_linear(64, 32, torch.float32)
     assert packed_linear.prepack(fresh) == 0 and fresh.onednn_weight is None
+
+
+def test_no_copies_beyond_the_memory_share(monkeypatch):
+    """The packed copies double dense weights: they are made only while they fit in the share of
+    available memory, all or none."""
+    model = nn.ModuleList([dense_linear(64, 32, torch.float32), dense_linear(64, 32, torch.float32)])
+    need = 2 * 64 * 32 * 4
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: int(need / packed_linear.MEMORY_SHARE) - 1)
+    assert packed_linear.prepack(model) == 0 and all(m.onednn_weight is None for m in model)
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: int(need / packed_linear.MEMORY_SHARE) + 4)
+    assert packed_linear.prepack(model) == 2 and all(m.onednn_weight is not None for m in model)
+    assert packed_linear.available_memory_bytes() > 0
