@@ -167,3 +167,20 @@ def tiny(tiny_llama_dir):
     from asyncengine.models.loader import load_model
 
     return tiny_llama_dir, load_model(EngineConfig(model=tiny_llama_dir, dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local two-node Ray cluster (one CPU each), shared by every Ray test of the session: ray.init
+    connects a process to one cluster at a time."""
+    import ray  # the [ray] extra (part of [dev])
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -9,28 +9,13 @@ import sys
 import textwrap
 
 import pytest
-
-from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
-from asyncengine.errors import ConfigError
 from model_utils import compare
 from proc_utils import drain_after_core_death
 
+from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+from asyncengine.errors import ConfigError
+
 HANG_GUARD_S = 240.0
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray  # the [ray] extra (part of [dev])
-    from ray.cluster_utils import Cluster
-
-    node = dict(num_cpus=1, object_store_memory=80 * 1024 * 1024, include_dashboard=False)
-    cluster = Cluster(initialize_head=True, head_node_args=node)
-    cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def ray_engine(model_dir: str, **kw) -> AsyncLLMEngine:

@@ -19,21 +19,6 @@ from asyncengine.errors import ConfigError
 HANG_GUARD_S = 240.0  # only a guard against a hang
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    node = dict(num_cpus=1, object_store_memory=80 * 1024 * 1024, include_dashboard=False)
-    cluster = Cluster(initialize_head=True, head_node_args=node)
-    cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
 def cfg(model_dir: str, tmp_path, **kw) -> EngineConfig:
     return EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=8, num_threads=1,
                         freeze_gc_after_load=False, distributed_timeout_s=60.0, kv_transfer_dir=str(tmp_path), **kw)
