@@ -306,11 +306,8 @@ class EngineConfig:
             raise ConfigError(f"kv_role must be None, 'prefill' or 'decode', got {self.kv_role!r}")
         if self.kv_transfer_lease_s <= 0:
             raise ConfigError(f"kv_transfer_lease_s must be > 0, got {self.kv_transfer_lease_s}")
-        if self.kv_role is not None:
-            if self.kv_offload_bytes is not None or self.kv_offload_dir is not None:
-                raise ConfigError("a core has one KV connector: kv_role (P/D) or KV offload, not both")
-            if self.tensor_parallel_size > 1:
-                raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
+        if self.kv_role is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
         if self.kv_offload_bytes is None and self.kv_offload_dir is None:
             return
         if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:

@@ -18,6 +18,13 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
     kv_budget_bytes: int | None = None
     # hybrid models: one request's state slot over all its Mamba layers (0: no state layers)
     state_bytes_per_seq: int = 0
+    # the target model's share of bytes_per_block (a draft model's cache adds its own to a block):
+    # what a KV connector moves per block (0: all of bytes_per_block)
+    target_bytes_per_block: int = 0
+
+    @property
+    def connector_bytes_per_block(self) -> int:
+        return self.target_bytes_per_block or self.bytes_per_block
 
 
 class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -73,6 +73,9 @@ class Request:
     num_prompt_logprobs: int = 0
     # P/D: where this request's prompt KV waits ({"source": "host:port"}, kv_connector/pd/)
     kv_transfer_params: dict[str, str] | None = None
+    # KV connector: prompt tokens loaded from outside when last taken from the waiting queue (their
+    # KV is the target's alone: a draft model computes them itself)
+    num_external_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

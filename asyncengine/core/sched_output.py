@@ -16,6 +16,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # first position this step computes (prefix-cache hits skip ahead)
+    # of num_computed_tokens, those a KV connector loaded (the target's KV only: a draft model
+    # computes them itself)
+    num_external_tokens: int = 0
     eos_token_ids: list[int] = []
     bad_words_token_ids: list[list[int]] | None = None
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (-1: the model has none)

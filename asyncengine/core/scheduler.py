@@ -274,7 +274,7 @@ class Scheduler:
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(req, self.kv.req_to_blocks[req.request_id],
                                                             num_hit, num_ext)
-                    num_hit += num_ext
+                    num_hit, req.num_external_tokens = num_hit + num_ext, num_ext
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
@@ -300,7 +300,7 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
                     block_ids=self.kv.block_ids(rid), num_computed_tokens=req.num_computed_tokens,
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
-                    state_slot=self.kv.state_slot(rid)))
+                    num_external_tokens=req.num_external_tokens, state_slot=self.kv.state_slot(rid)))
             else:
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens,

@@ -81,7 +81,7 @@ class EngineCore:
                                                    spec.state_bytes_per_seq)
         else:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_connector = make_scheduler_connector(config, self.kv, spec.bytes_per_block)
+        kv_connector = make_scheduler_connector(config, self.kv, spec.connector_bytes_per_block)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=config.policy,

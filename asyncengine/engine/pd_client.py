@@ -78,13 +78,15 @@ class PDEngine:
         ray = config.distributed_executor_backend == "ray"
 
         def core(role: str) -> AsyncLLMEngine:
+            # a prefill core samples one token: speculation (a draft model's forwards) only on decode cores
             # tcp: a prefill core serves its transfers on a port picked here (on this host: a Ray
             # actor elsewhere binds the same number on its node), which decode cores are told
             address = _free_address("127.0.0.1") if role == "prefill" and self.tcp else None
             bind = address if address is None or not ray else "0.0.0.0:" + address.rpartition(":")[2]
             e = AsyncLLMEngine(dataclasses.replace(
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
-                kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads))
+                kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads,
+                speculative_config=config.speculative_config if role == "decode" else None))
             if address is not None and ray:  # the actor's node, as Ray placed it
                 address = f"{e.client.clients[0].node_ip}:{address.rpartition(':')[2]}"
             self.sources[id(e)] = address

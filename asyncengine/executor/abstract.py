@@ -53,7 +53,8 @@ class Executor(ABC):
         return KVCacheSpec(block_size=specs[0].block_size, bytes_per_block=max(s.bytes_per_block for s in specs),
                            available_bytes=min(avail) if avail else None,
                            kv_budget_bytes=min(budgets) if budgets else None,
-                           state_bytes_per_seq=max(s.state_bytes_per_seq for s in specs))
+                           state_bytes_per_seq=max(s.state_bytes_per_seq for s in specs),
+                           target_bytes_per_block=max(s.target_bytes_per_block for s in specs))
 
     def initialize_cache(self, kv: KVCacheConfig) -> None:
         self.collective_rpc("initialize_cache", (kv,))

@@ -1,6 +1,7 @@
 """Which connector a config asks for, on each side: the P/D connector for a core with a
-``kv_role``, the offload connector whenever ``kv_offload_bytes`` or ``kv_offload_dir`` is set, else
-none (None on both sides: not one extra call per step)."""
+``kv_role``, the offload connector whenever ``kv_offload_bytes`` or ``kv_offload_dir`` is set, both
+(kv_connector/multi.py: P/D asked first) when both are, else none (None on both sides: not one
+extra call per step)."""
 from __future__ import annotations
 
 import logging
@@ -49,17 +50,30 @@ def pd_transport(config: "EngineConfig", serve: bool = False):
 def make_scheduler_connector(config: "EngineConfig", kv: "KVCacheManager",
                              bytes_per_block: int) -> "SchedulerConnector | None":
     """``bytes_per_block``: one block of this rank's cache (what a host slot and a file hold)."""
+    connectors = []
     if config.kv_role == "prefill":
         from asyncengine.kv_connector.pd.scheduler import PrefillExporter
 
-        return PrefillExporter(kv)
-    if config.kv_role == "decode":
+        connectors.append(PrefillExporter(kv))
+    elif config.kv_role == "decode":
         from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
         from asyncengine.kv_connector.pd.scheduler import DecodeImporter
 
-        return DecodeImporter(kv, pd_transport(config), kv_fingerprint(config), bytes_per_block)
-    if not offload_enabled(config):
-        return None
+        connectors.append(DecodeImporter(kv, pd_transport(config), kv_fingerprint(config), bytes_per_block))
+    if offload_enabled(config):
+        connectors.append(_offload_scheduler(config, kv, bytes_per_block))
+    return _one(connectors, "MultiSchedulerConnector")
+
+
+def _one(connectors: list, multi: str):
+    if len(connectors) <= 1:
+        return connectors[0] if connectors else None
+    from asyncengine.kv_connector import multi as m
+
+    return getattr(m, multi)(connectors)
+
+
+def _offload_scheduler(config: "EngineConfig", kv: "KVCacheManager", bytes_per_block: int):
     from asyncengine.kv_connector.offload.scheduler import OffloadScheduler
 
     slots = num_host_slots(config, bytes_per_block)
@@ -75,15 +89,19 @@ def make_worker_connector(config: "EngineConfig", backend_name: str, kv_caches) 
 
     k0 = kv_caches[0][0]
     bytes_per_block = 2 * len(kv_caches) * k0.numel() // k0.shape[block_dim(backend_name)] * k0.element_size()
+    connectors = []  # the scheduler side's order (multi.py: it runs their loads in reverse)
     if config.kv_role is not None:
         from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
         from asyncengine.kv_connector.pd.worker import PDWorker
 
         prefill = config.kv_role == "prefill"
-        return PDWorker(HostPool(kv_caches, block_dim(backend_name), 1), pd_transport(config, serve=prefill),
-                        transfer_dir(config), kv_fingerprint(config), config.kv_transfer_lease_s, sweeps=prefill)
-    from asyncengine.kv_connector.offload.worker import OffloadWorker
+        pool = HostPool(kv_caches, block_dim(backend_name), 1)
+        connectors.append(PDWorker(pool, pd_transport(config, serve=prefill), transfer_dir(config),
+                                   kv_fingerprint(config), config.kv_transfer_lease_s, sweeps=prefill))
+    if offload_enabled(config):
+        from asyncengine.kv_connector.offload.worker import OffloadWorker
 
-    pool = HostPool(kv_caches, block_dim(backend_name), num_host_slots(config, bytes_per_block))
-    assert pool.block_nbytes == bytes_per_block
-    return OffloadWorker(pool, _disk_store(config, bytes_per_block))
+        pool = HostPool(kv_caches, block_dim(backend_name), num_host_slots(config, bytes_per_block))
+        assert pool.block_nbytes == bytes_per_block
+        connectors.append(OffloadWorker(pool, _disk_store(config, bytes_per_block)))
+    return _one(connectors, "MultiWorkerConnector")

@@ -152,7 +152,7 @@ class ModelRunner:
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot)
             if self.proposer is not None:
-                self.proposer.add(nr.req_id, nr.num_computed_tokens)
+                self.proposer.add(nr.req_id, nr.num_computed_tokens - nr.num_external_tokens)
             if nr.sampling_params.structured_outputs is not None:
                 self.grammar.start(self.requests[nr.req_id])
             if nr.sampling_params.prompt_logprobs is not None:

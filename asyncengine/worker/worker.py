@@ -140,13 +140,13 @@ class Worker:
         budget = None
         if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             budget = self.profile_kv_budget()
-        per_block = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
         state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0
         return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block,
                            available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget,
-                           state_bytes_per_seq=state)
+                           state_bytes_per_seq=state, target_bytes_per_block=target)
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:

@@ -209,8 +209,7 @@ def test_an_unclaimed_file_outlives_no_lease(tiny, pd, tmp_path):
 
 
 def test_config(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="one KV connector"):
-        EngineConfig(model=tiny_llama_dir, kv_role="prefill", kv_offload_bytes=1 << 20)
+    EngineConfig(model=tiny_llama_dir, kv_role="prefill", kv_offload_bytes=1 << 20)  # both: kv_connector/multi.py
     with pytest.raises(ConfigError, match="kv_role"):
         EngineConfig(model=tiny_llama_dir, kv_role="both")
 
@@ -290,3 +289,46 @@ def test_abort_while_a_claimed_request_waits_for_blocks(tiny, tmp_path):
     finally:
         p_core.shutdown()
         d_core.shutdown()
+
+
+def spec_prompts(seed=0, k=5):
+    """Prompts that repeat a segment (n-gram drafts get accepted) and plain random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(k):
+        seg = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 8))]
+        out.append(seg * rng.randrange(3, 7) if i % 2 == 0 else
+                   [rng.randrange(3, VOCAB) for _ in range(rng.randrange(9, 40))])
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_token_exact_with_speculation_on_the_decode_core(tiny, tiny_llama_dir, pd, method):
+    """The decode core drafts (n-gram lookup over the imported prompt, or a draft model): greedy
+    tokens equal a colocated core's with and without speculation. The draft model here is the target
+    itself, so its drafts are all accepted only if its own KV covers the imported prompt too (the
+    transfer carries only the target's KV: the draft recomputes the prompt)."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            if method == "ngram" else
+            {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3})
+    ps = spec_prompts(seed=11)
+    want = {}
+    for opts in ({}, dict(speculative_config=spec)):
+        colo = make(tiny, **opts)
+        for i, p in enumerate(ps):
+            colo.add_request(req(f"r{i}", p, 12))
+        got_colo = drain(colo)
+        colo.shutdown()
+        assert not want or got_colo == want
+        want = got_colo
+    p_core, d_core, d = pd({}, dict(speculative_config=spec))
+    got = pd_run(p_core, d_core, ps, max_tokens=12)
+    assert got == want
+    s = d_core.stats()
+    assert s["kv_transfer_imported_requests"] == len(ps), sorted((k, v) for k, v in s.items() if "kv_" in k)
+    assert s["spec_num_accepted_tokens"] > 0
+    if method == "draft_model":
+        assert s["spec_acceptance_rate"] == 1.0, s
+    whole(p_core)
+    whole(d_core)
+    assert files(d) == []

@@ -91,6 +91,28 @@ def test_short_prompts_skip_the_hop(tiny_llama_dir, tmp_path):
     asyncio.run(main())
 
 
+def test_speculation_on_the_decode_core(tiny_llama_dir, tmp_path):
+    """A draft model (the target itself: every draft right) on the decode core, none on the
+    prefill core: the colocated engine's tokens, and the draft's own KV covers the imported prompt
+    (all drafts accepted)."""
+    spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}
+
+    async def main():
+        async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
+            want = [await collect(colo, p, f"r{i}", 12) for i, p in enumerate(prompts())]
+        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1,
+                                            speculative_config=spec)) as pd:
+            got = [await asyncio.wait_for(collect(pd, p, f"r{i}", 12), HANG_GUARD_S) for i, p in enumerate(prompts())]
+            s = pd.stats()
+        assert got == want
+        d, p = s["decode"][0], s["prefill"][0]
+        assert d["kv_transfer_imported_requests"] == 4 and p["kv_transfer_exported_requests"] == 4
+        assert d["spec_num_draft_tokens"] > 0 and d["spec_acceptance_rate"] == 1.0, d
+        assert p.get("spec_num_draft_tokens", 0) == 0
+
+    asyncio.run(main())
+
+
 def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
     async def main():
         async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
