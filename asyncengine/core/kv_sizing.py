@@ -17,7 +17,6 @@ contents and so, over time, touches up to the whole reservation (that is what th
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from asyncengine.errors import ConfigError
@@ -132,14 +131,6 @@ def available_memory_bytes(device) -> int | None:
 
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    from asyncengine.platforms.host_memory import host_available_bytes
+
+    return host_available_bytes()

@@ -23,6 +23,8 @@ import os
 import torch
 from torch import nn
 
+from asyncengine.platforms.host_memory import host_available_bytes
+
 log = logging.getLogger(__name__)
 
 # the packed copies may take at most this share of the memory available when the model is loaded
@@ -42,15 +44,8 @@ def available() -> bool:
 
 
 def available_memory_bytes() -> int:
-    """What the OS says is available now (Linux ``MemAvailable``; physical pages free elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Host memory available now (0 if the OS does not say: then nothing is packed)."""
+    return host_available_bytes() or 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
