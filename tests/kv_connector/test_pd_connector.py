@@ -214,49 +214,57 @@ def test_config(tiny_llama_dir):
         EngineConfig(model=tiny_llama_dir, kv_role="both")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["new", "p_step", "d_step", "abort"]), st.integers(0, 9)),
-                    min_size=5, max_size=40))
-def test_random_aborts_at_every_phase_leave_both_sides_whole(tiny, tmp_path_factory, ops):
+def drive_with_random_aborts(p_core, d_core, transfer_dir: str, ops) -> None:
     """Requests walk prefill -> transfer -> decode as the front end drives them (a request that
     finished its one prefill token is sent to the decode core before the next operation), with
     aborts landing at random phases (the front end's part of an abort: abort where the request is,
-    delete its unclaimed file). Afterwards both pools are whole and no transfer file is left."""
-    d = str(tmp_path_factory.mktemp("pdsoak"))
-    p_core = make(tiny, kv_role="prefill", kv_transfer_dir=d, num_kv_blocks=12, max_num_batched_tokens=24)
-    d_core = make(tiny, kv_role="decode", kv_transfer_dir=d, num_kv_blocks=6)  # claims that wait for blocks
+    delete its unclaimed file); at the end the front end goes away and both cores drain."""
     rng = random.Random(0)
     base = [rng.randrange(3, VOCAB) for _ in range(30)]
     prompt_of: dict[str, list[int]] = {}
     phase: dict[str, str] = {}  # id -> "prefill" | "decode"
+
+    def abort(rid: str) -> None:
+        (p_core if phase[rid] == "prefill" else d_core).abort_requests([rid])
+        if os.path.exists(tf.file_path(transfer_dir, rid)):
+            os.unlink(tf.file_path(transfer_dir, rid))
+
+    for i, (op, x) in enumerate(ops):
+        for rid in [r for r, ph in phase.items() if ph == "prefill" and r not in p_core.scheduler.requests]:
+            d_core.add_request(req(rid, prompt_of[rid], 1 + x))  # exported: on to the decode core
+            phase[rid] = "decode"
+        for rid in [r for r, ph in phase.items() if ph == "decode" and r not in d_core.scheduler.requests]:
+            del phase[rid]  # finished on the decode core
+        if op == "new":
+            rid = f"r{i}"
+            prompt_of[rid] = base[:5 + x] + [7 + x] * (x + 3)
+            p_core.add_request(req(rid, prompt_of[rid], 1))
+            phase[rid] = "prefill"
+        elif op == "p_step":
+            p_core.step()
+        elif op == "d_step":
+            d_core.step()
+        elif phase:
+            rid = sorted(phase)[x % len(phase)]
+            abort(rid)
+            del phase[rid]
+    for rid in phase:  # the front end goes away: everything left is aborted
+        abort(rid)
+    drain(p_core)
+    drain(d_core)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "p_step", "d_step", "abort"]), st.integers(0, 9)),
+                    min_size=5, max_size=40))
+def test_random_aborts_at_every_phase_leave_both_sides_whole(tiny, tmp_path_factory, ops):
+    """Random aborts at every phase (:func:`drive_with_random_aborts`): afterwards both pools are
+    whole and no transfer file is left."""
+    d = str(tmp_path_factory.mktemp("pdsoak"))
+    p_core = make(tiny, kv_role="prefill", kv_transfer_dir=d, num_kv_blocks=12, max_num_batched_tokens=24)
+    d_core = make(tiny, kv_role="decode", kv_transfer_dir=d, num_kv_blocks=6)  # claims that wait for blocks
     try:
-        for i, (op, x) in enumerate(ops):
-            for rid in [r for r, ph in phase.items() if ph == "prefill" and r not in p_core.scheduler.requests]:
-                d_core.add_request(req(rid, prompt_of[rid], 1 + x))  # exported: on to the decode core
-                phase[rid] = "decode"
-            for rid in [r for r, ph in phase.items() if ph == "decode" and r not in d_core.scheduler.requests]:
-                del phase[rid]  # finished on the decode core
-            if op == "new":
-                rid = f"r{i}"
-                prompt_of[rid] = base[:5 + x] + [7 + x] * (x + 3)
-                p_core.add_request(req(rid, prompt_of[rid], 1))
-                phase[rid] = "prefill"
-            elif op == "p_step":
-                p_core.step()
-            elif op == "d_step":
-                d_core.step()
-            elif phase:
-                rid = sorted(phase)[x % len(phase)]
-                (p_core if phase[rid] == "prefill" else d_core).abort_requests([rid])
-                if os.path.exists(tf.file_path(d, rid)):
-                    os.unlink(tf.file_path(d, rid))
-                del phase[rid]
-        for rid, ph in phase.items():  # the front end goes away: everything left is aborted
-            (p_core if ph == "prefill" else d_core).abort_requests([rid])
-            if os.path.exists(tf.file_path(d, rid)):
-                os.unlink(tf.file_path(d, rid))
-        drain(p_core)
-        drain(d_core)
+        drive_with_random_aborts(p_core, d_core, d, ops)
         whole(p_core)
         whole(d_core)
         assert files(d) == []

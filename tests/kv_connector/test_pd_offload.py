@@ -5,14 +5,12 @@ each offload directory is within its bound."""
 from __future__ import annotations
 
 import os
-import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import pytest
 
-from asyncengine.kv_connector.pd import transfer_file as tf
-from test_pd_connector import VOCAB, drain, files, make, pd_run, prompts, req, whole
+from test_pd_connector import drain, drive_with_random_aborts, files, make, pd_run, prompts, req, whole
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DIR_BOUND = 64 << 10
@@ -79,38 +77,8 @@ def test_random_aborts_with_offload_leave_everything_whole(tiny, tmp_path_factor
     p_core = make(tiny, kv_role="prefill", kv_transfer_dir=x, num_kv_blocks=12, max_num_batched_tokens=24,
                   **offload(root / "p_off", 16 << 10))
     d_core = make(tiny, kv_role="decode", kv_transfer_dir=x, num_kv_blocks=6, **offload(root / "d_off", 16 << 10))
-    rng = random.Random(0)
-    base = [rng.randrange(3, VOCAB) for _ in range(30)]
-    prompt_of: dict[str, list[int]] = {}
-    phase: dict[str, str] = {}
     try:
-        for i, (op, n) in enumerate(ops):
-            for rid in [r for r, ph in phase.items() if ph == "prefill" and r not in p_core.scheduler.requests]:
-                d_core.add_request(req(rid, prompt_of[rid], 1 + n))
-                phase[rid] = "decode"
-            for rid in [r for r, ph in phase.items() if ph == "decode" and r not in d_core.scheduler.requests]:
-                del phase[rid]
-            if op == "new":
-                rid = f"r{i}"
-                prompt_of[rid] = base[:5 + n] + [7 + n] * (n + 3)
-                p_core.add_request(req(rid, prompt_of[rid], 1))
-                phase[rid] = "prefill"
-            elif op == "p_step":
-                p_core.step()
-            elif op == "d_step":
-                d_core.step()
-            elif phase:
-                rid = sorted(phase)[n % len(phase)]
-                (p_core if phase[rid] == "prefill" else d_core).abort_requests([rid])
-                if os.path.exists(tf.file_path(x, rid)):
-                    os.unlink(tf.file_path(x, rid))
-                del phase[rid]
-        for rid, ph in phase.items():
-            (p_core if ph == "prefill" else d_core).abort_requests([rid])
-            if os.path.exists(tf.file_path(x, rid)):
-                os.unlink(tf.file_path(x, rid))
-        drain(p_core)
-        drain(d_core)
+        drive_with_random_aborts(p_core, d_core, x, ops)
         for core in (p_core, d_core):
             whole(core)
             settled(core)
