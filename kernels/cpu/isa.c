@@ -5,7 +5,7 @@
  *   1 AVX2 + FMA + F16C, the OS saving the YMM state (XCR0 bits 1, 2)
  *   2 AVX-512 F/BW/VL/VNNI, the OS saving the opmask and ZMM state too (XCR0 bits 5, 6, 7)
  *   3 level 2 + AVX512-BF16 (vdpbf16ps, vcvtneps2bf16)
- * quant.c keeps its own copy of levels 0-2 for the int8 kernel (same tests of the same bits).
+ * The int8 GEMM (quant_i8.c) reads the same detection, capped at level 2 (its VNNI copy).
  */
 #include "isa.h"
 

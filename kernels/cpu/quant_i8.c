@@ -7,10 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
 #include "quant_common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
 #define AE_Q_X86 1 /* the int8 kernel's AVX2 and VNNI copies exist (chosen at run time) */
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -133,33 +133,16 @@ static inline int32_t load32(const uint8_t *p) {
 #undef AE_FN
 #undef AE_TGT
 
-static uint64_t xcr0(void) {
-    uint32_t lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((uint64_t)hi << 32) | lo;
-}
 #endif
 
-enum { AE_ISA_C = 0, AE_ISA_AVX2 = 1, AE_ISA_VNNI = 2 };
+/* The int8 paths, named by the dense kernels' levels they need (isa.h): portable C, AVX2, and the
+ * VNNI copy, which isa.c's AVX-512 level already requires (F/BW/VL/VNNI and the OS's ZMM state). */
+enum { AE_Q_ISA_C = AE_ISA_SCALAR, AE_Q_ISA_AVX2 = AE_ISA_AVX2, AE_Q_ISA_VNNI = AE_ISA_AVX512 };
 
-/* The best int8 path this CPU can execute (see above). */
+/* The best int8 path this CPU can execute: isa.c's one reading of cpuid + XCR0, capped at VNNI. */
 int ae_q_cpu_isa(void) {
-#if AE_Q_X86
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return AE_ISA_C;
-    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
-    if (!osxsave || !avx || !fma || !f16c) return AE_ISA_C;
-    const uint64_t x = xcr0();
-    if ((x & 0x6) != 0x6) return AE_ISA_C; /* SSE + AVX state */
-    if (__get_cpuid_max(0, 0) < 7) return AE_ISA_C;
-    __cpuid_count(7, 0, a, b, c, d);
-    if (!((b >> 5) & 1)) return AE_ISA_C; /* AVX2 */
-    const int f = (b >> 16) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
-    if (f && bw && vl && vnni && (x & 0xE6) == 0xE6) return AE_ISA_VNNI; /* + opmask, ZMM state */
-    return AE_ISA_AVX2;
-#else
-    return AE_ISA_C;
-#endif
+    const int level = ae_isa_cpu();
+    return level > AE_Q_ISA_VNNI ? AE_Q_ISA_VNNI : level;
 }
 
 static int g_isa = -1; /* -1: not chosen yet */
@@ -196,8 +179,8 @@ int ae_q_gemm_q8(int type, const int8_t *q, const float *d, const float *s, int6
     if (K % 32 || !block_bytes(type & ~AE_Q_X8) || ((type & AE_Q_X8) && N % 8)) return -1;
     switch (ae_q_isa()) {
 #if AE_Q_X86
-        case AE_ISA_VNNI: return gemm_i8_vnni(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
-        case AE_ISA_AVX2: return gemm_i8_avx2(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
+        case AE_Q_ISA_VNNI: return gemm_i8_vnni(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
+        case AE_Q_ISA_AVX2: return gemm_i8_avx2(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
 #endif
         default: return gemm_i8_c(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
     }
