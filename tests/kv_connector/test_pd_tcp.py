@@ -6,25 +6,22 @@ aborts leave both pools whole and nothing held by the prefill core's server."""
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import threading
 import zlib
 
 import msgspec
 import pytest
+from test_pd_connector import drain, make, prompts
+from test_pd_connector import req as pd_req
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.core.request import Request
-from asyncengine.engine.core import EngineCore
 from asyncengine.engine.pd_client import PDEngine
 from asyncengine.kv_connector.pd import tcp_server
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.transport import TcpTransport
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-BS = 8
-VOCAB = 512
 HANG_GUARD_S = 180.0  # only a guard against a hang
 
 
@@ -104,32 +101,11 @@ def test_claim_stages_a_local_file_and_checks_the_header(server, tmp_path):
 # ---------------------------------------------------------------- two engine cores in this process
 
 
-def make(tiny, **kw) -> EngineCore:
-    model_dir, loaded = tiny
-    kw.setdefault("num_kv_blocks", 32)
-    return EngineCore(EngineConfig(model=model_dir, dtype="float32", block_size=BS, **kw), loaded)
-
-
 def req(rid, prompt, max_tokens, n=1, source=None):
-    r = Request(request_id=rid, prompt_token_ids=list(prompt), max_tokens=max_tokens,
-                sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n))
+    """test_pd_connector's request, naming the prefill core it pulls its KV from."""
+    r = pd_req(rid, prompt, max_tokens, n=n)
     r.kv_transfer_params = {"source": source} if source else None
     return r
-
-
-def drain(core, outs=None, max_steps=3000):
-    outs = {} if outs is None else outs
-    for _ in range(max_steps):
-        if not core.has_unfinished():
-            return outs
-        for o in core.step():
-            outs.setdefault(o.req_id, []).extend(o.new_token_ids)
-    raise AssertionError("not finished")
-
-
-def prompts(seed=0, k=4):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(9, 60))] for _ in range(k)]
 
 
 def colocated(tiny, ps, n=1, **opts):
@@ -146,7 +122,7 @@ def colocated(tiny, ps, n=1, **opts):
 def test_token_exact_over_tcp(tiny, tmp_path, regime):
     opts = {"chunked": dict(max_num_batched_tokens=16)}.get(regime, {})
     n = 2 if regime == "n2" else 1
-    ps = prompts(seed=len(regime))
+    ps = prompts(seed=len(regime), k=4)
     want = colocated(tiny, ps, n=n, **opts)
     tcp = dict(kv_transfer_transport="tcp", kv_transfer_dir=str(tmp_path), **opts)
     p_core = make(tiny, kv_role="prefill", kv_transfer_address="127.0.0.1:0", **tcp)
@@ -220,7 +196,7 @@ def test_pd_engine_over_tcp(tiny_llama_dir, tmp_path):
                 for t in o.token_ids_delta]
 
     async def main():
-        ps = prompts(seed=9)
+        ps = prompts(seed=9, k=4)
         async with AsyncLLMEngine(cfg()) as colo:
             want = [await collect(colo, p, f"r{i}") for i, p in enumerate(ps)]
         async with PDEngine(cfg(prefill_cores=1, decode_cores=1, kv_transfer_transport="tcp")) as pd:
