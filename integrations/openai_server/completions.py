@@ -82,21 +82,13 @@ async def completions(request: Request) -> Response:
                  for i, text in enumerate(echo_texts) for j in range(n)]
         return SSEResponse(_sse_events(st, head, streams, prompt_tokens, include_usage, first, choice))
 
-    try:
-        finals = await _collect_finals(request, st, streams)
-    except ClientGone:
-        return Response(status_code=499)
-    choices = []
-    completion_tokens = 0
-    for i, out in enumerate(finals):
-        c = out.outputs[0]
-        completion_tokens += len(c.token_ids)
-        st.metrics.observe(out, len(c.token_ids))
+    def whole_choice(i: int, out, c) -> dict:
         text = (echo_texts[i // n] + c.text) if req.echo else c.text
-        choices.append({"index": i, "text": text,
-                        "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
-                        "finish_reason": out.finish_reason, "stop_reason": c.stop_reason})
-    return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+        return {"index": i, "text": text,
+                "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
+                "finish_reason": out.finish_reason, "stop_reason": c.stop_reason}
+
+    return await _whole_response(request, st, streams, head, prompt_tokens, whole_choice)
 
 
 async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, include_usage: bool,
@@ -131,9 +123,28 @@ async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, i
     yield SSE_DONE
 
 
+async def _whole_response(request: Request, st, streams: Submission, head: dict, prompt_tokens: int,
+                          choice) -> Response:
+    """The non-streaming answer of both endpoints: every choice's final output, each made into the
+    endpoint's choice by ``choice(index, output, completion)``, counted, with the usage. If the
+    client leaves first, the requests are aborted and counted, and the answer is a bare 499."""
+    try:
+        finals = await _collect_finals(request, st, streams)
+    except ClientGone:
+        return Response(status_code=499)
+    choices = []
+    completion_tokens = 0
+    for i, out in enumerate(finals):
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        st.metrics.observe(out, len(c.token_ids))
+        choices.append(choice(i, out, c))
+    return _json({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+
 async def _collect_finals(request: Request, st, streams: Submission) -> list:
-    """Every choice's final output (non-streaming). If the client leaves first, the requests are
-    aborted, counted, and ClientGone propagates."""
+    """Every choice's final output. If the client leaves first, the requests are aborted, counted,
+    and ClientGone propagates."""
     finals: list = [None] * len(streams)
 
     async def collect():
@@ -189,22 +200,14 @@ async def chat_completions(request: Request) -> Response:
                   "finish_reason": None} for i in range(len(streams))]
         return SSEResponse(_sse_events(st, head, streams, len(ids), include_usage, first, choice))
 
-    try:
-        finals = await _collect_finals(request, st, streams)
-    except ClientGone:
-        return Response(status_code=499)
-    choices = []
-    completion_tokens = 0
-    for i, out in enumerate(finals):
-        c = out.outputs[0]
-        completion_tokens += len(c.token_ids)
-        st.metrics.observe(out, len(c.token_ids))
+    def whole_choice(i: int, out, c) -> dict:
         calls = plan.tool_calls(c.text) if plan.mode != "none" else None
         message = {"role": "assistant", "content": c.text}
         if calls:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
-        choices.append({"index": i, "message": message,
-                        "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
-                        "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason,
-                        "stop_reason": c.stop_reason})
-    return _json({**head, "choices": choices, "usage": _usage(len(ids), completion_tokens)})
+        return {"index": i, "message": message,
+                "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
+                "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    return await _whole_response(request, st, streams, head, len(ids), whole_choice)
