@@ -18,6 +18,16 @@ from asyncengine.errors import ConfigError
 HANG_GUARD_S = 240.0
 
 
+async def exact_vs_transformers(eng: AsyncLLMEngine, requests, refs, label: str) -> None:
+    """Greedy, all at once: every request token-exact with transformers (or first diverging at a near tie)."""
+    outs = await asyncio.wait_for(asyncio.gather(*(
+        eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for ids, n in requests)), HANG_GUARD_S)
+    c = compare([o.outputs[0].token_ids for o in outs], refs)
+    print(f"[ray] {label} vs transformers {c}")
+    assert c["exact"] + c["near_tie"] == len(requests)
+
+
 def ray_engine(model_dir: str, **kw) -> AsyncLLMEngine:
     return AsyncLLMEngine(EngineConfig(model=model_dir, dtype="float32", tensor_parallel_size=2,
                                        distributed_executor_backend="ray", ray_placement_strategy="STRICT_SPREAD",
@@ -35,12 +45,7 @@ async def test_tp2_one_rank_per_node(ray_cluster, tiny_llama_dir, tiny_reference
     assert len(set(ex.node_ids)) == 2  # one rank on each node
     assert set(ex.node_ids) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     async with eng:
-        outs = await asyncio.wait_for(asyncio.gather(*(
-            eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for ids, n in requests)), HANG_GUARD_S)
-        c = compare([o.outputs[0].token_ids for o in outs], refs)
-        print(f"[ray] TP=2 over two nodes vs transformers {c}")
-        assert c["exact"] + c["near_tie"] == len(requests)
+        await exact_vs_transformers(eng, requests, refs, "TP=2 over two nodes")
         stats = eng.core.collective_rpc("runner_stats")
         assert [s["rank"] for s in stats] == [0, 1]
 
@@ -78,12 +83,7 @@ async def test_dp2_cores_one_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
     assert {c.node_id for c in clients} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # one per node
     assert ray.available_resources().get("CPU", 0) == 0  # each core holds its node's one CPU
     async with eng:
-        outs = await asyncio.wait_for(asyncio.gather(*(
-            eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for ids, n in requests)), HANG_GUARD_S)
-        c = compare([o.outputs[0].token_ids for o in outs], refs)
-        print(f"[ray] DP=2 core actors over two nodes vs transformers {c}")
-        assert c["exact"] + c["near_tie"] == len(requests)
+        await exact_vs_transformers(eng, requests, refs, "DP=2 core actors over two nodes")
         for _ in range(500):  # the cores' last reports arrive after the last outputs
             s = eng.stats()
             if s["num_running"] == 0 and s["total_output_tokens"] == sum(n for _, n in requests):
@@ -122,12 +122,7 @@ async def test_pp2_one_stage_per_node(ray_cluster, tiny_llama_dir, tiny_referenc
     ex = eng.core.executor
     assert len(set(ex.node_ids)) == 2 and eng.core.batch_queue_size == 2
     async with eng:
-        outs = await asyncio.wait_for(asyncio.gather(*(
-            eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for ids, n in requests)), HANG_GUARD_S)
-        c = compare([o.outputs[0].token_ids for o in outs], refs)
-        print(f"[ray] PP=2 over two nodes vs transformers {c}")
-        assert c["exact"] + c["near_tie"] == len(requests)
+        await exact_vs_transformers(eng, requests, refs, "PP=2 over two nodes")
         assert [s["pp_rank"] for s in eng.core.collective_rpc("runner_stats")] == [0, 1]
         streams = [eng.generate({"prompt_token_ids": [5 + i, 6, 7]},
                                 SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)) for i in range(4)]
