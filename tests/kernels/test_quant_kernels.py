@@ -328,7 +328,7 @@ def test_portable_scalar_path(tmp_path):
     """quant.c built without -march (no AVX2 macros: the scalar loops) agrees with the reference,
     both activation paths and the activation quantizer (bit for bit)."""
     so = tmp_path / "quant_scalar.so"
-    srcs = [str(build.SOURCE_DIR / f) for f in ("quant.c", "quant_i8.c", "quant_x8.c", "runtime.c")]
+    srcs = [str(build.SOURCE_DIR / f) for f in ("quant.c", "quant_i8.c", "quant_x8.c", "isa.c", "runtime.c")]
     subprocess.run(["cc", "-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", *srcs, "-o", str(so), "-lm"],
                    check=True, timeout=120)
     lib = ctypes.CDLL(str(so))
