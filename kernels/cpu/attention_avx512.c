@@ -66,17 +66,19 @@ static inline TGT_BF16 __attribute__((always_inline)) __m512 qk16_dp(const uint1
     return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
 }
 
-/* acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j over keys [j0, j1) of the slab, for NR rows. */
+/* acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j over keys [j0, j1) of a chunk, for NR rows; key j's
+ * value row is row (j & 15) of its 16-key group vg[j >> 4] (the groups may lie in different blocks). */
 static inline TGT __attribute__((always_inline)) void pv_rows(float *acc, const float *corr, const float *p,
-                                                               const void *vb, int j0, int j1, int D, int bf16,
-                                                               int NR) {
+                                                               const char *const *vg, int j0, int j1, int D,
+                                                               int bf16, int NR) {
     for (int d = 0; d < D; d += 16) {
         __m512 a[8];
         for (int r = 0; r < NR; r++)
             a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (long)r * D + d), _mm512_set1_ps(corr[r]));
         for (int j = j0; j < j1; j++) {
-            long o = (long)j * D + d;
-            __m512 v = bf16 ? ae_ld_bf16x16((const uint16_t *)vb + o) : _mm512_loadu_ps((const float *)vb + o);
+            long o = (long)(j & 15) * D + d;
+            __m512 v = bf16 ? ae_ld_bf16x16((const uint16_t *)vg[j >> 4] + o)
+                            : _mm512_loadu_ps((const float *)vg[j >> 4] + o);
             for (int r = 0; r < NR; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * AE_ATTN_MAX_BS + j]), v, a[r]);
         }
         for (int r = 0; r < NR; r++) _mm512_storeu_ps(acc + (long)r * D + d, a[r]);
@@ -89,6 +91,10 @@ static inline TGT __attribute__((always_inline)) void pv_rows(float *acc, const 
  * 1-16 blocks ahead instead changed nothing (36-37 ns). */
 #ifndef AE_ATTN_PREFETCH
 #define AE_ATTN_PREFETCH 64
+#endif
+/* keys per online-softmax step (attention_avx512_rows.h) */
+#ifndef AE_ATTN_CHUNK
+#define AE_ATTN_CHUNK 64
 #endif
 static inline TGT void prefetch_block(const struct attn_rows_args *A, int pb, int bs, int D, int elem) {
     const long off = (A->head_off + (long)A->table[pb] * bs * D) * elem, bytes = (long)bs * D * elem;
