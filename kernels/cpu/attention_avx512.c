@@ -67,21 +67,32 @@ static inline TGT_BF16 __attribute__((always_inline)) __m512 qk16_dp(const uint1
 }
 
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j over keys [j0, j1) of a chunk, for NR rows; key j's
- * value row is row (j & 15) of its 16-key group vg[j >> 4] (the groups may lie in different blocks). */
+ * value row is row (j & 15) of its 16-key group vg[j >> 4] (the groups may lie in different blocks).
+ * A slice of 64 (or 32) dims of every row stays in registers over the keys: NR x 4 independent FMA
+ * chains. One 16-dim slice at a time left 1-2 chains (a decode row and its GQA partner), bound by
+ * the FMA's latency: ~16 cycles per key and KV head (figures: docs/cpu_decode.md). */
 static inline TGT __attribute__((always_inline)) void pv_rows(float *acc, const float *corr, const float *p,
                                                                const char *const *vg, int j0, int j1, int D,
                                                                int bf16, int NR) {
-    for (int d = 0; d < D; d += 16) {
-        __m512 a[8];
+    const int NV = D % 64 ? 2 : 4; /* vectors per slice */
+    for (int d = 0; d < D; d += 16 * NV) {
+        __m512 a[4][4];
         for (int r = 0; r < NR; r++)
-            a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (long)r * D + d), _mm512_set1_ps(corr[r]));
+            for (int t = 0; t < NV; t++)
+                a[r][t] = _mm512_mul_ps(_mm512_loadu_ps(acc + (long)r * D + d + 16 * t), _mm512_set1_ps(corr[r]));
         for (int j = j0; j < j1; j++) {
-            long o = (long)(j & 15) * D + d;
-            __m512 v = bf16 ? ae_ld_bf16x16((const uint16_t *)vg[j >> 4] + o)
-                            : _mm512_loadu_ps((const float *)vg[j >> 4] + o);
-            for (int r = 0; r < NR; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * AE_ATTN_MAX_BS + j]), v, a[r]);
+            const long o = (long)(j & 15) * D + d;
+            __m512 v[4];
+            for (int t = 0; t < NV; t++)
+                v[t] = bf16 ? ae_ld_bf16x16((const uint16_t *)vg[j >> 4] + o + 16 * t)
+                            : _mm512_loadu_ps((const float *)vg[j >> 4] + o + 16 * t);
+            for (int r = 0; r < NR; r++) {
+                const __m512 pj = _mm512_set1_ps(p[r * AE_ATTN_MAX_BS + j]);
+                for (int t = 0; t < NV; t++) a[r][t] = _mm512_fmadd_ps(pj, v[t], a[r][t]);
+            }
         }
-        for (int r = 0; r < NR; r++) _mm512_storeu_ps(acc + (long)r * D + d, a[r]);
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < NV; t++) _mm512_storeu_ps(acc + (long)r * D + d + 16 * t, a[r][t]);
     }
 }
 
