@@ -37,15 +37,14 @@ static inline TGT __m512 reduce16(__m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
 }
 
-/* Scores of 16 keys (slab rows k0..k0+15) for one row: fp32 q (scaled) against an fp32 or bf16 slab. */
-static inline TGT __attribute__((always_inline)) __m512 qk16_f32(const float *q, const void *kb, int k0, int D,
-                                                                  int bf16) {
+/* Scores of the 16 keys at kb (rows of D) for one row: fp32 q (scaled) against fp32 or bf16 keys. */
+static inline TGT __attribute__((always_inline)) __m512 qk16_f32(const float *q, const void *kb, int D, int bf16) {
     __m512 a[16];
     for (int k = 0; k < 16; k++) a[k] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16) {
         __m512 qv = _mm512_loadu_ps(q + d);
         for (int k = 0; k < 16; k++) {
-            long o = (long)(k0 + k) * D + d;
+            long o = (long)k * D + d;
             __m512 kv = bf16 ? ae_ld_bf16x16((const uint16_t *)kb + o) : _mm512_loadu_ps((const float *)kb + o);
             a[k] = _mm512_fmadd_ps(qv, kv, a[k]);
         }
@@ -54,14 +53,14 @@ static inline TGT __attribute__((always_inline)) __m512 qk16_f32(const float *q,
 }
 
 /* The same with vdpbf16ps: q as stored (bf16, unscaled), times scale at the end. */
-static inline TGT_BF16 __attribute__((always_inline)) __m512 qk16_dp(const uint16_t *q, const uint16_t *kb, int k0,
-                                                                      int D, float scale) {
+static inline TGT_BF16 __attribute__((always_inline)) __m512 qk16_dp(const uint16_t *q, const uint16_t *kb, int D,
+                                                                      float scale) {
     __m512 a[16];
     for (int k = 0; k < 16; k++) a[k] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
         __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
         for (int k = 0; k < 16; k++)
-            a[k] = _mm512_dpbf16_ps(a[k], qv, (__m512bh)_mm512_loadu_si512(kb + (long)(k0 + k) * D + d));
+            a[k] = _mm512_dpbf16_ps(a[k], qv, (__m512bh)_mm512_loadu_si512(kb + (long)k * D + d));
     }
     return _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
 }

@@ -33,7 +33,7 @@ static inline RA_TGT __attribute__((always_inline)) void RA_FN(const struct attn
         prefetch_block(A, pb, bs, D, elem);
     for (int ch = pmin / chunk; ch <= pmax / chunk && pmin <= pmax; ch++) {
         const int kstart = ch * chunk;
-        for (int b = kstart / bs; b < (kstart + chunk) / bs && b <= blast; b++) {
+        for (int b = kstart / bs > bfirst ? kstart / bs : bfirst; b < (kstart + chunk) / bs && b <= blast; b++) {
             if (b > bfirst && b + AE_ATTN_PREFETCH - 1 <= blast) prefetch_block(A, b + AE_ATTN_PREFETCH - 1, bs, D, elem);
             const long base = (A->head_off + (long)A->table[b] * bs * D) * elem;
             for (int t = 0; t < bs; t += 16) {
@@ -59,9 +59,9 @@ static inline RA_TGT __attribute__((always_inline)) void RA_FN(const struct attn
             __m512 mxv = _mm512_set1_ps(-INFINITY);
             for (int c = c0; c < j1; c += 16) {
 #if RA_DP
-                __m512 s = qk16_dp(A->qb + (long)r * D, (const uint16_t *)kg[c >> 4], 0, D, A->scale);
+                __m512 s = qk16_dp(A->qb + (long)r * D, (const uint16_t *)kg[c >> 4], D, A->scale);
 #else
-                __m512 s = qk16_f32(A->qf + (long)r * D, kg[c >> 4], 0, D, bf16);
+                __m512 s = qk16_f32(A->qf + (long)r * D, kg[c >> 4], D, bf16);
 #endif
                 int a = j0 > c ? j0 - c : 0, e = j1 - c < 16 ? j1 - c : 16;
                 __mmask16 mk = (__mmask16)(((1u << e) - 1u) & ~((1u << a) - 1u));
