@@ -61,6 +61,17 @@ def prompts(seed=0, k=5):
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(9, 60))] for _ in range(k)]
 
 
+def colocated(tiny, ps, n=1, **opts) -> dict:
+    """The outputs of prompts ``ps`` on one ordinary core (what P/D must reproduce token for token)."""
+    colo = make(tiny, **opts)
+    want = {}
+    for i, p in enumerate(ps):
+        colo.add_request(req(f"r{i}", p, 6, n=n))
+    drain(colo, want)
+    colo.shutdown()
+    return want
+
+
 def pd_run(p_core, d_core, ps, max_tokens=6, n=1):
     """Each request: one token on the prefill core, then the whole request on the decode core."""
     out = {}
@@ -94,12 +105,7 @@ def test_token_exact_against_colocated(tiny, pd, regime):
     opts = {"chunked": dict(max_num_batched_tokens=16), "preempt": dict(num_kv_blocks=10)}.get(regime, {})
     n = 2 if regime == "n2" else 1
     ps = prompts(seed=len(regime))
-    colo = make(tiny, **opts)
-    want = {}
-    for i, p in enumerate(ps):
-        colo.add_request(req(f"r{i}", p, 6, n=n))
-    drain(colo, want)
-    colo.shutdown()
+    want = colocated(tiny, ps, n=n, **opts)
     p_core, d_core, d = pd(opts, opts)
     if regime == "preempt":  # all at once on the decode core: its small cache preempts
         for i, p in enumerate(ps):

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 import pytest
+from test_pd_engine import idle
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
 from asyncengine.engine.pd_client import PDEngine
@@ -58,13 +59,7 @@ def test_pd_on_ray_over_tcp(ray_cluster, tiny_llama_dir, tmp_path):
             stream = pd.generate({"prompt_token_ids": ps[1]}, long, request_id="y")  # and in its decode
             await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
             await stream.aclose()
-            for _ in range(int(HANG_GUARD_S / 0.05)):
-                s = pd.stats()
-                if s["num_streams"] == 0 and s["transfer_files"] == 0 and all(
-                        c["num_running"] + c["num_waiting"] == 0 and c["num_free_kv_blocks"] == c["num_kv_blocks"]
-                        for c in s["cores"]):
-                    break
-                await asyncio.sleep(0.05)
+            s = await idle(pd)
             assert s["transfer_files"] == 0 and s["num_streams"] == 0
             assert all(c["num_free_kv_blocks"] == c["num_kv_blocks"] for c in s["cores"]), s["cores"]
             [d] = s["decode"]

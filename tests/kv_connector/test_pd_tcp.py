@@ -12,8 +12,9 @@ import zlib
 
 import msgspec
 import pytest
-from test_pd_connector import drain, make, prompts
+from test_pd_connector import colocated, drain, make, prompts
 from test_pd_connector import req as pd_req
+from test_pd_engine import idle
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
 from asyncengine.engine.pd_client import PDEngine
@@ -106,16 +107,6 @@ def req(rid, prompt, max_tokens, n=1, source=None):
     r = pd_req(rid, prompt, max_tokens, n=n)
     r.kv_transfer_params = {"source": source} if source else None
     return r
-
-
-def colocated(tiny, ps, n=1, **opts):
-    colo = make(tiny, **opts)
-    want = {}
-    for i, p in enumerate(ps):
-        colo.add_request(req(f"r{i}", p, 6, n=n))
-    drain(colo, want)
-    colo.shutdown()
-    return want
 
 
 @pytest.mark.parametrize("regime", ["plain", "chunked", "n2"])
@@ -212,13 +203,7 @@ def test_pd_engine_over_tcp(tiny_llama_dir, tmp_path):
                                  request_id="y")
             await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
             await stream.aclose()
-            for _ in range(int(HANG_GUARD_S / 0.02)):
-                s = pd.stats()
-                if s["num_streams"] == 0 and s["transfer_files"] == 0 and all(
-                        c["num_running"] + c["num_waiting"] == 0 and c["num_free_kv_blocks"] == c["num_kv_blocks"]
-                        for c in s["cores"]):
-                    break
-                await asyncio.sleep(0.02)
+            s = await idle(pd)
             assert s["transfer_files"] == 0 and s["num_streams"] == 0
             assert all(c["num_free_kv_blocks"] == c["num_kv_blocks"] for c in s["cores"]), s["cores"]
             [d] = s["decode"]
