@@ -179,12 +179,7 @@ static void gemm_run(int tx, const float *x, int64_t M, int64_t K, const uint8_t
 #define AE_Q_CASE(t, f) \
     case t | f: gemm_chunk(t, f != 0, n0, n1, x, M, K, w, xs, bias, out, ldo, accumulate); break;
         switch (tx) {
-            AE_Q_CASE(AE_Q_Q4_0, 0)
-            AE_Q_CASE(AE_Q_Q4_1, 0)
-            AE_Q_CASE(AE_Q_Q8_0, 0)
-            AE_Q_CASE(AE_Q_Q4_0, AE_Q_X8)
-            AE_Q_CASE(AE_Q_Q4_1, AE_Q_X8)
-            AE_Q_CASE(AE_Q_Q8_0, AE_Q_X8)
+            AE_Q_FOR_EACH_FORMAT(AE_Q_CASE)
         }
 #undef AE_Q_CASE
     }

@@ -31,6 +31,13 @@ enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8 }; /* GGML type ids */
 #define AE_Q_X8 0x100  /* flag on a type id: the weight is in the x8 layout (above) */
 #define AE_Q_CHUNK 16  /* rows of W per scheduling unit (two x8 groups) */
 
+/* Every (format, layout) a GEMM dispatches on, as CASE(type, x8 flag): a switch over them hands
+ * each chunk loop its format as a constant, so the compiler specialises it (one list for every
+ * dispatch site). */
+#define AE_Q_FOR_EACH_FORMAT(CASE) \
+    CASE(AE_Q_Q4_0, 0) CASE(AE_Q_Q4_1, 0) CASE(AE_Q_Q8_0, 0) \
+    CASE(AE_Q_Q4_0, AE_Q_X8) CASE(AE_Q_Q4_1, AE_Q_X8) CASE(AE_Q_Q8_0, AE_Q_X8)
+
 static inline float fp16_to_fp32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);

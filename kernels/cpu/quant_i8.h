@@ -269,12 +269,7 @@ static AE_TGT int AE_FN(gemm_i8)(int type, const int8_t *q, const float *d, cons
 #define AE_Q_CASE(t, f) \
     case t | f: AE_FN(chunk_i8)(t, f != 0, n0, n1, q, d, s, xsum, M, K, w, N, bias, out, ldo, accumulate); break;
         switch (type) {
-            AE_Q_CASE(AE_Q_Q4_0, 0)
-            AE_Q_CASE(AE_Q_Q4_1, 0)
-            AE_Q_CASE(AE_Q_Q8_0, 0)
-            AE_Q_CASE(AE_Q_Q4_0, AE_Q_X8)
-            AE_Q_CASE(AE_Q_Q4_1, AE_Q_X8)
-            AE_Q_CASE(AE_Q_Q8_0, AE_Q_X8)
+            AE_Q_FOR_EACH_FORMAT(AE_Q_CASE)
         }
 #undef AE_Q_CASE
     }
