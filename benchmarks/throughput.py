@@ -73,7 +73,8 @@ def result_dict(engine: str, reqs, outputs, elapsed: float, **extra) -> dict:
 def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the command line (None = the engine's default)."""
     opts = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "num_threads": args.threads or None, "block_size": args.block_size}
+            "num_threads": args.threads or None, "block_size": args.block_size,
+            "async_scheduling": args.async_scheduling}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -111,6 +112,7 @@ def run_asyncengine(args, reqs) -> dict:
         config={"max_num_seqs": llm.config.max_num_seqs,
                 "max_num_batched_tokens": llm.config.max_num_batched_tokens,
                 "block_size": llm.config.block_size, "num_kv_blocks": engine.num_blocks,
+                "async_scheduling": llm.config.async_scheduling,
                 "prefix_caching": llm.config.enable_prefix_caching,
                 "dtype": str(llm.config.torch_dtype).removeprefix("torch."),
                 "threads": torch.get_num_threads()})
@@ -231,6 +233,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="plan step N+1 while step N runs (default: the engine's)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--in-process", action="store_true", help="run the engines in this process")
     ap.add_argument("--out", default="", help="write the JSON result here")
