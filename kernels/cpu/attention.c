@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -252,6 +253,8 @@ static inline int attn_splits(int split, int rows, int keys) {
 
 void ae_attn_set_split(int keys) { g_split = keys; }
 
+#define AE_ATTN_SMALL_BATCH 1024
+
 /* The sequence s with first[s] <= i < first[s + 1] (first: n + 1 ascending sums; empty runs skipped). */
 static inline int attn_owner(const long *first, int n, long i) {
     int lo = 0, hi = n - 1;
@@ -286,8 +289,13 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
     /* first item and first merge group of each sequence: an item finds its sequence by binary search
      * (a scan from sequence 0 per item cost O(sequences^2): ~130k loop steps a call at 256 decode
      * rows x 4 KV heads) */
-    long *first = (long *)malloc(sizeof(long) * 2 * ((size_t)num_seqs + 1));
-    if (!first) return; /* cannot happen at these sizes; out stays as it was */
+    long first_small[2 * (AE_ATTN_SMALL_BATCH + 1)]; /* on the stack up to this many sequences */
+    long *first = num_seqs <= AE_ATTN_SMALL_BATCH ? first_small
+                                                  : (long *)malloc(sizeof(long) * 2 * ((size_t)num_seqs + 1));
+    if (!first) { /* a few KB of host memory not to be had: no safe way to go on */
+        fprintf(stderr, "asyncengine: out of memory in paged attention (%d sequences)\n", num_seqs);
+        abort();
+    }
     long *first_group = first + num_seqs + 1;
     first[0] = first_group[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
@@ -354,7 +362,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
         }
     }
     free(parts);
-    free(first);
+    if (first != first_small) free(first);
 }
 
 /* Write this step's keys and values into their cache slots (slot = block * bs + offset; < 0: skip).

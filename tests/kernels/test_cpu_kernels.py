@@ -101,6 +101,27 @@ def test_paged_attention_matches_dense(hq, hk, d, bs, dtype, window):
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
+def test_paged_attention_more_sequences_than_the_stack_table():
+    """Past 1,024 sequences the items' per-sequence table moves from the stack to the heap: every
+    sequence, decodes and a few prefill rows among them, still finds its own rows."""
+    rng = random.Random(13)
+    torch.manual_seed(13)
+    bs, hk, hq, d = 16, 1, 2, 32
+    seqs, row, used = [], 0, 0
+    for i in range(1100):
+        n, c = (3, rng.randrange(0, 20)) if i % 97 == 0 else (1, rng.randrange(0, 40))
+        k = -(-(c + n) // bs)
+        seqs.append((row, n, c, list(range(used, used + k))))
+        row, used = row + n, used + k
+    k_cache, v_cache = torch.randn(hk, used, bs, d), torch.randn(hk, used, bs, d)
+    q = torch.randn(row, hq, d)
+    batch = A.PagedBatch.build(seqs, bs)
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    A.paged_attention(q, k_cache, v_cache, batch, d ** -0.5, out)
+    A.paged_attention_torch(q, k_cache, v_cache, batch, d ** -0.5, ref)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_paged_attention_parallel_equals_serial(monkeypatch):
     """Splitting the items over the OpenMP threads changes nothing: each item is computed alike."""
     q, k_cache, v_cache, seqs = make_step(8, 2, 64, 16, torch.float32, seed=3)
