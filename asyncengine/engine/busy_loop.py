@@ -59,6 +59,8 @@ class BusyLoop:
                     continue  # abandoned before it reached the core
                 try:
                     core.add_request(req)
+                except EngineDeadError:  # not this request's fault: no core is left, the loop dies
+                    raise
                 except Exception as e:  # this request's input: it alone fails
                     self.router.fail_request(req.request_id, e, "was admitted")
         if self.aborts:

@@ -150,7 +150,8 @@ class ServerState:
             return await self.engine.encode(item)
         except AsyncEngineError as e:
             err = from_engine(e, self.engine)
-            err.param = err.param or param
+            if err.status == 400:  # the input's fault: name the field (never on a dead engine's 503)
+                err.param = err.param or param
             raise err from None
 
     def check_params(self, params, n: int) -> None:

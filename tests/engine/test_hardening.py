@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from asyncengine import LLM, AsyncLLMEngine, EngineConfig, InvalidRequestError, SamplingParams
 from asyncengine.engine.stop_strings import StopAutomaton, StopStringMatcher
 from asyncengine.engine.validation import RequestLimitError, RequestLimits, check_json_depth
-from asyncengine.errors import EngineOverloaded, RequestFailedError
+from asyncengine.errors import EngineDeadError, EngineOverloaded, RequestFailedError
 
 HANG_GUARD_S = 120.0
 MAX_MODEL_LEN = 256
@@ -395,6 +395,23 @@ async def test_input_fault_in_the_core_fails_only_its_request(tiny_llama_dir, mo
         outs = [o async for o in good]
         assert outs[-1].finish_reason == "length" and not eng.errored
         await assert_clean(eng)
+
+
+async def test_no_core_left_at_admission_kills_the_engine_not_the_request(tiny_llama_dir, monkeypatch):
+    """The last data-parallel core died between a request's submission and its hand-over: the
+    engine is dead (every stream raises EngineDeadError, the server answers 503), never one request's
+    fault (RequestFailedError, a 500)."""
+    eng = make_engine(tiny_llama_dir)
+
+    def gone(req):
+        raise EngineDeadError("every engine core is dead")
+
+    monkeypatch.setattr(eng.client, "add_request", gone)
+    async with eng:
+        with pytest.raises(EngineDeadError, match="every engine core is dead") as info:
+            async for _ in eng.generate([8, 9], greedy(10)):
+                pass
+        assert not isinstance(info.value, RequestFailedError) and eng.errored
 
 
 async def test_absurd_n_is_refused_at_once(tiny_llama_dir):

@@ -113,6 +113,7 @@ def test_one_dead_core_degrades_all_dead_exits_non_zero(tiny_llama_dir, tmp_path
                     statuses.append(r.status_code)
                     if r.status_code == 503:
                         assert "Traceback" not in r.text and r.json()["error"]["code"] == "engine_dead"
+                        assert r.json()["error"]["param"] is None  # a dead engine is no field's fault
                         break
                 except httpx.TransportError:
                     break  # already gone

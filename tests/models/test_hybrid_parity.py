@@ -276,11 +276,8 @@ async def test_async_streams_equal_offline(tiny_model_dir, tiny_reference):
             toks.extend(out.token_ids_delta)
         return toks
 
-    eng = AsyncLLMEngine(EngineConfig(model=tiny_model_dir("bamba"), **opts))
-    try:
+    async with AsyncLLMEngine(EngineConfig(model=tiny_model_dir("bamba"), **opts)) as eng:
         got = await asyncio.wait_for(asyncio.gather(*(stream(eng, i, p, m) for i, (p, m) in enumerate(requests))), 300)
-    finally:
-        eng.shutdown()
     assert got == offline
 
 
