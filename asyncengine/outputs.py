@@ -15,6 +15,11 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 class RequestMetrics(msgspec.Struct, kw_only=True):
+    """When a request went through each stage (``time.monotonic()``, one clock for every process
+    on the machine), and what it cost: queue time = first_scheduled_time - arrival_time, TTFT =
+    first_token_time - arrival_time. With ``n > 1``, the first sample's times and the most preempted
+    sample's count."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

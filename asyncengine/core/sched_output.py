@@ -77,8 +77,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     kv_connector_output: KVConnectorOutput | None = None  # transfers that ended, counters
 
 
-class EngineCoreOutput(msgspec.Struct, kw_only=True):
-    """What a step gave one request: new tokens and, once, why it finished."""
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a step gave one request: new tokens and, once, why it finished. (Fields left at
+    their defaults are not encoded: most of them, for most tokens, over a core process's pipe.)"""
 
     req_id: str
     new_token_ids: list[int]
@@ -87,6 +88,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0  # times this request was preempted (its KV freed, recomputed) so far
 
     @property
     def finished(self) -> bool:
@@ -101,7 +103,9 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
     outputs: list[EngineCoreOutput]
     num_running: int
     num_waiting: int
-    started_req_ids: list[str] = []
+    # the requests scheduled for the first time since the last batch: {core request id: when
+    # (time.monotonic(), one clock for every process on the machine)}
+    started: dict[str, float] = {}
     stats: dict | None = None  # the core's full stats, when its driver attaches them
     # data parallel: requests a dead engine core held (they fail; the other cores go on), and why
     lost_req_ids: list[str] = []

@@ -394,7 +394,7 @@ class Scheduler:
                 stop_reason=req.stop_reason if status else None,
                 new_logprobs=lp[:len(new_ids)] if lp is not None else None,
                 new_prompt_logprobs=self._new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None,
-                num_cached_tokens=max(req.num_cached_tokens, 0)))
+                num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions))
             if status is not None:
                 self._finish(req, status)
         return outputs

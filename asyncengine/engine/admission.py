@@ -2,7 +2,7 @@
 ``max_queued_tokens``) and the account of prompt tokens they are checked against.
 
 A request counts as queued from its acceptance until the core first schedules it (the core reports
-that with each batch: ``EngineCoreOutputs.started_req_ids``). A request the limits could never let
+that with each batch: ``EngineCoreOutputs.started``). A request the limits could never let
 in is a bad request (InvalidRequestError, HTTP 400); one that does not fit now is EngineOverloaded
 (HTTP 429: retry later).
 """

@@ -97,7 +97,7 @@ class EngineCore:
         # the step pipeline: (schedule, future of its result), oldest first
         self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
         self.batch_queue_size = self.executor.max_concurrent_batches
-        self._started: list[str] = []  # requests scheduled for the first time since take_outputs()
+        self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
         from asyncengine.worker.kernel_info import describe
 
@@ -192,7 +192,11 @@ class EngineCore:
                 return
 
     def _submit(self, so: SchedulerOutput) -> None:
-        self._started.extend(nr.req_id for nr in so.new_requests)
+        requests = self.scheduler.requests
+        for nr in so.new_requests:  # (a preempted request comes back as new: its first time stays)
+            req = requests.get(nr.req_id)
+            if req is not None and req.first_scheduled_time is not None:
+                self._started[nr.req_id] = req.first_scheduled_time
         self._batches.append((so, self.execute_model(so)))
 
     def oldest_batch(self) -> "Future[ModelRunnerOutput] | None":
@@ -218,9 +222,9 @@ class EngineCore:
 
     def take_outputs(self, outputs: list[EngineCoreOutput] = ()) -> EngineCoreOutputs:
         """``outputs`` with the core's load and the requests started since the last call."""
-        started, self._started = self._started, []
+        started, self._started = self._started, {}
         return EngineCoreOutputs(outputs=list(outputs), num_running=self.scheduler.num_running,
-                                 num_waiting=self.scheduler.num_waiting, started_req_ids=started)
+                                 num_waiting=self.scheduler.num_waiting, started=started)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """One turn of the pipeline, blocking: fill, wait on the oldest, update, refill. None when

@@ -125,6 +125,8 @@ class LLM:
             while len(done) < len(made):
                 batch = engine.step_with_batch_queue()  # the core's step pipeline (engine/core.py)
                 core_outs = batch.outputs if batch is not None else []
+                if batch is not None:
+                    outp.record_started(batch.started)
                 processed = outp.process(core_outs)
                 if processed.to_abort:
                     engine.abort_requests(processed.to_abort)

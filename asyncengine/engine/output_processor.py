@@ -147,6 +147,18 @@ class OutputProcessor:
         ref = self._samples.get(core_id)
         return ref[0].request_id if ref is not None else core_id
 
+    def record_started(self, started: dict[str, float]) -> list[str]:
+        """The core scheduled these (core id -> when) for the first time: their metrics'
+        ``first_scheduled_time``; returns their user request ids (the admission queue lets them go)."""
+        rids = []
+        for core_id, when in started.items():
+            rid = self.request_id_of(core_id)
+            st = self.states.get(rid)
+            if st is not None and st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = when  # n > 1: the first sample's
+            rids.append(rid)
+        return rids
+
     def abort(self, request_id: str) -> RequestState | None:
         """Forget a user request; its unfinished samples end with finish_reason "abort"."""
         st = self.states.pop(request_id, None)
@@ -223,6 +235,7 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
+        m.num_preemptions = max(m.num_preemptions, co.num_preemptions)  # n > 1: its most preempted sample
         if s.index == 0:
             st.num_cached_tokens = co.num_cached_tokens
         if co.new_prompt_logprobs and st.prompt_logprobs is not None:

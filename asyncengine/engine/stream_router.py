@@ -31,8 +31,8 @@ class StreamRouter:
     async def route(self, batch: EngineCoreOutputs) -> None:
         if batch.lost_req_ids:
             self.fail_lost(batch.lost_req_ids, batch.lost_reason)
-        for cid in batch.started_req_ids:  # scheduled for the first time: no longer queued
-            self.admission.remove(self.output_processor.request_id_of(cid))  # n > 1: the sample's request
+        for rid in self.output_processor.record_started(batch.started):  # no longer queued
+            self.admission.remove(rid)
         core_outputs = batch.outputs
         if not core_outputs:
             return

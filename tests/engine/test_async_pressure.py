@@ -13,10 +13,16 @@ import asyncio
 
 import pytest
 
-from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
+from asyncengine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from model_utils import compare
 
 HANG_GUARD_S = 300.0
+
+
+def assert_stages_in_order(m) -> None:
+    """arrival <= first scheduled <= first token <= last token <= finished (one monotonic clock)."""
+    stages = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
+    assert None not in stages and stages == sorted(stages), m
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,5 +53,19 @@ async def test_parity_under_preemption(tiny_llama_dir, tiny_reference, async_sch
     assert counts["exact"] + counts["near_tie"] == len(got) == len(requests) + ns.count(2)
     print(f"\n[pressure] preemptions {stats['num_preemptions']}, near-ties {counts['near_tie']} of {len(got)}")
     assert stats["num_preemptions"] > 0, stats
+    # each request's own account: its preemptions (n > 1: its most preempted sample) and its stages in order
+    assert 0 < sum(out.metrics.num_preemptions for out in finals) <= stats["num_preemptions"]
+    for out in finals:
+        assert_stages_in_order(out.metrics)
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] == 24
     assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_offline_outputs_carry_the_same_metrics(tiny_llama_dir, tiny_reference):
+    requests, _ = tiny_reference("llama")
+    llm = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
+                        [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests])
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for o in outs:
+        assert_stages_in_order(o.metrics)
