@@ -116,6 +116,9 @@ class ServerMetrics:
                               "From arrival to the first generated token.", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("asyncengine_time_per_output_token_seconds",
                               "Mean time between output tokens of a request.", buckets=_TPOT_BUCKETS, registry=r)
+        self.queue = Histogram("asyncengine_request_queue_time_seconds",
+                               "From arrival to the first step that computes the request (waiting in the queue).",
+                               buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("asyncengine_e2e_request_latency_seconds", "From arrival to the last output.",
                              buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("asyncengine_prompt_tokens", "Prompt tokens of finished requests.",
@@ -134,6 +137,8 @@ class ServerMetrics:
         m = out.metrics
         if m is None:
             return
+        if m.first_scheduled_time is not None:
+            self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             if num_generated > 1 and m.last_token_time is not None:

@@ -14,6 +14,7 @@ FAMILIES = {
     "asyncengine_time_to_first_token_seconds": "histogram",
     "asyncengine_time_per_output_token_seconds": "histogram",
     "asyncengine_e2e_request_latency_seconds": "histogram",
+    "asyncengine_request_queue_time_seconds": "histogram",
     "asyncengine_prompt_tokens": "counter",
     "asyncengine_generation_tokens": "counter",
     "asyncengine_requests_finished": "counter",
@@ -62,7 +63,7 @@ def test_metrics_families_and_counts(server, client):
     assert delta(reqs, reqs + "_total", endpoint="/v1/completions", method="POST", status="400") == 1
     assert delta(reqs, reqs + "_total", endpoint="other", status="404") == 1  # no label per random path
     for h in ("asyncengine_time_to_first_token_seconds", "asyncengine_time_per_output_token_seconds",
-              "asyncengine_e2e_request_latency_seconds"):
+              "asyncengine_e2e_request_latency_seconds", "asyncengine_request_queue_time_seconds"):
         assert delta(h, h + "_count") == 1, h
         assert value(after, h, h + "_bucket", le="+Inf") == value(after, h, h + "_count")
     assert delta("asyncengine_generation_tokens", "asyncengine_generation_tokens_total") == 5
