@@ -102,6 +102,9 @@ class EngineCore:
         from asyncengine.worker.kernel_info import describe
 
         self.kernels = describe(config)  # the dtype and why, the kernels (the CLI's ready line)
+        # a P/D prefill core's transfer server as bound (port 0: the OS's choice), for decode cores
+        self.kv_transfer_address: str | None = (self.executor.collective_rpc("kv_transfer_address")[0]
+                                                if config.kv_role == "prefill" else None)
         log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
                  num_blocks, config.block_size, self.max_model_len, self.kernels)

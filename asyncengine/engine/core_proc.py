@@ -124,6 +124,7 @@ class CoreReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     dtype: str  # the resolved dtype ("float32", ...), which only the core's torch knows
     kernels: str = ""  # the dtype and why, the kernels in use (worker/kernel_info.py)
+    kv_transfer_address: str | None = None  # a P/D prefill core's transfer server, as bound (tcp)
 
 
 class CoreDead(msgspec.Struct, tag="dead"):
@@ -197,7 +198,7 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
         send(_dead(e))
         os._exit(1)
     send(CoreReady(pid=os.getpid(), num_blocks=core.num_blocks, max_model_len=core.max_model_len, dtype=core.dtype,
-                   kernels=core.kernels))
+                   kernels=core.kernels, kv_transfer_address=core.kv_transfer_address))
     last_stats = 0.0
     reported_idle = True  # the front end has this core's load and stats as of its last idle moment
     stuck = False  # work exists but nothing could be scheduled: wait a little for an input

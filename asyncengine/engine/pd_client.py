@@ -79,16 +79,19 @@ class PDEngine:
 
         def core(role: str) -> AsyncLLMEngine:
             # a prefill core samples one token: speculation (a draft model's forwards) only on decode cores
-            # tcp: a prefill core serves its transfers on a port picked here (on this host: a Ray
-            # actor elsewhere binds the same number on its node), which decode cores are told
-            address = _free_address("127.0.0.1") if role == "prefill" and self.tcp else None
-            bind = address if address is None or not ray else "0.0.0.0:" + address.rpartition(":")[2]
+            # tcp: a prefill core serves its transfers on a port its own node's OS picks (a Ray actor
+            # on every address of its node), reported when it is ready; decode cores are told where
+            serve = role == "prefill" and self.tcp
+            bind = ("0.0.0.0:0" if ray else "127.0.0.1:0") if serve else None
             e = AsyncLLMEngine(dataclasses.replace(
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
                 kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads,
                 speculative_config=config.speculative_config if role == "decode" else None))
-            if address is not None and ray:  # the actor's node, as Ray placed it
-                address = f"{e.client.clients[0].node_ip}:{address.rpartition(':')[2]}"
+            address = None
+            if serve:
+                proc = e.client.clients[0]
+                port = proc.ready.kv_transfer_address.rpartition(":")[2]
+                address = f"{proc.node_ip if ray else '127.0.0.1'}:{port}"  # Ray: the node it placed the actor on
             self.sources[id(e)] = address
             return e
 
@@ -332,15 +335,6 @@ class PDEngine:
             prefill_cores=len(prefill), decode_cores=len(decode), num_skipped_hops=self.num_skipped_hops,
             transfer_files=self._num_transfers() if not self._closed else 0)
         return out
-
-
-def _free_address(host: str) -> str:
-    """``host:port`` with a port free now (the core binds it a moment later)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
 
 
 def _remove_dead_folders(base: str) -> None:

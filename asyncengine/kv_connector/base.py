@@ -85,5 +85,9 @@ class WorkerConnector(ABC):
     def take_output(self) -> KVConnectorOutput | None:
         """What happened since the last call (None: nothing)."""
 
+    def serving_address(self) -> str | None:
+        """The ``host:port`` this worker serves transfers on, as bound (None: it serves none)."""
+        return None
+
     def close(self) -> None:
         """Finish pending writes (a clean shutdown keeps what was computed)."""

@@ -109,6 +109,9 @@ class MultiWorkerConnector(WorkerConnector):
                                  finished_sending=[r for _, o in outs for r in o.finished_sending],
                                  counters={f"{i}:{k}": v for i, o in outs for k, v in o.counters.items()})
 
+    def serving_address(self):
+        return next((a for a in (c.serving_address() for c in self.connectors) if a is not None), None)
+
     def close(self):
         for c in self.connectors:
             c.close()

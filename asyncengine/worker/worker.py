@@ -228,6 +228,11 @@ class Worker:
 
         return weight_nbytes(self.model)
 
+    def kv_transfer_address(self) -> str | None:
+        """Where this rank serves its P/D transfers (``host:port`` as bound; None: nowhere)."""
+        conn = self.runner.kv_connector if self.runner is not None else None
+        return conn.serving_address() if conn is not None else None
+
     def reset_requests(self) -> None:
         """Forget every request's state (the core abandoned them all)."""
         if self.runner is not None:

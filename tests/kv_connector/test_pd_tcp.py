@@ -120,12 +120,13 @@ def test_token_exact_over_tcp(tiny, tmp_path, regime):
     d_core = make(tiny, kv_role="decode", **tcp)
     try:
         server = p_core.executor.worker.runner.kv_connector.transport.server
+        assert p_core.kv_transfer_address == server.address != "127.0.0.1:0"  # as bound: what front ends are told
         got = {}
         for i, p in enumerate(ps):
             p_core.add_request(req(f"r{i}", p, 1))
             drain(p_core)
             assert len(server) == 1  # held in the prefill core's memory until pulled
-            d_core.add_request(req(f"r{i}", p, 6, n=n, source=server.address))
+            d_core.add_request(req(f"r{i}", p, 6, n=n, source=p_core.kv_transfer_address))
             drain(d_core, got)
             assert len(server) == 0
         assert got == want

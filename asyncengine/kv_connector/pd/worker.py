@@ -33,6 +33,10 @@ class PDWorker(WorkerConnector):
         self.counters: dict[str, int] = {}
         os.makedirs(directory, exist_ok=True)
 
+    def serving_address(self) -> str | None:
+        server = getattr(self.transport, "server", None)  # tcp: the prefill core's transfer server
+        return server.address if server is not None else None
+
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
