@@ -18,6 +18,9 @@ import time
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
+from asyncengine.kv_connector.messages import KVConnectorOutput
+
+_NO_REPORT = KVConnectorOutput()  # a step whose worker had nothing to say
 
 
 class KVTransferState:
@@ -54,10 +57,11 @@ class KVTransferState:
         if lease is not None:
             self.kv.free(lease[0])
 
-    def step_done(self, kv_connector_output) -> None:
+    def step_done(self, kv_connector_output: KVConnectorOutput | None) -> None:
         """A step's transfer reports: loads that ended queue their requests again, at the front (they
-        were first); blocks whose transfer out is done are freed."""
-        loaded, sent = self.connector.update_connector_output(kv_connector_output)
+        were first); blocks whose transfer out is done are freed. Called after every step (the
+        worker may have said nothing while the scheduler side's own loads ended: P/D pulls)."""
+        loaded, sent = self.connector.update_connector_output(kv_connector_output or _NO_REPORT)
         for rid in reversed(loaded):
             req = self.waiting_for_kv.pop(rid, None)
             if req is not None:

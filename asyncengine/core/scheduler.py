@@ -346,7 +346,7 @@ class Scheduler:
         """Fold a finished step's sampled tokens into request states; emit per-request outputs
         (also for chunks that sampled nothing but carry prompt logprobs)."""
         outputs: list[EngineCoreOutput] = []
-        if out.kv_connector_output is not None and self.connector is not None:
+        if self.connector is not None:  # (the scheduler side may have news without the worker's)
             self.kv_transfer.step_done(out.kv_connector_output)
         self.pp_in_flight.returned(sched.num_scheduled_tokens)
         logprobs = out.logprobs

@@ -12,12 +12,15 @@ fingerprint, same prompt; over TCP: pulled from the address in the request's ``k
 is claimed as a local file and its tokens up to the prompt's last count as external:
 they are copied in before this step's forward and only the last prompt token is computed, as with a
 prefix-cache hit. No file (the prefill core failed, the transfer was swept, the request came
-straight here): the decode core computes the prompt itself, counted as a miss.
+straight here): the decode core computes the prompt itself, counted as a miss. Over TCP the claim
+is a pull across the network: it runs on a thread while the request waits (an asynchronous load,
+core/kv_transfer_state.py), so the running requests' steps never wait for another request's bytes.
 """
 from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from asyncengine.kv_connector.base import SchedulerConnector
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from asyncengine.core.request import Request
 
 log = logging.getLogger(__name__)
+
+PULL_THREADS = 4  # pulls in flight at once per decode core
+PULL_POLL_S = 0.005  # an idle step waits this long for a pull to end
 
 
 def transfer_key(req: "Request") -> str | None:
@@ -90,38 +96,54 @@ class DecodeImporter(SchedulerConnector):
         self._imports: list[ImportJob] = []
         self.counters = {"kv_transfer_imported_requests": 0, "kv_transfer_imported_tokens": 0,
                          "kv_transfer_misses": 0, "kv_transfer_rejected_files": 0}
+        # over the network a claim is a pull (milliseconds to seconds): it runs on a thread while
+        # the request waits (asynchronous load) and the running requests keep stepping
+        self._pool = (ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="asyncengine-kv-pull")
+                      if transport.claims_over_network else None)
+        self._pulls: dict[str, Future] = {}  # request id -> its pull in flight
+        self._pulled: set[str] = set()  # pulled (found or not): not pulled again (a preemption, say)
+        self._orphans: set[str] = set()  # left while their pull was in flight: drop what it brings
 
-    def _claim(self, req: "Request") -> tuple[str, int] | None:
-        claim = self._claims.get(req.request_id)
-        if claim is not None:
-            return claim
-        key = transfer_key(req)
-        if key is None:
-            return None
+    def _fetch(self, req: "Request") -> tuple[tuple[str, int] | None, bool]:
+        """Claim the request's transfer: ((local file, tokens in it) or None, whether one arrived
+        and was refused). Touches nothing of the scheduler's: it may run on a pull thread."""
+        refused = []
 
         def accept(h: tf.Header) -> bool:
             ok = (h.fingerprint == self.fingerprint and h.block_nbytes == self.block_nbytes
                   and h.num_tokens == req.num_prompt_tokens and h.digest == tf.prompt_digest(req.prompt_token_ids))
             if not ok:
-                self.counters["kv_transfer_rejected_files"] += 1  # another model/layout, or not this prompt
+                refused.append(h)  # another model/layout, or not this prompt
             return ok
 
         source = (req.kv_transfer_params or {}).get("source")
         try:
-            got = self.transport.claim(key, source, accept)
+            got = self.transport.claim(transfer_key(req), source, accept)
         except BadTransfer as e:  # short or corrupt on the way: computed here instead, never loaded
             log.warning("%s: computing the prompt instead", e)
+            return None, True
+        return (None if got is None else (got[0], got[1].num_tokens)), bool(refused)
+
+    def _settle(self, rid: str, fetched: tuple[tuple[str, int] | None, bool]) -> tuple[str, int] | None:
+        claim, refused = fetched
+        if refused:
             self.counters["kv_transfer_rejected_files"] += 1
-            return None
-        if got is None:
-            return None
-        self._claims[req.request_id] = claim = (got[0], got[1].num_tokens)
+        if claim is not None:
+            self._claims[rid] = claim
         return claim
 
     def get_num_new_matched_tokens(self, req, num_computed):
         if req.sampling_params.prompt_logprobs is not None:
             return 0, False
-        claim = self._claim(req)
+        rid = req.request_id
+        claim = self._claims.get(rid)
+        if claim is None and rid not in self._pulled and transfer_key(req) is not None:
+            if self._pool is None:
+                claim = self._settle(rid, self._fetch(req))
+            elif (req.kv_transfer_params or {}).get("source") is not None:  # (none: nothing to pull)
+                if rid not in self._pulls:
+                    self._pulls[rid] = self._pool.submit(self._fetch, req)
+                return 0, True  # looked at again once update_connector_output reports the pull ended
         if claim is None:
             return 0, False
         return max(0, min(claim[1], req.num_tokens - 1) - num_computed), False
@@ -140,28 +162,58 @@ class DecodeImporter(SchedulerConnector):
         self.counters["kv_transfer_imported_tokens"] += num_external
 
     def build_meta(self, scheduled, requests):
-        if not self._imports:
+        poll = bool(self._pulls) and not scheduled
+        if poll:  # nothing to compute but pulls: wait for one here rather than spin on empty steps
+            wait(list(self._pulls.values()), timeout=PULL_POLL_S, return_when=FIRST_COMPLETED)
+        if not self._imports and not poll:
             return None
-        meta = KVConnectorMetadata(import_kv=self._imports)
+        meta = KVConnectorMetadata(import_kv=self._imports, poll=poll)
         self._imports = []
         return meta
 
     def update_connector_output(self, out):
         for k, v in out.counters.items():
             self.counters["kv_" + k] = self.counters.get("kv_" + k, 0) + v
-        return [], []
+        loaded = []
+        for rid in [rid for rid, f in self._pulls.items() if f.done()]:
+            fut = self._pulls.pop(rid)
+            try:
+                fetched = fut.result()
+            except Exception:  # a pull that broke (not a refusal): the prompt is computed here
+                log.exception("kv transfer: pulling %s failed; computing the prompt instead", rid)
+                fetched = None, False
+            if rid in self._orphans:
+                self._orphans.discard(rid)
+                if fetched[0] is not None:
+                    _unlink(fetched[0][0])
+                continue
+            self._settle(rid, fetched)
+            self._pulled.add(rid)
+            loaded.append(rid)
+        return loaded, []
 
     def request_finished(self, req):
-        self._drop(req.request_id)
+        rid = req.request_id
+        self._pulled.discard(rid)
+        if rid in self._pulls:
+            self._orphans.add(rid)
+        self._drop(rid)
         return None
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._pulls)
 
     def _drop(self, rid: str) -> None:
         claim = self._claims.pop(rid, None)
         if claim is not None:
-            try:
-                os.unlink(claim[0])
-            except OSError:
-                pass
+            _unlink(claim[0])
 
     def stats(self) -> dict:
-        return {**self.counters, "kv_transfer_claimed_files": len(self._claims)}
+        return {**self.counters, "kv_transfer_claimed_files": len(self._claims), "kv_transfer_pulls": len(self._pulls)}
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -30,6 +30,8 @@ Accept = Callable[[tf.Header], bool]  # the decode side's check of a transfer's 
 
 
 class ShmTransport:
+    claims_over_network = False  # a claim is a rename: the scheduler makes it inline
+
     def __init__(self, directory: str) -> None:
         self.dir = directory
 
@@ -65,6 +67,8 @@ class ShmTransport:
 class TcpTransport:
     """``directory``: where a decode core stages what it pulled (local tmpfs); ``serve_on``: a
     prefill core's ``host:port`` (its worker starts the server)."""
+
+    claims_over_network = True  # a claim is a pull: the decode scheduler makes it on a thread
 
     def __init__(self, directory: str, serve_on: str | None = None, lease_s: float = 30.0) -> None:
         self.dir = directory
