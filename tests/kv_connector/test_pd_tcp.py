@@ -192,69 +192,69 @@ def held_server(data: bytes) -> tuple[str, threading.Event, threading.Thread]:
     return f"127.0.0.1:{lsock.getsockname()[1]}", release, t
 
 
-def test_a_pull_in_flight_never_stalls_the_running_requests(tiny, tmp_path):
+@pytest.fixture
+def tcp_cores(tiny, tmp_path):
+    """A prefill core serving its transfers over TCP and a decode core, both in this process."""
+    tcp = dict(kv_transfer_transport="tcp", kv_transfer_dir=str(tmp_path))
+    p_core = make(tiny, kv_role="prefill", kv_transfer_address="127.0.0.1:0", **tcp)
+    d_core = make(tiny, kv_role="decode", **tcp)
+    yield p_core, d_core
+    p_core.shutdown()
+    d_core.shutdown()
+
+
+def held_back(p_core, rid: str, prompt) -> tuple[str, threading.Event, threading.Thread]:
+    """``prompt`` prefilled on ``p_core``, its transfer taken and served by a peer that holds it back."""
+    p_core.add_request(req(rid, prompt, 1))
+    drain(p_core)
+    return held_server(tcp_server.take(p_core.kv_transfer_address, tf.request_key(rid)))
+
+
+def test_a_pull_in_flight_never_stalls_the_running_requests(tiny, tcp_cores):
     """The decode core pulls a request's KV on a thread while that request waits: another request
     runs to its end meanwhile (a pull in the scheduler would stop every step until the bytes came);
     then the pulled one is loaded, token-exact, and both pools are whole."""
     ps = prompts(seed=5, k=2)
     want = colocated(tiny, ps)
-    tcp = dict(kv_transfer_transport="tcp", kv_transfer_dir=str(tmp_path))
-    p_core = make(tiny, kv_role="prefill", kv_transfer_address="127.0.0.1:0", **tcp)
-    d_core = make(tiny, kv_role="decode", **tcp)
-    try:
-        p_core.add_request(req("r1", ps[1], 1))
-        drain(p_core)
-        data = tcp_server.take(p_core.kv_transfer_address, tf.request_key("r1"))
-        address, release, t = held_server(data)
-        d_core.add_request(req("r1", ps[1], 6, source=address))  # its bytes are held back
-        d_core.add_request(req("r0", ps[0], 6))  # no transfer: computed here
-        got: dict = {}
-        for _ in range(200):
-            if len(got.get("r0", [])) == 6:
-                break
-            for o in d_core.step():
-                got.setdefault(o.req_id, []).extend(o.new_token_ids)
-        assert len(got.get("r0", [])) == 6 and "r1" not in got, got
-        assert d_core.stats()["kv_transfer_pulls"] == 1
-        release.set()
-        drain(d_core, got)
-        t.join(HANG_GUARD_S)
-        assert got == want
-        s = d_core.stats()
-        assert s["kv_transfer_imported_requests"] == 1 and s["kv_transfer_pulls"] == 0
-        assert s["kv_transfer_imported_tokens"] == len(ps[1]) - 1
-        assert d_core.kv.num_free_blocks == d_core.num_blocks and not d_core.scheduler.requests
-    finally:
-        p_core.shutdown()
-        d_core.shutdown()
+    p_core, d_core = tcp_cores
+    address, release, t = held_back(p_core, "r1", ps[1])
+    d_core.add_request(req("r1", ps[1], 6, source=address))  # its bytes are held back
+    d_core.add_request(req("r0", ps[0], 6))  # no transfer: computed here
+    got: dict = {}
+    for _ in range(200):
+        if len(got.get("r0", [])) == 6:
+            break
+        for o in d_core.step():
+            got.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert len(got.get("r0", [])) == 6 and "r1" not in got, got
+    assert d_core.stats()["kv_transfer_pulls"] == 1
+    release.set()
+    drain(d_core, got)
+    t.join(HANG_GUARD_S)
+    assert got == want
+    s = d_core.stats()
+    assert s["kv_transfer_imported_requests"] == 1 and s["kv_transfer_pulls"] == 0
+    assert s["kv_transfer_imported_tokens"] == len(ps[1]) - 1
+    assert d_core.kv.num_free_blocks == d_core.num_blocks and not d_core.scheduler.requests
 
 
-def test_a_request_aborted_during_its_pull_leaves_nothing(tiny, tmp_path):
+def test_a_request_aborted_during_its_pull_leaves_nothing(tcp_cores, tmp_path):
     """Aborted while its bytes are on the way: the pull's file is deleted when it lands, the core
     stops stepping for it, nothing is imported and the pool is whole."""
-    ps = prompts(seed=6, k=1)
-    tcp = dict(kv_transfer_transport="tcp", kv_transfer_dir=str(tmp_path))
-    p_core = make(tiny, kv_role="prefill", kv_transfer_address="127.0.0.1:0", **tcp)
-    d_core = make(tiny, kv_role="decode", **tcp)
-    try:
-        p_core.add_request(req("r0", ps[0], 1))
-        drain(p_core)
-        data = tcp_server.take(p_core.kv_transfer_address, tf.request_key("r0"))
-        address, release, t = held_server(data)
-        d_core.add_request(req("r0", ps[0], 6, source=address))
-        assert d_core.step() == [] and d_core.stats()["kv_transfer_pulls"] == 1
-        d_core.abort_requests(["r0"])
-        release.set()
-        assert drain(d_core) == {}
-        t.join(HANG_GUARD_S)
-        s = d_core.stats()
-        assert s["kv_transfer_pulls"] == 0 and s["kv_transfer_claimed_files"] == 0
-        assert s["kv_transfer_imported_requests"] == 0
-        assert [f for f in tmp_path.rglob("*") if f.is_file()] == []  # the pulled file is gone
-        assert d_core.kv.num_free_blocks == d_core.num_blocks and not d_core.scheduler.requests
-    finally:
-        p_core.shutdown()
-        d_core.shutdown()
+    [prompt] = prompts(seed=6, k=1)
+    p_core, d_core = tcp_cores
+    address, release, t = held_back(p_core, "r0", prompt)
+    d_core.add_request(req("r0", prompt, 6, source=address))
+    assert d_core.step() == [] and d_core.stats()["kv_transfer_pulls"] == 1
+    d_core.abort_requests(["r0"])
+    release.set()
+    assert drain(d_core) == {}
+    t.join(HANG_GUARD_S)
+    s = d_core.stats()
+    assert s["kv_transfer_pulls"] == 0 and s["kv_transfer_claimed_files"] == 0
+    assert s["kv_transfer_imported_requests"] == 0
+    assert [f for f in tmp_path.rglob("*") if f.is_file()] == []  # the pulled file is gone
+    assert d_core.kv.num_free_blocks == d_core.num_blocks and not d_core.scheduler.requests
 
 
 # ---------------------------------------------------------------- PDEngine, cores in processes
