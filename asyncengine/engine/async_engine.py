@@ -180,6 +180,12 @@ class AsyncLLMEngine:
         return self.client.cores_alive()
 
     @property
+    def kv_transfer_address(self) -> str | None:
+        """Where this engine's P/D prefill core serves its transfers (tcp), as decode cores reach
+        it (the port its node's OS picked); None for any other engine."""
+        return self.client.kv_transfer_address
+
+    @property
     def kernels(self) -> str:
         """The dtype and why, and the kernels that run the model (worker/kernel_info.py)."""
         return self.client.kernels or self.dtype

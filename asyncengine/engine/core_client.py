@@ -51,6 +51,8 @@ class CoreClient(ABC):
     num_blocks: int
     dtype: str
     kernels: str = ""  # the dtype and why, the kernels in use (worker/kernel_info.py)
+    # where a P/D prefill core serves its transfers (tcp), as decode cores reach it; None: nowhere
+    kv_transfer_address: str | None = None
     core: "EngineCore | None" = None  # the core itself when it runs in this process (introspection)
 
     @staticmethod
@@ -162,6 +164,7 @@ class InprocClient(CoreClient):
         self.num_blocks = core.num_blocks
         self.dtype = core.dtype
         self.kernels = core.kernels
+        self.kv_transfer_address = core.kv_transfer_address
         self._pump: Callable[[], None] = lambda: None
 
     def bind(self, wake, pump) -> None:
@@ -246,6 +249,7 @@ class MPClient(CoreClient):
             raise
         self.dtype = readies[0].dtype
         self.kernels = readies[0].kernels
+        self.kv_transfer_address = self.clients[0].kv_transfer_address  # (a P/D core is one core)
         self.num_blocks = min(r.num_blocks for r in readies)
         self.max_model_len = min(r.max_model_len for r in readies)
         self.owner: dict[str, int] = {}  # user request id -> core index

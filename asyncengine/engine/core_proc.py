@@ -283,6 +283,11 @@ class EngineCoreProc:
         self._send(StartCore(info))
         self._started = True
 
+    @property
+    def kv_transfer_address(self) -> str | None:
+        """Where this core serves its P/D transfers (a prefill core over tcp), as bound."""
+        return self.ready.kv_transfer_address if self.ready is not None else None
+
     def wait_ready(self) -> CoreReady:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.conn.poll(0.2):

@@ -87,12 +87,7 @@ class PDEngine:
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
                 kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads,
                 speculative_config=config.speculative_config if role == "decode" else None))
-            address = None
-            if serve:
-                proc = e.client.clients[0]
-                port = proc.ready.kv_transfer_address.rpartition(":")[2]
-                address = f"{proc.node_ip if ray else '127.0.0.1'}:{port}"  # Ray: the node it placed the actor on
-            self.sources[id(e)] = address
+            self.sources[id(e)] = e.kv_transfer_address
             return e
 
         self.tcp = config.kv_transfer_transport == "tcp"

@@ -168,6 +168,12 @@ class RayEngineCoreProc(EngineCoreProc):
         conn, proc, self.node_id, self.node_ip = self._cores.start_actor(config, self.index)
         return conn, proc
 
+    @property
+    def kv_transfer_address(self) -> str | None:
+        """Its port at the node Ray placed it on (it binds every address of that node)."""
+        bound = super().kv_transfer_address
+        return None if bound is None else f"{self.node_ip}:{bound.rpartition(':')[2]}"
+
     def shutdown(self, timeout: float = 10.0) -> None:
         super().shutdown(timeout)
         self.proc.kill()  # the actor's process has exited by now; this releases Ray's record of it
