@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from asyncengine.kv_connector.base import SchedulerConnector
@@ -98,8 +99,7 @@ class DecodeImporter(SchedulerConnector):
                          "kv_transfer_misses": 0, "kv_transfer_rejected_files": 0}
         # over the network a claim is a pull (milliseconds to seconds): it runs on a thread while
         # the request waits (asynchronous load) and the running requests keep stepping
-        self._pool = (ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="asyncengine-kv-pull")
-                      if transport.claims_over_network else None)
+        self._pull_slots = threading.BoundedSemaphore(PULL_THREADS) if transport.claims_over_network else None
         self._pulls: dict[str, Future] = {}  # request id -> its pull in flight
         self._pulled: set[str] = set()  # pulled (found or not): not pulled again (a preemption, say)
         self._orphans: set[str] = set()  # left while their pull was in flight: drop what it brings
@@ -124,6 +124,21 @@ class DecodeImporter(SchedulerConnector):
             return None, True
         return (None if got is None else (got[0], got[1].num_tokens)), bool(refused)
 
+    def _start_pull(self, req: "Request") -> Future:
+        """``_fetch(req)`` on a daemon thread of its own, at most PULL_THREADS at once (daemon: a
+        peer that stalls mid-transfer never holds the process's exit, as a pool's threads would)."""
+        fut: Future = Future()
+
+        def run() -> None:
+            with self._pull_slots:
+                try:
+                    fut.set_result(self._fetch(req))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name="asyncengine-kv-pull").start()
+        return fut
+
     def _settle(self, rid: str, fetched: tuple[tuple[str, int] | None, bool]) -> tuple[str, int] | None:
         claim, refused = fetched
         if refused:
@@ -138,11 +153,11 @@ class DecodeImporter(SchedulerConnector):
         rid = req.request_id
         claim = self._claims.get(rid)
         if claim is None and rid not in self._pulled and transfer_key(req) is not None:
-            if self._pool is None:
+            if self._pull_slots is None:
                 claim = self._settle(rid, self._fetch(req))
             elif (req.kv_transfer_params or {}).get("source") is not None:  # (none: nothing to pull)
                 if rid not in self._pulls:
-                    self._pulls[rid] = self._pool.submit(self._fetch, req)
+                    self._pulls[rid] = self._start_pull(req)
                 return 0, True  # looked at again once update_connector_output reports the pull ended
         if claim is None:
             return 0, False
