@@ -193,3 +193,10 @@ def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int) -> None:
         if t != token:
             assert entry[t].rank == r
     assert len(entry) <= k + 1
+
+
+def assert_stages_in_order(m) -> None:
+    """A request's RequestMetrics: arrival <= first scheduled <= first token <= last token <=
+    finished (one monotonic clock for every process on the machine)."""
+    stages = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
+    assert None not in stages and stages == sorted(stages), m

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import RequestMetrics, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class PDStream:
         self._inner = self._engine.generate(prompt, PREFILL_ONLY if self._hop else params,
                                             request_id=request_id, **kw)
         load[id(self._engine)] += 1
-        self._arrival: float | None = None
+        self._prefill_metrics: RequestMetrics | None = None  # the prefill phase's (its arrival, its first step)
         self._abort_requested = False
         self._done = False
         self.closed_in_prefill = False
@@ -75,9 +75,11 @@ class PDStream:
                     out = self._prefilled(out)
                     if out is None:
                         continue  # now on the decode core
-                elif self._arrival is not None and out.metrics is not None:
+                elif self._prefill_metrics is not None and out.metrics is not None:
+                    # the request's own times: it arrived, and was first scheduled, on the prefill core
+                    pm = self._prefill_metrics
                     out = msgspec.structs.replace(out, metrics=msgspec.structs.replace(
-                        out.metrics, arrival_time=self._arrival))
+                        out.metrics, arrival_time=pm.arrival_time, first_scheduled_time=pm.first_scheduled_time))
                 if out.finished:  # on the decode core (its transfer claimed), or aborted between the phases
                     self._close(finished=self._engine is not None)
                 return out
@@ -90,8 +92,7 @@ class PDStream:
         the stream here if it was aborted meanwhile (the final output)."""
         self._load[id(self._engine)] -= 1
         self._hop = False
-        if out.metrics is not None:
-            self._arrival = out.metrics.arrival_time
+        self._prefill_metrics = out.metrics
         if self._abort_requested or out.outputs[0].finish_reason == "abort":
             self._engine = None
             return aborted(out, self._params.n)

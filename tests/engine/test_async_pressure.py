@@ -14,15 +14,9 @@ import asyncio
 import pytest
 
 from asyncengine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
-from model_utils import compare
+from model_utils import assert_stages_in_order, compare
 
 HANG_GUARD_S = 300.0
-
-
-def assert_stages_in_order(m) -> None:
-    """arrival <= first scheduled <= first token <= last token <= finished (one monotonic clock)."""
-    stages = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
-    assert None not in stages and stages == sorted(stages), m
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

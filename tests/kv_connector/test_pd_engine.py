@@ -13,6 +13,7 @@ import pytest
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
 from asyncengine.engine.pd_client import PDEngine
 from asyncengine.errors import ConfigError
+from model_utils import assert_stages_in_order
 
 HANG_GUARD_S = 180.0  # only a guard against a hang
 VOCAB = 512
@@ -31,6 +32,7 @@ async def collect(eng, p, rid, n=6):
     toks = []
     async for o in eng.generate({"prompt_token_ids": p}, greedy(n), request_id=rid):
         toks.extend(o.token_ids_delta)
+    assert_stages_in_order(o.metrics)  # P/D: arrived and first scheduled on the prefill core
     return toks
 
 
