@@ -19,6 +19,7 @@ from .errors import APIError, from_engine
 from .generation import Submission, TokenBytes, submit_n
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, decode
+from .responses_store import ResponseStore
 from .security import SecurityPolicy
 from ..tool_calls import openai_history, with_tools_prompt
 
@@ -80,6 +81,7 @@ class ServerState:
         self.created = int(time.time())
         self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once started
+        self.responses = ResponseStore()  # the Responses API's (build_app sizes it)
 
     @property
     def max_model_len(self) -> int:
