@@ -145,6 +145,11 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="websockets plus in-flight /v1/ requests at once; more get 503 (websockets: close 1013)")
     s.add_argument("--ws-idle-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="close a websocket with no frame and no generation for this long")
+    s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="finished /v1/responses kept in memory for GET and previous_response_id (oldest "
+                        "dropped first; 0: none)")
+    s.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a stored response is kept")
     g = s.add_argument_group("structured outputs (GrammarLimits, docs/structured_outputs.md#limits; over a limit: 400)")
     g.add_argument("--max-grammar-compile-s", type=float, default=None,
                    help="compile time of one schema/regex/grammar; its worker process is killed past it (default 5)")
