@@ -240,7 +240,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         from starlette.middleware.cors import CORSMiddleware
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                                     allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
+                                     allow_methods=["GET", "POST", "DELETE"],
+                                     allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"]))
     middleware.append(Middleware(SecurityMiddleware, policy=policy))
     middleware.append(Middleware(ConnectionCap, limit=max_connections))  # after the key check
     app = Starlette(
