@@ -52,6 +52,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}
 
 
 def _texts(blocks: list[Block] | list[dict] | str | None, where: str) -> str:
@@ -120,6 +121,17 @@ def chat_tools(req: MessagesRequest) -> ToolSession:
     return ToolSession(tools, choice, not tc.get("disable_parallel_tool_use", False), param="tool_choice")
 
 
+def _output_format(config: dict | None) -> dict | None:
+    """``output_config.format`` (Anthropic's structured outputs) as chat's ``response_format``."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': {...}}",
+                       param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
+
+
 def _stop(out, has_calls: bool) -> tuple[str, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished output."""
     reason, stop = finish_kind(out)
@@ -155,7 +167,8 @@ async def create_message(request: Request) -> Response:
     st.check_model(req.model)
     tools = chat_tools(req)
     fields = SamplingFields(model=req.model, temperature=req.temperature, top_p=req.top_p,
-                            top_k=req.top_k if req.top_k else None, stop=req.stop_sequences or None)
+                            top_k=req.top_k if req.top_k else None, stop=req.stop_sequences or None,
+                            response_format=_output_format(req.output_config))
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     turn = await start_turn(request, st, fields, chat_messages(req), tools, req.max_tokens, bool(req.stream), rid)
     head = {"id": rid, "type": "message", "role": "assistant", "model": st.model_name}

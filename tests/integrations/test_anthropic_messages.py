@@ -4,6 +4,8 @@ completion of the same conversation, stop_reason mapping (max_tokens, stop_seque
 results in the history, Anthropic's error shape, and ``x-api-key`` next to Bearer."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -109,6 +111,12 @@ def test_any_tool_then_tool_result(ac):
         m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
+def test_output_config_json_schema_constrains_the_text(ac):
+    m = ac.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": "Pick a city."}],
+                           output_config={"format": {"type": "json_schema", "schema": CITY}})
+    assert json.loads(m.content[0].text)["city"] in ("Paris", "Oslo")
+
+
 # ---------------------------------------------------------------- errors and keys
 
 
@@ -127,6 +135,8 @@ def test_any_tool_then_tool_result(ac):
     ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "tools": [WEATHER],
       "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "fox " * 3000}]}, 400,
+     "invalid_request_error"),
+    ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "output_config": {"format": {"type": "regex"}}}, 400,
      "invalid_request_error"),
     ({"model": "other-model", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error"),
 ])
