@@ -193,7 +193,11 @@ class ContentBuilder:
     def __init__(self) -> None:
         self.blocks: list[dict] = []
         self.open: int | None = None  # the index of the block being written
-        self.has_calls = False
+        self.calls: dict[int, int] = {}  # the seam's call index -> its block's index
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
 
     def on(self, ev: ToolEvent) -> list[dict]:
         if isinstance(ev, TextDelta):
@@ -204,14 +208,16 @@ class ContentBuilder:
             return out + [{"type": "content_block_delta", "index": self.open,
                            "delta": {"type": "text_delta", "text": ev.text}}]
         if isinstance(ev, CallBegin):
-            self.has_calls = True
-            return self.stop() + self._start({"type": "tool_use", "id": _tool_id(), "name": ev.name, "input": {}})
+            out = self.stop() + self._start({"type": "tool_use", "id": _tool_id(), "name": ev.name, "input": {}})
+            self.calls[ev.index] = self.open
+            return out
+        i = self.calls[ev.index]
         if isinstance(ev, CallArgs):
-            return [{"type": "content_block_delta", "index": self.open,
+            return [{"type": "content_block_delta", "index": i,
                      "delta": {"type": "input_json_delta", "partial_json": ev.delta}}]
         assert isinstance(ev, CallEnd)
-        self.blocks[self.open]["input"] = _args(ev.arguments)
-        return self.stop()
+        self.blocks[i]["input"] = _args(ev.arguments)
+        return self.stop() if self.open == i else []
 
     def _start(self, block: dict) -> list[dict]:
         self.blocks.append(block)

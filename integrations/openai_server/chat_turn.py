@@ -37,7 +37,7 @@ async def start_turn(request: Request, st, fields: SamplingFields, messages: lis
     so, field = guided.requested(fields)
     # compiled while watching the client: one that leaves cancels its compile; a forced tool call
     # streams too (the endpoints hold what they must parse whole: tool_adapter.py)
-    params = await run_until_disconnect(request, st.constrain(params, tools.structured(), so, False, field))
+    params = await run_until_disconnect(request, st.constrain(params, tools.structured(), so, param=field))
     streams = await st.submit([(None, ids)], params, 1, request_id)
     return Turn(streams, len(ids))
 

@@ -204,7 +204,8 @@ class ServerState:
 
     # ------------------------------------------------------------ engine
 
-    async def constrain(self, params, from_tools, from_request, streaming_tools: bool, param: str | None = None):
+    async def constrain(self, params, from_tools, from_request, streaming_tools: bool = False,
+                        param: str | None = None):
         """``params`` with the request's structured output (``from_tools``: a forced tool call;
         ``from_request``: response_format or vLLM's fields, named ``param``), compiled first
         (structured/compile_service.py: off the loop, within the grammar limits): a grammar that

@@ -68,3 +68,27 @@ def test_bad_tools_are_400s_naming_the_field(tools, choice, param):
     with pytest.raises(APIError) as e:
         ToolSession(tools, choice, None)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_builders_take_calls_ended_late():
+    """A parser may end every call only at the end of the output (after the next one began): both
+    APIs' builders still give each call its own arguments and well-formed events."""
+    from asyncengine.integrations.openai_server.anthropic_messages import ContentBuilder
+    from asyncengine.integrations.openai_server.responses_output import OutputBuilder
+
+    evs = [TextDelta("hi"), CallBegin(0, "a"), CallArgs(0, '{"x": 1}'), CallBegin(1, "b"), CallArgs(1, "{}"),
+           CallEnd(0, '{"x": 1}'), CallEnd(1, "{}")]
+    cb = ContentBuilder()
+    wire = [e for ev in evs for e in cb.on(ev)] + cb.stop()
+    assert cb.blocks[0] == {"type": "text", "text": "hi"}
+    assert [(b["name"], b["input"]) for b in cb.blocks[1:]] == [("a", {"x": 1}), ("b", {})]
+    starts = [e["index"] for e in wire if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in wire if e["type"] == "content_block_stop"]
+    assert starts == stops == [0, 1, 2]
+    ob = OutputBuilder()
+    wire = [e for ev in evs for e in ob.on(ev)] + ob.close()
+    assert [i["type"] for i in ob.items] == ["message", "function_call", "function_call"]
+    assert [(i["name"], i["arguments"], i["status"]) for i in ob.items[1:]] == [("a", '{"x": 1}', "completed"),
+                                                                               ("b", "{}", "completed")]
+    done = [e["output_index"] for e in wire if e["type"] == "response.output_item.done"]
+    assert sorted(done) == [0, 1, 2]
