@@ -39,18 +39,23 @@ class Message(msgspec.Struct, kw_only=True):
     content: str | list[Block]
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True):
+class Conversation(msgspec.Struct, kw_only=True):
+    """What a prompt is made of (the body of /v1/messages/count_tokens)."""
+
     model: str
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
     system: str | list[Block] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(Conversation, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     stream: bool | None = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}
 
@@ -68,7 +73,7 @@ def _texts(blocks: list[Block] | list[dict] | str | None, where: str) -> str:
     return "\n".join(out)
 
 
-def chat_messages(req: MessagesRequest) -> list[dict]:
+def chat_messages(req: Conversation) -> list[dict]:
     """The conversation as chat messages: text, tool_use (assistant calls), tool_result (tool turns)."""
     out: list[dict] = [{"role": "system", "content": _texts(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
@@ -100,7 +105,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
     return out
 
 
-def chat_tools(req: MessagesRequest) -> ToolSession:
+def chat_tools(req: Conversation) -> ToolSession:
     tools = []
     for i, t in enumerate(req.tools or ()):
         if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
@@ -185,6 +190,15 @@ async def create_message(request: Request) -> Response:
     reason, seq = _stop(out, blocks.has_calls)
     return _json({**head, "content": blocks.blocks, "stop_reason": reason, "stop_sequence": seq,
                   "usage": _usage(turn, out, count)})
+
+
+async def count_tokens(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt's length, tools included, as rendered for a turn."""
+    st = _state(request)
+    req: Conversation = await st.read_json(request, Conversation)
+    st.check_model(req.model)
+    ids = await chat_tools(req).prompt_ids(st, chat_messages(req))
+    return _json({"input_tokens": len(ids)})
 
 
 class ContentBuilder:

@@ -40,7 +40,8 @@ from .state import ServerState, json_response as _json, server_state as _state
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages"})
+                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
+                       "/v1/messages/count_tokens"})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -113,13 +114,14 @@ def _page(name: str, media_type: str):
 
 def other_api_routes() -> list[Route]:
     """The Responses API (responses.py) and Anthropic's Messages API (anthropic_messages.py)."""
-    from .anthropic_messages import create_message
+    from .anthropic_messages import count_tokens, create_message
     from .responses import create_response, delete_response, get_response
 
     return [Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
-            Route("/v1/messages", create_message, methods=["POST"])]
+            Route("/v1/messages", create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
 
 
 # ---------------------------------------------------------------- errors, auth

@@ -111,6 +111,14 @@ def test_any_tool_then_tool_result(ac):
         m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
+def test_count_tokens_is_the_prompt_length(ac):
+    kw = dict(model=MODEL, system="You are terse.", messages=HELLO, tools=[WEATHER])
+    counted = ac.messages.count_tokens(**kw).input_tokens
+    m = ac.messages.create(max_tokens=1, **kw)
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert ac.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens < counted
+
+
 def test_output_config_json_schema_constrains_the_text(ac):
     m = ac.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": "Pick a city."}],
                            output_config={"format": {"type": "json_schema", "schema": CITY}})
