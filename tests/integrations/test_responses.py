@@ -61,6 +61,7 @@ def test_stream_is_the_typed_event_sequence(client):
     assert all(e.item_id == item_id for e in events[3:-2])
     final = events[-1].response
     assert final.id == events[0].response.id and final.output_text == text and final.usage.output_tokens == 5
+    assert client.responses.retrieve(final.id).output_text == text  # a streamed response is stored too
 
 
 def test_stream_helper_gives_the_final_response(client):
