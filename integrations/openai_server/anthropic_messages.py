@@ -85,7 +85,8 @@ def chat_messages(req: Conversation) -> list[dict]:
             where = f"messages[{i}].content[{j}]"
             if b.type == "text" and isinstance(b.text, str):
                 texts.append(b.text)
-            elif b.type == "tool_use" and m.role == "assistant" and isinstance(b.name, str) and isinstance(b.id, str):
+            elif b.type == "tool_use" and m.role == "assistant" and isinstance(b.name, str) and isinstance(b.id, str) \
+                    and isinstance(b.input, dict):
                 calls.append({"id": b.id, "type": "function",
                               "function": {"name": b.name, "arguments": json.dumps(b.input or {}, ensure_ascii=False)}})
             elif b.type == "tool_result" and m.role == "user" and isinstance(b.tool_use_id, str):

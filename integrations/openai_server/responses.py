@@ -51,10 +51,12 @@ def _text(content, where: str) -> str:
         raise APIError(400, f"{where} must be a string or a list of input_text parts", param=where)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _TEXT_PARTS:
             raise APIError(400, f"only text content is supported ({where}[{j}] is {kind!r:.40})",
                            param=f"{where}[{j}]")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -120,8 +122,14 @@ def _text_format(req: ResponsesRequest) -> None:
         raise APIError(400, "text.format must be an object", param="text.format")
     if req.response_format is not None:
         raise APIError(400, "give text.format or response_format, not both", param="response_format")
-    if fmt.get("type") == "json_schema":
-        fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"text.format.type must be text, json_object or json_schema, got {kind!r:.40}",
+                       param="text.format.type")
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format.schema must be a JSON schema object", param="text.format.schema")
+        fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
     req.response_format = fmt
 
 

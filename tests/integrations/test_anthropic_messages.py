@@ -137,6 +137,8 @@ def test_output_config_json_schema_constrains_the_text(ac):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400,
      "invalid_request_error"),
     ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "temperature": 1.5}, 400, "invalid_request_error"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [*HELLO, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "Paris"}]}]}, 400, "invalid_request_error"),
     ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "tools": [{"type": "web_search_20250305",
                                                                      "name": "web_search"}]}, 400,
      "invalid_request_error"),

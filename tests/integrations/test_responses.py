@@ -163,7 +163,11 @@ def test_message_list_input_with_roles(client):
     ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"model": MODEL, "input": "x", "temperature": 9}, 400, "temperature"),
     ({"model": MODEL, "input": "x", "background": True}, 400, "background"),
-    ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "schema": 3}}}, 400, None),
+    ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "schema": 3}}}, 400,
+     "text.format.schema"),
+    ({"model": MODEL, "input": "x", "text": {"format": {"type": "bogus"}}}, 400, "text.format.type"),
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+     "input[0].content[0].text"),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"model": "other-model", "input": "x"}, 404, "model"),
 ])
