@@ -40,8 +40,8 @@ def run_serve(args) -> int:
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
-    if args.responses_store_size < 0 or not args.responses_store_ttl > 0:
-        print("asyncengine: --responses-store-size must be >= 0 and --responses-store-ttl > 0", file=sys.stderr)
+    if args.responses_store_size < 0:
+        print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
         return EXIT_USAGE
     from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
