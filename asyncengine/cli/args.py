@@ -15,8 +15,8 @@ import argparse
 import textwrap
 
 from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
-    COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_INT, EngineOption, add_engine_options, default_text,
-    engine_kwargs, parse_json_object, parse_size)
+    COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_FLOAT, POSITIVE_INT, EngineOption, add_engine_options,
+    default_text, engine_kwargs, parse_json_object, parse_size)
 
 EXIT_USAGE = 2  # argparse's own exit status for bad usage; also every error caught before the model runs
 EXIT_FAILED = 1  # the model ran but a request failed (e.g. a one-shot prompt longer than the context)
@@ -145,6 +145,11 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="websockets plus in-flight /v1/ requests at once; more get 503 (websockets: close 1013)")
     s.add_argument("--ws-idle-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="close a websocket with no frame and no generation for this long")
+    s.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="finished /v1/responses kept in memory for GET and previous_response_id (oldest "
+                        "dropped first; 0: none)")
+    s.add_argument("--responses-store-ttl", type=POSITIVE_FLOAT, default=3600.0, metavar="SECONDS",
+                   help="how long a stored response is kept")
     g = s.add_argument_group("structured outputs (GrammarLimits, docs/structured_outputs.md#limits; over a limit: 400)")
     g.add_argument("--max-grammar-compile-s", type=float, default=None,
                    help="compile time of one schema/regex/grammar; its worker process is killed past it (default 5)")

@@ -40,6 +40,9 @@ def run_serve(args) -> int:
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
+    if args.responses_store_size < 0:
+        print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
+        return EXIT_USAGE
     from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
     from asyncengine.integrations.openai_server import serve
@@ -58,7 +61,9 @@ def run_serve(args) -> int:
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                      metrics_public=args.metrics_public, limits=limits, grammar_limits=grammar_limits,
                      max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
-                     on_loaded=status_warm, warm_up=warm_up_wanted(args), **kw)
+                     responses_store_size=args.responses_store_size,
+                     responses_store_ttl_s=args.responses_store_ttl, on_loaded=status_warm,
+                     warm_up=warm_up_wanted(args), **kw)
     except BaseException:
         status.done("stopped")
         raise

@@ -32,6 +32,7 @@ from .errors import APIError, error_response, from_engine
 from .completions import chat_completions, completions
 from .connections import ConnectionCap
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
+from .responses_store import DEFAULT_SIZE, DEFAULT_TTL_S, ResponseStore
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import ClientGone
 from .state import ServerState, json_response as _json, server_state as _state
@@ -39,7 +40,8 @@ from .state import ServerState, json_response as _json, server_state as _state
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
+                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
+                       "/v1/messages/count_tokens"})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -110,15 +112,27 @@ def _page(name: str, media_type: str):
     return page
 
 
+def other_api_routes() -> list[Route]:
+    """The Responses API (responses.py) and Anthropic's Messages API (anthropic_messages.py)."""
+    from .anthropic_messages import count_tokens, create_message
+    from .responses import create_response, delete_response, get_response
+
+    return [Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+            Route("/v1/messages", create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+
+
 # ---------------------------------------------------------------- errors, auth
 
 
 async def _on_api_error(request, exc: APIError) -> Response:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _on_http_error(request, exc: HTTPException) -> Response:
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+    return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
 
 async def _on_client_gone(request, exc: ClientDisconnect) -> Response:
@@ -126,17 +140,19 @@ async def _on_client_gone(request, exc: ClientDisconnect) -> Response:
 
 
 async def _on_engine_error(request, exc: AsyncEngineError) -> Response:
-    return error_response(from_engine(exc, _state(request).engine))
+    return error_response(from_engine(exc, _state(request).engine), request.url.path)
 
 
 async def _on_error(request, exc: Exception) -> Response:
     if isinstance(exc, RecursionError):  # belt and braces: check_json_depth runs before decoding
-        return error_response(APIError(400, "the request is nested too deeply", code="limit_exceeded"))
+        return error_response(APIError(400, "the request is nested too deeply", code="limit_exceeded"),
+                              request.url.path)
     ref = uuid.uuid4().hex[:12]
     log.error("unhandled error %s in %s %s: %s: %s", ref, request.method, request.url.path, type(exc).__name__,
               exc, exc_info=exc)
     # the client learns that it happened and how to find it in the log, never the traceback
-    return error_response(APIError(500, f"internal error (reference {ref})", code="internal_error"))
+    return error_response(APIError(500, f"internal error (reference {ref})", code="internal_error"),
+                          request.url.path)
 
 
 # ---------------------------------------------------------------- the app
@@ -158,7 +174,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
-              ws_idle_timeout_s: float = 600.0) -> Starlette:
+              ws_idle_timeout_s: float = 600.0, responses_store_size: int = DEFAULT_SIZE,
+              responses_store_ttl_s: float = DEFAULT_TTL_S) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -174,6 +191,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         non-zero, so that a supervisor restarts it.
     max_connections: websockets plus in-flight /v1/ requests at once; more get 503 (connections.py).
     ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
+    responses_store_size / responses_store_ttl_s: how many finished Responses-API responses are kept
+        (for GET and ``previous_response_id``), and for how long (responses_store.py).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -187,6 +206,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                             bind_host=bind_host, metrics_public=metrics_public)
     st = ServerState(engine, str(name), policy,
                      Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir())
+    st.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
     install_log_redaction()
 
     @contextlib.asynccontextmanager
@@ -215,13 +235,15 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         Route("/chat", _page("index.html", "text/html; charset=utf-8"), methods=["GET"]),
         Route("/chat.js", _page("chat.js", "text/javascript; charset=utf-8"), methods=["GET"]),
         WebSocketRoute("/v1/ws/chat", ws_chat),
+        *other_api_routes(),
     ]
     middleware = [Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS)]
     if allowed_origins:  # CORS only where asked for (a preflight is answered before the key check)
         from starlette.middleware.cors import CORSMiddleware
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                                     allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"]))
+                                     allow_methods=["GET", "POST", "DELETE"],
+                                     allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"]))
     middleware.append(Middleware(SecurityMiddleware, policy=policy))
     middleware.append(Middleware(ConnectionCap, limit=max_connections))  # after the key check
     app = Starlette(

@@ -33,7 +33,7 @@ class ConnectionCap:
             err = APIError(503, f"the server has {self.open} connections open, its limit max_connections="
                                 f"{self.limit}: retry later", code="too_many_connections",
                            headers={"retry-after": "1"})
-            return await error_response(err)(scope, receive, send)
+            return await error_response(err, scope.get("path", ""))(scope, receive, send)
         self.open += 1
         try:
             await self.app(scope, receive, send)

@@ -57,9 +57,22 @@ def from_engine(exc: BaseException, engine) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
-def error_response(e: APIError):
-    """``e`` as a starlette Response: OpenAI's error body, the error's status and headers. Here, not in
-    app.py, so the security middleware (which app.py installs) can answer with it."""
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_body(e: APIError) -> dict:
+    """``e`` in the shape of Anthropic's API: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "api_error"), "message": e.message}}
+
+
+def error_response(e: APIError, path: str = ""):
+    """``e`` as a starlette Response: the error body of the API that ``path`` belongs to (OpenAI's,
+    or Anthropic's under /v1/messages), the error's status and headers. Here, not in app.py, so
+    the security middleware (which app.py installs) can answer with it."""
     from starlette.responses import Response
 
-    return Response(e.encode(), status_code=e.status, headers=e.headers, media_type="application/json")
+    body = msgspec.json.encode(anthropic_body(e)) if path.startswith(ANTHROPIC_PATHS) else e.encode()
+    return Response(body, status_code=e.status, headers=e.headers, media_type="application/json")

@@ -15,7 +15,8 @@ Checked in this order, before any handler runs:
 4. **API key** (when set) on everything but ``/health`` and the static chat page (``/metrics``
    too, unless ``metrics_public``): ``Authorization: Bearer <key>``, or for websockets (browsers
    cannot set headers on them) the subprotocol ``asyncengine.key.<base64url(key)>`` next to
-   ``asyncengine.v1``. Never a query parameter: URLs end up in logs. Compared in constant time.
+   ``asyncengine.v1``; ``x-api-key: <key>`` as Anthropic's clients send it. Never a query
+   parameter: URLs end up in logs. Compared in constant time.
 """
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ class SecurityPolicy:
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() == b"bearer":
                 given = token.strip()
+        if not given:
+            given = headers.get(b"x-api-key", b"").strip()  # Anthropic's clients
         if not given and scope["type"] == "websocket":
             given = ws_key(headers) or b""
         return hmac.compare_digest(given, self.api_key)
@@ -176,15 +179,16 @@ class SecurityMiddleware:
         if err is None and method == "POST" and not _json_type(headers.get(b"content-type")):
             err = APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
         if err is None and p.needs_key(scope.get("path", "")) and not p.authorized(scope, headers):
-            err = APIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer <key>' (websockets: "
-                                f"the subprotocol '{WS_KEY_PREFIX}<base64url key>').", code="invalid_api_key")
+            err = APIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>' (websockets: the subprotocol "
+                                f"'{WS_KEY_PREFIX}<base64url key>').", code="invalid_api_key")
         if err is None:
             return await self.app(scope, receive, send)
         if is_ws:  # refuse the handshake (an HTTP 403 to the client)
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008, "reason": err.code or "forbidden"})
             return
-        await error_response(err)(scope, receive, send)
+        await error_response(err, scope.get("path", ""))(scope, receive, send)
 
 
 # ---------------------------------------------------------------- logs

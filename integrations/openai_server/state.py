@@ -19,6 +19,7 @@ from .errors import APIError, from_engine
 from .generation import Submission, TokenBytes, submit_n
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, decode
+from .responses_store import ResponseStore
 from .security import SecurityPolicy
 from ..tool_calls import openai_history, with_tools_prompt
 
@@ -80,6 +81,7 @@ class ServerState:
         self.created = int(time.time())
         self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once started
+        self.responses = ResponseStore()  # the Responses API's (build_app sizes it)
 
     @property
     def max_model_len(self) -> int:
@@ -202,7 +204,8 @@ class ServerState:
 
     # ------------------------------------------------------------ engine
 
-    async def constrain(self, params, from_tools, from_request, streaming_tools: bool, param: str | None = None):
+    async def constrain(self, params, from_tools, from_request, streaming_tools: bool = False,
+                        param: str | None = None):
         """``params`` with the request's structured output (``from_tools``: a forced tool call;
         ``from_request``: response_format or vLLM's fields, named ``param``), compiled first
         (structured/compile_service.py: off the loop, within the grammar limits): a grammar that

@@ -117,6 +117,15 @@ def test_bad_numbers_fail_before_loading(capsys):
         assert "loading" not in capsys.readouterr().err
 
 
+def test_responses_store_flags_fail_before_loading(capsys):
+    assert main(["serve", "--responses-store-size", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--responses-store-size must be >= 0" in err and "loading" not in err
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--responses-store-ttl", "0"])
+    assert info.value.code == 2 and "--responses-store-ttl" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ repetition guard
 
 
