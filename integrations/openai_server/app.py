@@ -29,7 +29,8 @@ from asyncengine.errors import AsyncEngineError
 
 from . import openapi
 from .errors import APIError, error_response, from_engine
-from .completions import chat_completions, completions
+from .chat import chat_completions
+from .completions import completions
 from .connections import ConnectionCap
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
@@ -158,7 +159,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
-              ws_idle_timeout_s: float = 600.0) -> Starlette:
+              ws_idle_timeout_s: float = 600.0, chat_config=None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -174,6 +175,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         non-zero, so that a supervisor restarts it.
     max_connections: websockets plus in-flight /v1/ requests at once; more get 503 (connections.py).
     ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
+    chat_config: how chat outputs are read (chat_render.ChatConfig: tool-call and reasoning parsers,
+        default chat_template_kwargs; default: the project's JSON-array tool calls, no reasoning parser).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -186,7 +189,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     policy = SecurityPolicy(api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                             bind_host=bind_host, metrics_public=metrics_public)
     st = ServerState(engine, str(name), policy,
-                     Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir())
+                     Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir(), chat_config)
     install_log_redaction()
 
     @contextlib.asynccontextmanager

@@ -97,6 +97,8 @@ class ChatFields(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None
+    # passed to the chat template (e.g. {"enable_thinking": false}); over the server's defaults
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(ChatFields, kw_only=True):
