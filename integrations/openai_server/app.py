@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI's /v1/completions and /v1/chat/completions (streaming or not), /v1/models,
+"""The ASGI app: OpenAI's /v1/completions and /v1/chat/completions (streaming or not), vLLM's
+/tokenize and /detokenize, /v1/models,
 /health, /metrics, /openapi.json, a websocket chat at /v1/ws/chat and the web chat page at /.
 
 ``build_app(engine, served_model_name=..., api_key=None)`` embeds it around any AsyncLLMEngine; the
@@ -36,11 +37,12 @@ from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import ClientGone
 from .state import ServerState, json_response as _json, server_state as _state
+from .tokenize import detokenize, tokenize
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat"})
+                       "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/tokenize", "/detokenize"})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -209,6 +211,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

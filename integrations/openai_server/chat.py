@@ -35,13 +35,17 @@ class ChatPlan:
         except RequestLimitError as e:
             raise APIError(400, str(e), param=e.param) from None
         self.native = cfg.native_tools
-        if self.native and self.tools.mode == "auto" and not cfg.enable_auto_tool_choice:
-            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                                "(and --tool-call-parser)", param="tool_choice")
+        self.auto_allowed = cfg.enable_auto_tool_choice or not self.native
         self.kwargs = template_kwargs(cfg, getattr(req, "chat_template_kwargs", None))
         self.tool_parser = cfg.tool_call_parser or "json_array"
         self.reasoning = cfg.reasoning_parser
         self.constrained = False  # set once a grammar shapes the output from its first token
+
+    def check_generation(self) -> None:
+        """A model may call tools on its own only where the server reads its format (vLLM's rule)."""
+        if self.tools.mode == "auto" and not self.auto_allowed:
+            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                                "(and --tool-call-parser)", param="tool_choice")
 
     async def prompt(self, st: ServerState, messages) -> list[int]:
         if self.native:
@@ -114,6 +118,7 @@ async def chat_completions(request: Request) -> Response:
                              defaults=st.engine.default_sampling_params)
     st.check_params(params, req.n)  # before the messages are rendered
     plan = ChatPlan(st, req)
+    plan.check_generation()
     ids = await plan.prompt(st, req.messages)
     st.check_length(len(ids), max_tokens, "messages")
     so, field = guided.requested(req)
