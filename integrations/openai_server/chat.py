@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncengine.engine.validation import RequestLimitError
+from asyncengine.structured import StructuredOutputsParams
 
 from ..chat_parsers import MessageDelta, OutputParser, ParsedMessage, reasoning_format, tool_format
 from . import guided
@@ -39,7 +42,10 @@ class ChatPlan:
         self.kwargs = template_kwargs(cfg, getattr(req, "chat_template_kwargs", None))
         self.tool_parser = cfg.tool_call_parser or "json_array"
         self.reasoning = cfg.reasoning_parser
-        self.constrained = False  # set once a grammar shapes the output from its first token
+        self.reasoning_budget = getattr(req, "max_reasoning_tokens", None)
+        if self.reasoning_budget is not None and self.reasoning is None:
+            raise APIError(400, "max_reasoning_tokens needs the server started with --reasoning-parser",
+                           param="max_reasoning_tokens")
 
     def check_generation(self) -> None:
         """A model may call tools on its own only where the server reads its format (vLLM's rule)."""
@@ -53,10 +59,21 @@ class ChatPlan:
                                         template_kwargs=self.kwargs)
         return await st.chat_prompt(messages, self.tools.prompt(), template_kwargs=self.kwargs)
 
+    def reasoning_gate(self, st: ServerState, params):
+        """``params`` with its grammar held back until the reasoning span ends (and the span held
+        to ``max_reasoning_tokens``), when the model reasons in this request."""
+        rsn = reasoning_format(self.reasoning, self.kwargs) if self.reasoning else None
+        so = params.structured_outputs
+        if rsn is None or not rsn.thinking or (so is None and self.reasoning_budget is None):
+            return params
+        end = st.engine.tokenizer.encode(rsn.END, add_special_tokens=False)
+        gated = msgspec.structs.replace(so, after=end, reasoning_budget=self.reasoning_budget) if so is not None \
+            else StructuredOutputsParams(after=end, reasoning_budget=self.reasoning_budget)
+        return msgspec.structs.replace(params, structured_outputs=gated)
+
     def parser(self) -> OutputParser:
-        """A fresh parser for one choice. A grammar that starts at the first token leaves no room for
-        a reasoning span, so a constrained output is read as all answer."""
-        rsn = reasoning_format(self.reasoning, self.kwargs) if self.reasoning and not self.constrained else None
+        """A fresh parser for one choice."""
+        rsn = reasoning_format(self.reasoning, self.kwargs) if self.reasoning else None
         names = set(self.tools.tools)
         if self.tools.mode == "named":
             return OutputParser(None, rsn, named=self.tools.named)
@@ -124,7 +141,7 @@ async def chat_completions(request: Request) -> Response:
     so, field = guided.requested(req)
     # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
     params = await run_until_disconnect(request, st.constrain(params, plan.tools.structured(), so, field))
-    plan.constrained = params.structured_outputs is not None
+    params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await st.submit([(None, ids)], params, req.n, rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.model_name}

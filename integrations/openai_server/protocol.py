@@ -99,6 +99,8 @@ class ChatFields(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     # passed to the chat template (e.g. {"enable_thinking": false}); over the server's defaults
     chat_template_kwargs: dict[str, Any] | None = None
+    # serve --reasoning-parser: at most this many tokens of reasoning, then its end is forced
+    max_reasoning_tokens: NonNegInt | None = None
 
 
 class ChatCompletionRequest(ChatFields, kw_only=True):

@@ -138,7 +138,7 @@ class _Connection:
             params = msgspec.structs.replace(params, structured_outputs=so)
         plan = ChatPlan(st, frame)  # chat_template_kwargs, the reasoning parser (no tools on this endpoint)
         ids = await plan.prompt(st, frame.messages)
-        plan.constrained = so is not None
+        params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
         st.check_length(len(ids), max_tokens, "messages")
         rid = f"ws-{uuid.uuid4().hex}"
         try:
