@@ -5,13 +5,17 @@ so the marker falls across chunks and must never leak), the grammar applies only
 ``enable_thinking: false`` reads the output as all answer."""
 from __future__ import annotations
 
+import asyncio
+import json
+
 import openai
 import pytest
 import transformers
+import websockets
 
 from asyncengine.integrations.openai_server.chat_render import ChatConfig
 from conftest import openai_client
-from live_server import MODEL, LiveServer, make_engine
+from live_server import HANG_GUARD_S, MODEL, LiveServer, make_engine
 
 MSG = [{"role": "user", "content": "Is Paris in France?"}]
 ANSWER = {"structured_outputs": {"regex": "(yes|no)!"}}
@@ -19,12 +23,17 @@ BUDGET = 5
 
 
 @pytest.fixture(scope="module")
-def reasoning(tiny_llama_dir):
+def reasoning_server(tiny_llama_dir):
     s = LiveServer(make_engine(tiny_llama_dir), own_engine=True,
                    chat_config=ChatConfig(reasoning_parser="qwen3")).start()
-    with openai_client(s) as client:
-        yield client, transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def reasoning(reasoning_server, tiny_llama_dir):
+    with openai_client(reasoning_server) as client:
+        yield client, transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 def _ask(client, stream: bool, **extra):
@@ -71,3 +80,17 @@ def test_budget_needs_the_parser(client):
     with pytest.raises(openai.BadRequestError, match="reasoning-parser"):
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2,
                                        extra_body={"max_reasoning_tokens": 3})
+
+
+async def test_websocket_sends_reasoning_frames_apart(reasoning, reasoning_server):
+    client, _ = reasoning
+    thought, answer, _, _ = _ask(client, False, max_reasoning_tokens=BUDGET)
+    frames = []
+    async with websockets.connect(reasoning_server.ws_url) as ws:
+        await ws.send(json.dumps({"type": "chat", "id": 1, "messages": MSG, "temperature": 0.0, "max_tokens": 40,
+                                  "max_reasoning_tokens": BUDGET, **ANSWER}))
+        while not frames or frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads(await asyncio.wait_for(ws.recv(), HANG_GUARD_S)))
+    assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "stop"
+    assert "".join(f["text"] for f in frames if f["type"] == "reasoning") == thought
+    assert "".join(f["text"] for f in frames if f["type"] == "delta") == answer
