@@ -92,6 +92,9 @@ class OutputParser:
     def feed(self, text: str) -> MessageDelta:
         """Add the next piece of output text; returns what can be sent now."""
         self.text += text
+        if self.tools is None and self.reasoning is None and self.named is None:  # plain text: as it comes
+            self._sent_content += len(text)
+            return MessageDelta(content=text)
         return self._delta(False)
 
     def finish(self) -> MessageDelta:

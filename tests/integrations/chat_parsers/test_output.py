@@ -169,3 +169,9 @@ def test_unknown_parser_names():
         tool_format("nope")
     with pytest.raises(ValueError, match="qwen3"):
         reasoning_format("nope")
+
+
+def test_plain_text_passes_as_it_comes():
+    p = OutputParser()
+    assert [p.feed(x).content for x in ("<tool", "_call>", " [")] == ["<tool", "_call>", " ["]
+    assert not p.finish() and p.result().content == "<tool_call> ["
