@@ -37,7 +37,10 @@ async def tokenize(request: Request) -> Response:
             raise APIError(400, f"the prompt's length (characters) is over the limit max_prompt_chars={cap}",
                            param="prompt", code="limit_exceeded")
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await asyncio.to_thread(lambda: tok(req.prompt, add_special_tokens=special)["input_ids"])
+        try:
+            ids = await asyncio.to_thread(lambda: tok(req.prompt, add_special_tokens=special)["input_ids"])
+        except Exception as e:  # e.g. a lone surrogate: not text the tokenizer can encode
+            raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}", param="prompt") from None
     else:
         if not req.add_generation_prompt or req.add_special_tokens:
             raise APIError(400, "messages are rendered as a chat request is: with the generation prompt, "
