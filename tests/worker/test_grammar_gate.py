@@ -106,3 +106,21 @@ def test_engine_reasons_then_follows_the_grammar(llm):
     free = llm.generate(["Is it?"], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=budget_only),
                         use_tqdm=False)[0].outputs[0]
     assert list(free.token_ids)[3:3 + len(end)] == end and len(free.token_ids) == 12
+
+
+def test_speculation_is_exact_across_the_gate(llm, tiny_llama_dir):
+    """Drafts accepted and rolled back across the end marker give the tokens plain decoding gives."""
+    spec = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3})
+    try:
+        end = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+        prompts = ["yes! no! </think> yes! no! </think>" * 3, "Is it? Is it? Is it?"]
+        params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            regex="(yes|no)! (yes|no)!", after=end, reasoning_budget=b)) for b in (2, 6)]
+        for p in params:
+            a = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+            b = [o.outputs[0].token_ids for o in spec.generate(prompts, p, use_tqdm=False)]
+            assert a == b
+    finally:
+        spec.shutdown()
