@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from asyncengine.cli.chat_options import add_chat_options
+
 from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
     COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_FLOAT, POSITIVE_INT, EngineOption, add_engine_options,
     default_text, engine_kwargs, parse_json_object, parse_size)
@@ -165,6 +167,7 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="compiled-grammar cache per process, LRU (default 128MiB)")
     g.add_argument("--grammar-compile-workers", type=int, default=None,
                    help="grammar compile worker processes (default 1)")
+    add_chat_options(s)  # chat_options.py: tool-call / reasoning parsers (#35)
 
 
 REQUEST_LIMIT_FLAGS = ("max_request_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_string_chars", "max_n")

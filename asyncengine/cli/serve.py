@@ -10,6 +10,7 @@ import socket
 import sys
 
 from asyncengine.cli.args import EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.chat_options import chat_config
 from asyncengine.cli.status import LoadStatus
 
 
@@ -52,6 +53,11 @@ def run_serve(args) -> int:
     grammar_limits = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS if getattr(args, k) is not None})
     kw = engine_kwargs(args)
     EngineConfig(**kw)  # bad values fail here, before the model loads
+    try:
+        chat = chat_config(args)
+    except ValueError as e:
+        print(f"asyncengine: {e}", file=sys.stderr)
+        return EXIT_USAGE
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     status_warm = lambda engine: status.done(  # noqa: E731
         f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
@@ -63,7 +69,7 @@ def run_serve(args) -> int:
                      max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
                      responses_store_size=args.responses_store_size,
                      responses_store_ttl_s=args.responses_store_ttl, on_loaded=status_warm,
-                     warm_up=warm_up_wanted(args), **kw)
+                     warm_up=warm_up_wanted(args), chat_config=chat, **kw)
     except BaseException:
         status.done("stopped")
         raise

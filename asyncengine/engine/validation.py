@@ -250,6 +250,10 @@ def check_sampling_params(p: SamplingParams, limits: RequestLimits, vocab_size: 
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
                 raise RequestLimitError(f"logit_bias: the bias of token {t} must be a finite number, got {b!r:.20}",
                                         param="logit_bias")
+    so = p.structured_outputs
+    if so is not None and so.after is not None and not all(t < vocab_size for t in so.after):
+        raise RequestLimitError(f"structured_outputs.after: token ids must be in the vocabulary [0, {vocab_size})",
+                                param="structured_outputs")
     if changes:
         p = msgspec.structs.replace(p, **changes)
     check_allowed_tokens(p, eos_token_ids, bad_words_token_ids)

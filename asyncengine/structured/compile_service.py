@@ -355,7 +355,7 @@ async def prepare(config, core, params):
     """Front ends: ``params`` (SamplingParams) with its structured output compiled (a 400 when it
     cannot be, within the limits). Unchanged when it has none."""
     p = params.structured_outputs
-    if p is None:
+    if p is None or not p.has_grammar:  # none, or a reasoning budget alone: nothing to compile
         return params
     service = _services.get(_service_key(config))
     if service is None:  # the first one reads the vocabulary: not on the event loop
@@ -365,6 +365,6 @@ async def prepare(config, core, params):
 
 def prepare_blocking(config, core, params):
     p = params.structured_outputs
-    if p is None:
+    if p is None or not p.has_grammar:
         return params
     return msgspec.structs.replace(params, structured_outputs=service_for(config, core).compile_blocking(p))

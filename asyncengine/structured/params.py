@@ -1,5 +1,6 @@
 """StructuredOutputsParams (vLLM's fields): exactly one of json / json_object / regex / choice /
-grammar."""
+grammar; and, for reasoning models, where the grammar starts (``after``: once the output has
+written the end of its reasoning span) and how long that span may be (``reasoning_budget``)."""
 from __future__ import annotations
 
 import json as _json
@@ -23,14 +24,31 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # serialized grammar (zlib-packed), so that an engine core in another process deserializes it
     # instead of compiling inside its step loop. Not part of ``key``.
     compiled: bytes | None = None
+    # reasoning models: the token ids that end a reasoning span (e.g. "</think>"). The grammar
+    # applies only after the output has written them; before, every token is allowed. Without a
+    # grammar kind, only the budget below applies.
+    after: list[int] | None = None
+    # at most this many output tokens before ``after``: then ``after`` is forced (needs ``after``)
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, n)]
+        if self.after is not None and (not self.after or len(self.after) > 16 or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.after)):
+            raise InvalidRequestError("structured_outputs.after: 1 to 16 token ids")
+        if self.reasoning_budget is not None and (self.after is None or self.reasoning_budget < 0):
+            raise InvalidRequestError("structured_outputs.reasoning_budget: a count >= 0, with 'after'")
+        if not given and self.after is not None:
+            return  # a reasoning span's bounds alone
         if len(given) != 1:
             raise InvalidRequestError("structured_outputs: give exactly one of json, json_object, regex, "
                                       f"choice, grammar (got {given or 'none'})")
         if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
             raise InvalidRequestError("structured_outputs.choice: a list of non-empty strings")
+
+    @property
+    def has_grammar(self) -> bool:
+        return any(getattr(self, n) for n in ("json", "json_object", "regex", "choice", "grammar"))
 
     @property
     def key(self) -> tuple[str, str]:

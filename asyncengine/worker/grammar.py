@@ -9,6 +9,7 @@ import time
 import torch
 
 from asyncengine.config import EngineConfig
+from asyncengine.worker.grammar_gate import GatedMatcher
 from asyncengine.worker.request_state import RunnerRequestState
 
 
@@ -31,8 +32,13 @@ class Grammar:
         return self._compiler
 
     def start(self, st: RunnerRequestState) -> None:
-        """The request's grammar state, replayed over the outputs it already has (a resume)."""
-        st.matcher = self.compiler().matcher(st.sampling_params.structured_outputs)
+        """The request's grammar state, replayed over the outputs it already has (a resume). A
+        grammar after a reasoning span waits behind its gate (grammar_gate.py)."""
+        p = st.sampling_params.structured_outputs
+        compiler = self.compiler()  # made even for a gate alone: it allocates the masks
+        st.matcher = compiler.matcher(p) if p.has_grammar else None
+        if p.after is not None:
+            st.matcher = GatedMatcher(st.matcher, p.after, p.reasoning_budget)
         for t in st.output_ids:
             st.matcher.accept(t)
 

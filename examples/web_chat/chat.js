@@ -1,5 +1,5 @@
-// The web chat page: talks to /v1/ws/chat (see integrations/openai_server/websocket.py for the
-// protocol). Plain JS, no build step, no external resources. An API key, when the server wants one,
+// The web chat page: talks to /v1/ws/chat (its frames: docs/integrations.md, "The websocket chat").
+// Reasoning frames are shown apart and not sent back as history. Plain JS, no build step, no external resources. An API key, when the server wants one,
 // comes from the "API key" field or the page's #api_key=... fragment (a fragment never reaches the
 // server), is kept in sessionStorage, and travels as a websocket subprotocol, never in a URL: URLs
 // end up in logs.
@@ -57,7 +57,15 @@
     ws.onmessage = (ev) => {
       const f = JSON.parse(ev.data);
       if (!current || f.id !== current.id) return;   // an old, cancelled answer
-      if (f.type === "delta") {
+      if (f.type === "reasoning") {   // the model's thinking, shown apart (serve --reasoning-parser)
+        if (!current.thinking) {
+          current.thinking = document.createElement("div");
+          current.thinking.className = "msg reasoning";
+          messages.insertBefore(current.thinking, current.el);
+        }
+        current.thinking.textContent += f.text;
+        messages.scrollTop = messages.scrollHeight;
+      } else if (f.type === "delta") {
         current.text += f.text;
         current.el.textContent = current.text;
         messages.scrollTop = messages.scrollHeight;

@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI's /v1/completions and /v1/chat/completions (streaming or not), /v1/models,
+"""The ASGI app: OpenAI's /v1/completions and /v1/chat/completions (streaming or not), vLLM's
+/tokenize and /detokenize, /v1/models,
 /health, /metrics, /openapi.json, a websocket chat at /v1/ws/chat and the web chat page at /.
 
 ``build_app(engine, served_model_name=..., api_key=None)`` embeds it around any AsyncLLMEngine; the
@@ -29,19 +30,21 @@ from asyncengine.errors import AsyncEngineError
 
 from . import openapi
 from .errors import APIError, error_response, from_engine
-from .completions import chat_completions, completions
+from .chat import chat_completions
+from .completions import completions
 from .connections import ConnectionCap
 from .metrics import CONTENT_TYPE, HTTPMetricsMiddleware
 from .responses_store import DEFAULT_SIZE, DEFAULT_TTL_S, ResponseStore
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import ClientGone
 from .state import ServerState, json_response as _json, server_state as _state
+from .tokenize import detokenize, tokenize
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
-                       "/v1/messages/count_tokens"})
+                       "/v1/messages/count_tokens", "/tokenize", "/detokenize"})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -175,7 +178,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
               ws_idle_timeout_s: float = 600.0, responses_store_size: int = DEFAULT_SIZE,
-              responses_store_ttl_s: float = DEFAULT_TTL_S) -> Starlette:
+              responses_store_ttl_s: float = DEFAULT_TTL_S, chat_config=None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -193,6 +196,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
     responses_store_size / responses_store_ttl_s: how many finished Responses-API responses are kept
         (for GET and ``previous_response_id``), and for how long (responses_store.py).
+    chat_config: how chat outputs are read (chat_render.ChatConfig: tool-call and reasoning parsers,
+        default chat_template_kwargs; default: the project's JSON-array tool calls, no reasoning parser).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -205,7 +210,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     policy = SecurityPolicy(api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                             bind_host=bind_host, metrics_public=metrics_public)
     st = ServerState(engine, str(name), policy,
-                     Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir())
+                     Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir(), chat_config)
     st.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
     install_log_redaction()
 
@@ -226,6 +231,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -1,5 +1,6 @@
-"""OpenAI's /v1/completions and /v1/chat/completions: read and check the body, submit the
-samples, answer with one JSON or a server-sent-event stream (app.py routes them)."""
+"""OpenAI's /v1/completions: read and check the body, submit the samples, answer with one JSON or a
+server-sent-event stream (app.py routes it), and the answering steps /v1/chat/completions shares
+(chat.py)."""
 from __future__ import annotations
 
 import time
@@ -12,11 +13,10 @@ from asyncengine.errors import AsyncEngineError
 
 from . import guided
 from .errors import APIError, from_engine
-from .generation import Submission, chat_logprobs, completion_logprobs, merge_streams, sampling_params
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .generation import Submission, completion_logprobs, merge_streams, sampling_params
+from .protocol import CompletionRequest
 from .sse import SSE_DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
 from .state import ServerState, json_response as _json, server_state as _state
-from .tools import ToolPlan
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -53,7 +53,7 @@ async def completions(request: Request) -> Response:
     prompts = await st.completion_prompts(req.prompt)
     for _, ids in prompts:
         st.check_length(len(ids), req.max_tokens, "prompt")
-    params = await run_until_disconnect(request, st.constrain(params, None, so, False, field))
+    params = await run_until_disconnect(request, st.constrain(params, None, so, field))
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await st.submit(prompts, params, req.n, rid)
     n = req.n
@@ -80,7 +80,7 @@ async def completions(request: Request) -> Response:
 
         first = [{"index": i * n + j, "text": text, "logprobs": None, "finish_reason": None}
                  for i, text in enumerate(echo_texts) for j in range(n)]
-        return SSEResponse(_sse_events(st, head, streams, prompt_tokens, include_usage, first, choice))
+        return SSEResponse(sse_events(st, head, streams, prompt_tokens, include_usage, first, choice))
 
     def whole_choice(i: int, out, c) -> dict:
         text = (echo_texts[i // n] + c.text) if req.echo else c.text
@@ -88,10 +88,10 @@ async def completions(request: Request) -> Response:
                 "logprobs": completion_logprobs(c.logprobs, k, 0)[0] if k is not None else None,
                 "finish_reason": out.finish_reason, "stop_reason": c.stop_reason}
 
-    return await _whole_response(request, st, streams, head, prompt_tokens, whole_choice)
+    return await whole_response(request, st, streams, head, prompt_tokens, whole_choice)
 
 
-async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, include_usage: bool,
+async def sse_events(st, head: dict, streams: Submission, prompt_tokens: int, include_usage: bool,
                       first_choices: list[dict], choice):
     """The SSE stream of a completion or chat request: ``first_choices`` (each in its own event),
     then one event per output that ``choice(i, out, c)`` turns into a choice dict (None = nothing to
@@ -106,7 +106,7 @@ async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, i
             counts[i] += len(c.token_ids)
             ch = choice(i, out, c)
             if ch is not None:
-                ch["finish_reason"] = out.finish_reason if out.finished else None
+                ch.setdefault("finish_reason", out.finish_reason if out.finished else None)
                 if out.finished:
                     ch["stop_reason"] = c.stop_reason
                 yield sse_event({**head, "choices": [ch]})
@@ -123,7 +123,7 @@ async def _sse_events(st, head: dict, streams: Submission, prompt_tokens: int, i
     yield SSE_DONE
 
 
-async def _whole_response(request: Request, st, streams: Submission, head: dict, prompt_tokens: int,
+async def whole_response(request: Request, st, streams: Submission, head: dict, prompt_tokens: int,
                           choice) -> Response:
     """The non-streaming answer of both endpoints: every choice's final output, each made into the
     endpoint's choice by ``choice(index, output, completion)``, counted, with the usage. If the
@@ -159,55 +159,3 @@ async def _collect_finals(request: Request, st, streams: Submission) -> list:
     except AsyncEngineError as e:
         raise from_engine(e, st.engine) from None
     return finals
-
-
-async def chat_completions(request: Request) -> Response:
-    st = _state(request)
-    req: ChatCompletionRequest = await st.read_json(request, ChatCompletionRequest)
-    st.check_model(req.model)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
-    st.check_params(params, req.n)  # before the messages are rendered
-    plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    ids = await st.chat_prompt(req.messages, plan.prompt())  # the tools described in a system message
-    st.check_length(len(ids), max_tokens, "messages")
-    so, field = guided.requested(req)
-    # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
-    params = await run_until_disconnect(request, st.constrain(
-        params, plan.structured(), so, bool(req.stream) and plan.mode in ("required", "named"), field))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await st.submit([(None, ids)], params, req.n, rid)
-    created = int(time.time())
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
-
-    if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        head["object"] = "chat.completion.chunk"
-
-        def choice(i: int, out, c) -> dict | None:
-            lp = {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None
-            if not (c.text or out.finished or (lp is not None and lp["content"])):
-                return None
-            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp}
-
-        first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(len(streams))]
-        return SSEResponse(_sse_events(st, head, streams, len(ids), include_usage, first, choice))
-
-    def whole_choice(i: int, out, c) -> dict:
-        calls = plan.tool_calls(c.text) if plan.mode != "none" else None
-        message = {"role": "assistant", "content": c.text}
-        if calls:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-        return {"index": i, "message": message,
-                "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
-                "finish_reason": "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason,
-                "stop_reason": c.stop_reason}
-
-    return await _whole_response(request, st, streams, head, len(ids), whole_choice)

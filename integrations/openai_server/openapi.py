@@ -69,7 +69,7 @@ _DOC = {
     "openapi": "3.1.0",
     "info": {"title": "asyncengine OpenAI-compatible API", "version": "0.1.0",
              "description": "OpenAI's completions and chat completions (JSON or server-sent events), models, "
-                            "health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
+                            "vLLM's /tokenize and /detokenize, health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
     "paths": {
         "/v1/completions": {"post": {
             "operationId": "createCompletion",
@@ -85,6 +85,26 @@ _DOC = {
             "responses": {"200": {"description": "The chat completion (JSON), or its chunks as server-sent events",
                                   "content": {"application/json": {"schema": _ref("ChatCompletion")},
                                               "text/event-stream": {"schema": _SSE_EVENT}}},
+                          **_ERRORS}}},
+        "/tokenize": {"post": {
+            "operationId": "tokenize",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {
+                    "model": {"type": "string"}, "prompt": {"type": "string"},
+                    "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+                    "add_special_tokens": _nullable({"type": "boolean"}), "return_token_strs": {"type": "boolean"},
+                    "chat_template_kwargs": _nullable({"type": "object"})}}}}},
+            "responses": {"200": {"description": "The token ids (vLLM's shape)", "content": {"application/json": {
+                "schema": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                           "properties": {"count": {"type": "integer"}, "tokens": {"type": "array"}}}}}},
+                          **_ERRORS}}},
+        "/detokenize": {"post": {
+            "operationId": "detokenize",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokens"],
+                "properties": {"model": {"type": "string"}, "tokens": _token_ids()}}}}},
+            "responses": {"200": {"description": "The text", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
                           **_ERRORS}}},
         "/v1/models": {"get": {
             "operationId": "listModels",

@@ -97,6 +97,10 @@ class ChatFields(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None
+    # passed to the chat template (e.g. {"enable_thinking": false}); over the server's defaults
+    chat_template_kwargs: dict[str, Any] | None = None
+    # serve --reasoning-parser: at most this many tokens of reasoning, then its end is forced
+    max_reasoning_tokens: NonNegInt | None = None
 
 
 class ChatCompletionRequest(ChatFields, kw_only=True):
@@ -165,3 +169,24 @@ def convert(obj: Any, typ: type):
         return msgspec.convert(obj, type=typ, strict=False)
     except msgspec.MsgspecError as e:
         raise _bad_body(e) from None
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize (vLLM's shapes)
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """A text (``prompt``) or a conversation (``messages``, rendered as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]

@@ -11,12 +11,13 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
           max_connections: int = 512, ws_idle_timeout_s: float = 600.0, responses_store_size: int = 1024,
-          responses_store_ttl_s: float = 3600.0, **engine_kwargs) -> int:
+          responses_store_ttl_s: float = 3600.0, chat_config=None, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
     (default: $ASYNCENGINE_API_KEY). allowed_hosts / allowed_origins / metrics_public: see
-    build_app (security.py). warm_up: run one short request on the server's loop before it
+    build_app (security.py). chat_config: how chat outputs are read (chat_render.ChatConfig: the
+    tool-call and reasoning parsers). warm_up: run one short request on the server's loop before it
     listens, so the first client does not pay the first step's one-time costs
     (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
     up, before the server listens. responses_store_size / responses_store_ttl_s: the Responses API's
@@ -49,7 +50,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                     bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
                     max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s,
-                    responses_store_size=responses_store_size, responses_store_ttl_s=responses_store_ttl_s)
+                    responses_store_size=responses_store_size, responses_store_ttl_s=responses_store_ttl_s,
+                    chat_config=chat_config)
     _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,

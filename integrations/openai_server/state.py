@@ -15,6 +15,7 @@ from starlette.responses import Response
 from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError, InvalidRequestError
 
+from . import chat_render
 from .errors import APIError, from_engine
 from .generation import Submission, TokenBytes, submit_n
 from .metrics import ServerMetrics
@@ -70,8 +71,10 @@ def token_ids(items: list) -> list[int] | None:
 class ServerState:
     """What every handler needs: the engine, names, limits, metrics."""
 
-    def __init__(self, engine, served_model_name: str, policy: SecurityPolicy, web_chat_dir: Path | None) -> None:
+    def __init__(self, engine, served_model_name: str, policy: SecurityPolicy, web_chat_dir: Path | None,
+                 chat_config: chat_render.ChatConfig | None = None) -> None:
         self.engine = engine
+        self.chat_config = chat_config or chat_render.ChatConfig()
         self.model_name = served_model_name
         self.policy = policy
         self.limits: validation.RequestLimits = engine.limits
@@ -191,21 +194,31 @@ class ServerState:
                            code="limit_exceeded")
         return [await self.encode(it, "prompt") for it in items]
 
-    async def chat_prompt(self, messages: list[ChatMessage], tools_text: str | None = None) -> list[int]:
-        if self.engine.tokenizer is None:
+    async def chat_prompt(self, messages: list[ChatMessage], tools_text: str | None = None, *,
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The conversation's token ids through the model's chat template (chat_render.py). With
+        ``tools`` (a native tool-call parser), the tools and earlier calls go to the template as
+        transformers defines them; otherwise earlier calls are folded into the text and the tools
+        are described by ``tools_text`` in a system message (integrations/tool_calls.py)."""
+        tok = self.engine.tokenizer
+        if tok is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with "
                                 "token ids", param="messages")
-        try:
-            history = openai_history(msgspec.to_builtins(messages))
-        except validation.RequestLimitError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        _, ids = await self.encode(with_tools_prompt(history, tools_text), "messages")
+        raw = msgspec.to_builtins(messages)
+        if tools is None:
+            try:
+                raw = with_tools_prompt(openai_history(raw), tools_text)
+            except validation.RequestLimitError as e:
+                raise APIError(400, str(e), param=e.param) from None
+        msgs = chat_render.checked_messages(raw, self.limits, self.max_model_len)
+        ids = await asyncio.to_thread(chat_render.render, tok, msgs, tools, template_kwargs or {})
+        self.check_length(len(ids), None, "messages")
+        _, ids = await self.encode(ids, "messages")  # the engine's checks of token ids
         return ids
 
     # ------------------------------------------------------------ engine
 
-    async def constrain(self, params, from_tools, from_request, streaming_tools: bool = False,
-                        param: str | None = None):
+    async def constrain(self, params, from_tools, from_request, param: str | None = None):
         """``params`` with the request's structured output (``from_tools``: a forced tool call;
         ``from_request``: response_format or vLLM's fields, named ``param``), compiled first
         (structured/compile_service.py: off the loop, within the grammar limits): a grammar that
@@ -216,9 +229,6 @@ class ServerState:
         so = from_tools or from_request
         if so is None:
             return params
-        if streaming_tools:
-            raise APIError(400, "streaming with tool_choice 'required' or a named tool is not supported yet",
-                           param="stream")
         params = msgspec.structs.replace(params, structured_outputs=so)
         try:
             params = await self.engine.check_structured_outputs(params)

@@ -4,11 +4,14 @@ Client -> server:
     {"type": "chat", "id": ID, "messages": [{"role": ..., "content": ...}, ...],
      + optional max_tokens / max_completion_tokens, temperature, top_p, top_k, stop, seed,
        presence_penalty, frequency_penalty, ignore_eos, response_format (or vLLM's
-       structured_outputs / guided_* fields), ...}               start a generation
+       structured_outputs / guided_* fields), chat_template_kwargs, ...}
+                                                                   start a generation
     {"type": "cancel", "id": ID}                                   stop it (an unknown id is ignored:
                                                                    it may have just finished)
     {"type": "ping"}                                               -> {"type": "pong"}
 Server -> client:
+    {"type": "reasoning", "id": ID, "text": "..."}                 the reasoning span, apart (only with
+                                                                   serve --reasoning-parser)
     {"type": "delta", "id": ID, "text": "..."}                     any number, in order per id
     {"type": "done", "id": ID, "finish_reason": "stop"|"length"|"abort",
      "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
@@ -39,6 +42,7 @@ from asyncengine.engine import validation
 from asyncengine.errors import AsyncEngineError
 
 from . import guided
+from .chat import ChatPlan
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
 from .protocol import WSCancel, WSChat, WSFrame, WSPing, convert
@@ -116,11 +120,11 @@ class _Connection:
                 429, f"at most {MAX_CONVERSATIONS} generations at once per connection", code="too_many_generations"))
         # prepared and submitted before the next frame is read, so a cancel right behind it finds it
         try:
-            stream = await self._submit(cid, frame)
+            stream, parser = await self._submit(cid, frame)
         except APIError as e:
             await self.send_error(cid, e)
             return await self.close_if_engine_dead()
-        self.tasks[cid] = asyncio.create_task(self._run(cid, stream))
+        self.tasks[cid] = asyncio.create_task(self._run(cid, stream, parser))
 
     async def _submit(self, cid, frame: WSChat):
         st = self.st
@@ -132,7 +136,9 @@ class _Connection:
         so, _ = guided.requested(frame)  # response_format or vLLM's fields: checked now, compiled by
         if so is not None:               # the engine off this loop (errors come as this id's error frame)
             params = msgspec.structs.replace(params, structured_outputs=so)
-        ids = await st.chat_prompt(frame.messages)
+        plan = ChatPlan(st, frame)  # chat_template_kwargs, the reasoning parser (no tools on this endpoint)
+        ids = await plan.prompt(st, frame.messages)
+        params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
         st.check_length(len(ids), max_tokens, "messages")
         rid = f"ws-{uuid.uuid4().hex}"
         try:
@@ -140,9 +146,15 @@ class _Connection:
         except AsyncEngineError as e:
             raise from_engine(e, st.engine) from None
         self.request_ids[cid] = stream.request_id
-        return stream
+        return stream, plan.parser()
 
-    async def _run(self, cid, stream) -> None:
+    async def _send_parsed(self, cid, d) -> None:
+        if d.reasoning:
+            await self.send({"type": "reasoning", "id": cid, "text": d.reasoning})
+        if d.content:
+            await self.send({"type": "delta", "id": cid, "text": d.content})
+
+    async def _run(self, cid, stream, parser) -> None:
         st = self.st
         n = 0
         finished = False
@@ -150,8 +162,9 @@ class _Connection:
             async for out in stream:
                 n += len(out.token_ids_delta)
                 if out.text_delta:
-                    await self.send({"type": "delta", "id": cid, "text": out.text_delta})
+                    await self._send_parsed(cid, parser.feed(out.text_delta))
                 if out.finished:
+                    await self._send_parsed(cid, parser.finish())
                     finished = True
                     st.metrics.observe(out, n)
                     prompt = len(out.prompt_token_ids)
