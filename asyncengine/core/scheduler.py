@@ -41,7 +41,7 @@ from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.request_queue import make_queue
-from asyncengine.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from asyncengine.contracts.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
 from asyncengine.core.sched_stats import SchedulerStats
 

@@ -21,7 +21,8 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import child_request_id
-from asyncengine.engine import gc_policy, validation
+from asyncengine.engine_core import gc_policy
+from asyncengine.engine import validation
 from asyncengine.engine.admission import Admission
 from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
@@ -36,12 +37,12 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
-        with gc_policy.paused(config.freeze_gc_after_load):  # engine/gc_policy.py: ~0.2 s of a start
+        with gc_policy.paused(config.freeze_gc_after_load):  # engine_core/gc_policy.py: ~0.2 s of a start
             self._init(config, core)
 
     def _init(self, config: EngineConfig, core: EngineCore | None) -> None:

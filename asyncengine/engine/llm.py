@@ -14,8 +14,8 @@ import msgspec
 from tqdm.auto import tqdm
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core import EngineCore
-from asyncengine.engine import gc_policy
+from asyncengine.engine_core.core import EngineCore
+from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType
 from asyncengine.errors import InvalidRequestError
@@ -37,7 +37,7 @@ class LLM:
             raise ConfigError("data_parallel_size > 1 and engine_core_process run engine cores in their own "
                               "processes behind AsyncLLMEngine (or asyncengine serve); LLM drives one core "
                               "in this process")
-        with gc_policy.paused(self.config.freeze_gc_after_load):  # engine/gc_policy.py
+        with gc_policy.paused(self.config.freeze_gc_after_load):  # engine_core/gc_policy.py
             self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
@@ -123,7 +123,7 @@ class LLM:
         n_out, t0 = 0, time.perf_counter()
         try:
             while len(done) < len(made):
-                batch = engine.step_with_batch_queue()  # the core's step pipeline (engine/core.py)
+                batch = engine.step_with_batch_queue()  # the core's step pipeline (engine_core/core.py)
                 core_outs = batch.outputs if batch is not None else []
                 if batch is not None:
                     outp.record_started(batch.started)

@@ -39,7 +39,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.engine import validation
 from asyncengine.engine.async_engine import AsyncLLMEngine
-from asyncengine.engine.core_stats import combine
+from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.pd_stream import PDStream
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf

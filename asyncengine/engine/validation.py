@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
-from asyncengine.request_limits import CHARS_PER_TOKEN, RequestLimitError, RequestLimits
+from asyncengine.config.request_limits import CHARS_PER_TOKEN, RequestLimitError, RequestLimits
 from asyncengine.sampling_params import SamplingParams
 
 __all__ = ["RequestLimits", "RequestLimitError", "check_sampling_params", "check_prompt_chars",

@@ -31,11 +31,11 @@ import torch
 from asyncengine.attention.backend import SeqChunk, StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.attention.kv_cache import kv_cache_zeros
-from asyncengine.attention.registry import backend_info
+from asyncengine.config.attention import backend_info
 from asyncengine.attention.selector import get_backend
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.layers import batch_invariant
