@@ -41,7 +41,7 @@ def run_serve(args) -> int:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
     from asyncengine.config import EngineConfig
-    from asyncengine.engine.validation import RequestLimits
+    from asyncengine.config.request_limits import RequestLimits
     from asyncengine.integrations.openai_server import serve
     from asyncengine.config.grammar_limits import GrammarLimits
 

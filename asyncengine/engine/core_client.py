@@ -61,9 +61,9 @@ class CoreClient(ABC):
         if config.prefill_cores or config.decode_cores:  # never silently colocated
             from asyncengine.errors import ConfigError
 
-            raise ConfigError("prefill_cores/decode_cores run through PDEngine.from_config (engine/pd_client.py, "
-                              "docs/kv_connector.md) or `asyncengine serve --prefill-cores`; AsyncLLMEngine "
-                              "does not take them")
+            raise ConfigError("prefill_cores/decode_cores run through AsyncLLMEngine.from_config (a PDEngine: "
+                              "engine/pd_client.py, docs/kv_connector.md) or `asyncengine serve --prefill-cores`; "
+                              "AsyncLLMEngine(config) does not take them")
         if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
             from asyncengine.models.model_info import load_model_info
 

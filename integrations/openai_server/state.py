@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.engine import validation
+from asyncengine.config import request_limits
 from asyncengine.errors import AsyncEngineError, InvalidRequestError
 
 from .errors import APIError, from_engine
@@ -44,11 +44,11 @@ async def _drain(stream, budget: int) -> None:
 _CLOSE = {"connection": "close"}  # an oversized body is not read on past the drain: end the connection
 
 
-def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
+def decode_checked(body: bytes, typ: type, limits: request_limits.RequestLimits):
     """JSON bytes -> a validated ``typ``, its nesting checked before it is decoded."""
     try:
-        validation.check_json_depth(body, limits)
-    except validation.RequestLimitError as e:
+        request_limits.check_json_depth(body, limits)
+    except request_limits.RequestLimitError as e:
         raise APIError(400, str(e), param="body", code="limit_exceeded") from None
     return decode(body, typ)
 
@@ -73,7 +73,7 @@ class ServerState:
         self.engine = engine
         self.model_name = served_model_name
         self.policy = policy
-        self.limits: validation.RequestLimits = engine.limits
+        self.limits: request_limits.RequestLimits = engine.limits
         self.metrics = ServerMetrics(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
         self.web_chat_dir = web_chat_dir
@@ -121,8 +121,8 @@ class ServerState:
         if length is not None:
             try:
                 declared = int(length)
-                validation.check_body_size(declared, limits)
-            except validation.RequestLimitError as e:
+                request_limits.check_body_size(declared, limits)
+            except request_limits.RequestLimitError as e:
                 if declared > DRAIN_FACTOR * cap:
                     raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
                 await _drain(request.stream(), DRAIN_FACTOR * cap)
@@ -195,7 +195,7 @@ class ServerState:
                                 "token ids", param="messages")
         try:
             history = openai_history(msgspec.to_builtins(messages))
-        except validation.RequestLimitError as e:
+        except request_limits.RequestLimitError as e:
             raise APIError(400, str(e), param=e.param) from None
         _, ids = await self.encode(with_tools_prompt(history, tools_text), "messages")
         return ids

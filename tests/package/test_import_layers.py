@@ -244,8 +244,18 @@ def test_a_planted_upward_import_fails_the_walk(tmp_path):
     assert upward_imports(import_graph(), _packages()) == []  # the plant, not the tree, is what fails
 
 
+# Module cycles inside one folder that the design needs, each with why (none between folders).
+CYCLES_INSIDE_A_FOLDER = {
+    # one factory for every config (issue 38): AsyncLLMEngine.from_config returns a PDEngine for
+    # prefill/decode cores, and a PDEngine is built of AsyncLLMEngines (the factory's import is lazy)
+    ("asyncengine.engine.async_engine", "asyncengine.engine.pd_client"),
+}
+
+
 def test_no_import_cycle():
-    assert _cycles(import_graph()) == []
+    graph = {m: {t for t in ts if (m, t) not in CYCLES_INSIDE_A_FOLDER} for m, ts in import_graph().items()}
+    assert _cycles(graph) == []
+    assert all(a in import_graph()[b] and b in import_graph()[a] for a, b in CYCLES_INSIDE_A_FOLDER)
 
 
 def test_no_folder_cycle():
