@@ -16,9 +16,6 @@ LONG = {
         "a Triton kernel is one function: what it calls is inlined into one compiled program anyway",
     "kernels/paged_attention.py:paged_attention":
         "the launcher's checks and grid for one kernel; its docstring is most of it",
-    "asyncengine/worker/sampling_metadata.py:build":
-        "one pass over the batch's rows fills every per-row list, then each becomes a tensor; "
-        "the hot path (all rows plain greedy) returns in its first lines",
     "asyncengine/models/loader.py:load_model":
         "the load's one sequence (GGUF, safetensors, shards, pipeline stages, weight cache), logged "
         "step by step; its docstring is a third of it",
