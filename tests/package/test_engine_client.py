@@ -77,7 +77,7 @@ def test_complete_is_written_once():
         assert inspect.getattr_static(cls, "complete") is EngineClient.__dict__["complete"]
 
 
-def test_the_factory_refuses_nothing_and_picks_pd_for_prefill_cores(monkeypatch):
+def test_the_factory_picks_pd_for_prefill_cores_and_one_engine_otherwise(monkeypatch):
     """``AsyncLLMEngine.from_config``: P/D is reached as data parallel is, through the one factory."""
     built = []
     monkeypatch.setattr(PDEngine, "__init__", lambda self, config: built.append(("pd", config)))
