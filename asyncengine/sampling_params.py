@@ -10,7 +10,7 @@ import enum
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
-from asyncengine.structured.params import StructuredOutputsParams
+from asyncengine.structured_params import StructuredOutputsParams
 
 
 class OutputKind(enum.IntEnum):

@@ -35,7 +35,7 @@ import uvicorn
 from asyncengine import AsyncLLMEngine, EngineConfig
 from asyncengine.cli.args import parse_size
 from asyncengine.integrations.openai_server import build_app
-from asyncengine.structured.limits import GrammarLimits
+from asyncengine.config.grammar_limits import GrammarLimits
 
 MODEL = "bench"
 

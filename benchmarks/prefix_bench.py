@@ -44,7 +44,7 @@ from throughput import machine_info, model_vocab_size  # noqa: E402
 from workloads import FIRST_TOKEN, make_workload  # noqa: E402
 
 from asyncengine.config import EngineConfig  # noqa: E402
-from asyncengine.engine.core import EngineCore  # noqa: E402
+from asyncengine.engine_core.core import EngineCore  # noqa: E402
 from asyncengine.core.request import Request  # noqa: E402
 from asyncengine.models.loader import load_model  # noqa: E402
 from asyncengine.sampling_params import SamplingParams  # noqa: E402

@@ -47,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from asyncengine import AsyncLLMEngine, EngineConfig, OutputKind, SamplingParams  # noqa: E402
-from asyncengine.engine.core import EngineCore  # noqa: E402
+from asyncengine.engine_core.core import EngineCore  # noqa: E402
 from asyncengine.models.loader import load_model  # noqa: E402
 
 HEARTBEAT_S = 0.005

@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 
-from asyncengine.core.sched_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor import messages as M
 
 

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from asyncengine import EngineConfig
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
     vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
     batches = [int(b) for b in args.batch.split(",")]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from asyncengine.engine.validation import RequestLimitError
+from asyncengine.config.request_limits import RequestLimitError
 from asyncengine.structured import StructuredOutputsParams
 
 

@@ -142,7 +142,7 @@ def compare(outputs: list[list[int]], refs: list[Reference]) -> dict:
 def make_core(tiny, **options):
     """An EngineCore (fp32) over the weights of the ``tiny`` fixture, with its own KV cache."""
     from asyncengine.config import EngineConfig
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
     model_dir, loaded = tiny
     return EngineCore(EngineConfig(model=model_dir, dtype="float32", **options), loaded)

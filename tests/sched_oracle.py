@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request, RequestStatus, child_request_id
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
 

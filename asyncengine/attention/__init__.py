@@ -9,7 +9,7 @@ __all__ = ["AttentionBackend", "SeqChunk", "StepBatch", "get_backend", "resolve_
 
 _WHERE = {"AttentionBackend": "asyncengine.attention.backend", "SeqChunk": "asyncengine.attention.backend",
           "StepBatch": "asyncengine.attention.backend", "get_backend": "asyncengine.attention.selector",
-          "resolve_backend_name": "asyncengine.attention.registry"}
+          "resolve_backend_name": "asyncengine.config.attention"}
 
 
 def __getattr__(name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from asyncengine.attention.backend import AttentionBackend
-from asyncengine.attention.registry import backend_info, resolve_backend_name
+from asyncengine.config.attention import backend_info, resolve_backend_name
 
 __all__ = ["get_backend", "resolve_backend_name"]
 

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any, Callable
 
-from asyncengine.attention.registry import BACKEND_CHOICES  # torch-free: the backends' table
+from asyncengine.config.attention import BACKEND_CHOICES  # torch-free: the backends' table
 
 COMMANDS = ("chat", "generate", "serve")
 
@@ -151,7 +151,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_threads", "torch threads per worker", type=POSITIVE_INT,
                  default_text="torch's, lowered while other processes keep cores busy; a number pins it"),
     EngineOption("freeze_gc_after_load", "freeze the objects alive after the load out of the cycle "
-                                         "collector's full passes (engine/gc_policy.py)", type=FLAG),
+                                         "collector's full passes (engine_core/gc_policy.py)", type=FLAG),
     EngineOption("engine_core_process", "run the engine core (scheduler, KV cache, model) in its own process, "
                                         "so the model step never competes with this process's Python for the "
                                         "GIL; this process then imports no torch", type=FLAG),

@@ -45,9 +45,9 @@ def run_serve(args) -> int:
         print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
         return EXIT_USAGE
     from asyncengine.config import EngineConfig
-    from asyncengine.engine.validation import RequestLimits
+    from asyncengine.config.request_limits import RequestLimits
     from asyncengine.integrations.openai_server import serve
-    from asyncengine.structured.limits import GrammarLimits
+    from asyncengine.config.grammar_limits import GrammarLimits
 
     limits = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS if getattr(args, k) is not None})
     grammar_limits = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS if getattr(args, k) is not None})

@@ -18,7 +18,7 @@ import time
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
-from asyncengine.kv_connector.messages import KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorOutput
 
 _NO_REPORT = KVConnectorOutput()  # a step whose worker had nothing to say
 

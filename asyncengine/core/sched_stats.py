@@ -1,4 +1,4 @@
-"""The scheduler's counters, read by the engine core's stats and metrics (engine/core.py)."""
+"""The scheduler's counters, read by the engine core's stats and metrics (engine_core/core.py)."""
 from __future__ import annotations
 
 

@@ -41,9 +41,10 @@ from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.request_queue import make_queue
-from asyncengine.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from asyncengine.contracts.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
 from asyncengine.core.sched_stats import SchedulerStats
+from asyncengine.core.step_plan import StepPlan
 
 
 class Scheduler:
@@ -67,7 +68,6 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the runner at the next schedule()
         self.samples = ParallelSamples(kv, self.waiting)  # n > 1: samples of each request, held ones
         self.kv_transfer = KVTransferState(kv, kv_connector, self.waiting)  # loads in, leases out
-        self._spec: dict[str, int] = {}  # the step being built: req_id -> draft slots
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in / out
@@ -143,15 +143,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def _unschedule(self, victim: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> int:
-        """Take a request out of the step being built; returns the budget it gave back."""
-        new_blocks.pop(victim.request_id, None)
-        self._spec.pop(victim.request_id, None)
-        if victim in new_reqs:
-            new_reqs.remove(victim)
-        return num_scheduled.pop(victim.request_id, 0)
-
-    def _preempt_lower(self, req: Request, num_scheduled: dict, new_blocks: dict, new_reqs: list) -> bool:
+    def _preempt_lower(self, req: Request, plan: StepPlan) -> bool:
         """Priority policy: preempt the worst running request if waiting ``req`` strictly
         outranks it (both ranks aged). Returns whether anything was preempted."""
         if not self.running:
@@ -161,9 +153,9 @@ class Scheduler:
             return False
         # a victim already scheduled in this step registered the blocks its chunk fills as cached;
         # they must leave the cache, unless a request admitted in this step already hit them
-        if victim.request_id in num_scheduled and not self.kv.uncache_unscheduled(victim):
+        if victim.request_id in plan.num_scheduled and not self.kv.uncache_unscheduled(victim):
             return False
-        self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
+        plan.unschedule(victim)
         self._preempt(victim)
         return True
 
@@ -187,18 +179,21 @@ class Scheduler:
         return k
 
     def schedule(self) -> SchedulerOutput:
+        """One step in three sub-steps: the running requests' next tokens, in order (preempting for
+        KV blocks), then waiting requests while budget, sequence slots and blocks last (none if
+        this step preempted), then the message, with the computed counts advanced."""
         if self.samples.held:
             self.samples.release_ready()
         if self.kv_transfer.leases:
             self.kv_transfer.expire_leases()
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        new_reqs: list[Request] = []
-        preempted = 0
-        spec = self._spec = {}
+        plan = StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
 
-        # 1. running requests, in order
+    def _schedule_running(self, plan: StepPlan) -> None:
+        num_scheduled, new_blocks, budget = plan.num_scheduled, plan.new_blocks, plan.budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -218,9 +213,9 @@ class Scheduler:
                 if victim.request_id in num_scheduled:  # nothing hit its fresh blocks yet this step
                     uncached = self.kv.uncache_unscheduled(victim)
                     assert uncached
-                budget += self._unschedule(victim, num_scheduled, new_blocks, new_reqs)
+                budget += plan.unschedule(victim)
                 self._preempt(victim)
-                preempted += 1
+                plan.preempted += 1
                 if vi < i:
                     i -= 1
                 if victim is req:
@@ -230,65 +225,69 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             new_blocks[req.request_id] = [b.block_id for b in blocks]
             if k:
-                spec[req.request_id] = k
+                plan.spec[req.request_id] = k
             budget -= n
             i += 1
+        plan.budget = budget
 
-        # 2. waiting requests, unless this step had to preempt for running ones
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        num_scheduled, new_reqs, budget = plan.num_scheduled, plan.new_reqs, plan.budget
         priority = self.policy == "priority"
-        if not preempted:
-            while len(self.waiting) and budget > 0:
-                req = self.waiting.peek()
-                if req.num_output_placeholders or req.request_id in self.pp_in_flight:
-                    break  # a step of it is still in flight from before its preemption
-                if len(self.running) >= self.max_num_seqs:
-                    if not (priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs)):
-                        break
+        while len(self.waiting) and budget > 0:
+            req = self.waiting.peek()
+            if req.num_output_placeholders or req.request_id in self.pp_in_flight:
+                break  # a step of it is still in flight from before its preemption
+            if len(self.running) >= self.max_num_seqs:
+                if not (priority and self._preempt_lower(req, plan)):
+                    break
+                budget = self.max_num_batched_tokens - sum(num_scheduled.values())
+                continue
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_ext = 0
+            if self.connector is not None:
+                num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+                if load_async:
+                    self.waiting.pop()
+                    self.kv_transfer.waiting_for_kv[req.request_id] = req
+                    continue
+            n = req.num_tokens - num_hit - num_ext
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            n = self.kv.cut_chunk(req, n)
+            blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
+            if blocks is None:
+                # priority policy: a better waiting request may take a worse one's blocks
+                if priority and self._preempt_lower(req, plan):
                     budget = self.max_num_batched_tokens - sum(num_scheduled.values())
                     continue
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                num_ext = 0
-                if self.connector is not None:
-                    num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
-                    if load_async:
-                        self.waiting.pop()
-                        self.kv_transfer.waiting_for_kv[req.request_id] = req
-                        continue
-                n = req.num_tokens - num_hit - num_ext
-                if n > budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    n = budget
-                n = self.kv.cut_chunk(req, n)
-                blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
-                if blocks is None:
-                    # priority policy: a better waiting request may take a worse one's blocks
-                    if priority and self._preempt_lower(req, num_scheduled, new_blocks, new_reqs):
-                        budget = self.max_num_batched_tokens - sum(num_scheduled.values())
-                        continue
-                    break
-                self.waiting.pop()
-                if self.kv.enable_caching:
-                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-                req.status = RequestStatus.RUNNING
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(req, self.kv.req_to_blocks[req.request_id],
-                                                            num_hit, num_ext)
-                    num_hit, req.num_external_tokens = num_hit + num_ext, num_ext
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                    self.stats.queue_time_s_total += req.first_scheduled_time - req.arrival_time
-                    self.stats.num_started += 1
-                self.running.append(req)
-                new_reqs.append(req)
-                num_scheduled[req.request_id] = n
-                budget -= n
+                break
+            self.waiting.pop()
+            if self.kv.enable_caching:
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.req_to_blocks[req.request_id],
+                                                        num_hit, num_ext)
+                num_hit, req.num_external_tokens = num_hit + num_ext, num_ext
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+                self.stats.queue_time_s_total += req.first_scheduled_time - req.arrival_time
+                self.stats.num_started += 1
+            self.running.append(req)
+            new_reqs.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+        plan.budget = budget
 
-        # 3. build the message and advance the computed counts (async scheduling)
-        new_ids = {r.request_id for r in new_reqs}
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The message, and the computed counts advanced (async scheduling)."""
+        num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
+        new_ids = {r.request_id for r in plan.new_reqs}
         new_data: list[NewRequestData] = []
         cached_data: list[CachedRequestData] = []
         for rid, n in num_scheduled.items():
@@ -311,7 +310,7 @@ class Scheduler:
                 self.samples.fork(req)
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
-                req.num_output_placeholders += 1 + spec.get(rid, 0)
+                req.num_output_placeholders += 1 + plan.spec.get(rid, 0)
         total = sum(num_scheduled.values())
         meta = self.connector.build_meta(num_scheduled, self.requests) if self.connector is not None else None
         finished, self._finished_ids = self._finished_ids, []
@@ -319,8 +318,8 @@ class Scheduler:
         self.stats.num_scheduled_tokens += total
         return SchedulerOutput(new_requests=new_data, cached_requests=cached_data,
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
-                               finished_req_ids=finished, num_preempted=preempted,
-                               num_spec_tokens=spec, kv_connector_metadata=meta,
+                               finished_req_ids=finished, num_preempted=plan.preempted,
+                               num_spec_tokens=plan.spec, kv_connector_metadata=meta,
                                state_copies=self.kv.take_state_copies())
 
     # ------------------------------------------------------------------ results back

@@ -17,31 +17,30 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import child_request_id
-from asyncengine.engine import gc_policy, validation
+from asyncengine.engine_core import gc_policy
+from asyncengine.engine import validation
 from asyncengine.engine.admission import Admission
 from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor
+from asyncengine.engine.protocol import EngineClient
 from asyncengine.engine.prompt_intake import PromptIntake, check_params
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
 from asyncengine.engine.stream_router import StreamRouter
 from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.errors import EngineDeadError, InvalidRequestError
-from asyncengine.outputs import RequestOutput
-from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
-        with gc_policy.paused(config.freeze_gc_after_load):  # engine/gc_policy.py: ~0.2 s of a start
+        with gc_policy.paused(config.freeze_gc_after_load):  # engine_core/gc_policy.py: ~0.2 s of a start
             self._init(config, core)
 
     def _init(self, config: EngineConfig, core: EngineCore | None) -> None:
@@ -72,17 +71,16 @@ class AsyncLLMEngine:
         self._started_at = time.monotonic()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig) -> EngineClient:
+        """The front end a config asks for: this class for one core (in this process, in its own,
+        data-parallel cores, Ray actors), a ``PDEngine`` for ``prefill_cores``/``decode_cores``."""
+        if config.prefill_cores or config.decode_cores:
+            from asyncengine.engine.pd_client import PDEngine  # lazy: PDEngine is built of AsyncLLMEngines
+
+            return PDEngine(config)
         return cls(config)
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> "AsyncLLMEngine":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown(drain=False)
 
     async def start(self) -> None:
         """Bind to the running loop and start the busy loop (also done lazily by generate())."""
@@ -315,16 +313,6 @@ class AsyncLLMEngine:
         self.admission.add(request_id, req.num_prompt_tokens)
         busy.new.append(req)
         busy.wake.set()
-
-    async def complete(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, **kw) -> RequestOutput:
-        """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(check_params(sampling_params or self.default_sampling_params),
-                                         output_kind=OutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.generate(prompt, params, request_id, **kw):
-            final = out
-        return final
 
     async def abort(self, request_id: str) -> None:
         self._abort_nowait(request_id)

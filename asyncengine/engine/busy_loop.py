@@ -5,7 +5,7 @@ Kept apart from AsyncLLMEngine (engine/async_engine.py), which binds it to a loo
 into it and answers the public API. It talks to one ``CoreClient`` (engine/core_client.py),
 wherever the core runs; the stepping itself (a queue of in-flight batches: the next one is
 scheduled and queued before this one's outputs are detokenized and routed) is the engine core's
-(engine/core.py); with the core in this process the client awaits the batch's future on this loop.
+(engine_core/core.py); with the core in this process the client awaits the batch's future on this loop.
 """
 from __future__ import annotations
 

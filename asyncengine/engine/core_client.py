@@ -2,14 +2,14 @@
 
 The async engine talks only to this interface (add, abort, outputs, health, stats, shutdown) and
 never sees a SchedulerOutput: the stepping is the core's own (``EngineCore``'s step pipeline,
-engine/core.py).
+engine_core/core.py).
 
 - :class:`InprocClient`: the core in this process. ``get_output()`` runs one turn of the core's
   step pipeline, awaiting the oldest batch's future on the event loop (the model runs on the
   executor's thread or processes), so the loop never blocks; the front end's new inputs join
   before the next batches are scheduled.
 - :class:`MPClient`: ``data_parallel_size`` engine cores (or one, with ``engine_core_process``),
-  each in its own process (engine/core_proc.py) or Ray actor (engine/ray_cores.py), stepping on
+  each in its own process (engine_core/core_proc.py) or Ray actor (engine_core/ray_cores.py), stepping on
   their own; ``get_output()`` hands over what their reader threads received. It routes each new
   request to the core that holds its prompt's prefix unless that one is much busier, else to the
   least loaded core (engine/dp_router.py), sends each abort to the core that owns the request, and
@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Callable
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
-from asyncengine.core.sched_output import EngineCoreOutputs
-from asyncengine.engine.core_proc import CoreDead, CoreModelInfo, EngineCoreProc
-from asyncengine.engine.core_stats import combine
+from asyncengine.contracts.sched_output import EngineCoreOutputs
+from asyncengine.engine_core.core_proc import CoreDead, CoreModelInfo, EngineCoreProc
+from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import EngineDeadError
 from asyncengine.models.model_info import ModelInfo
 
 if TYPE_CHECKING:
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,16 @@ class CoreClient(ABC):
         if config.prefill_cores or config.decode_cores:  # never silently colocated
             from asyncengine.errors import ConfigError
 
-            raise ConfigError("prefill_cores/decode_cores run through PDEngine.from_config (engine/pd_client.py, "
-                              "docs/kv_connector.md) or `asyncengine serve --prefill-cores`; AsyncLLMEngine "
-                              "does not take them")
+            raise ConfigError("prefill_cores/decode_cores run through AsyncLLMEngine.from_config (a PDEngine: "
+                              "engine/pd_client.py, docs/kv_connector.md) or `asyncengine serve --prefill-cores`; "
+                              "AsyncLLMEngine(config) does not take them")
         if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
             from asyncengine.models.model_info import load_model_info
 
             # the cores import torch while this process reads the model's config and tokenizer
             return MPClient(config, lambda: load_model_info(config))
         if core is None:
-            from asyncengine.engine.core import EngineCore
+            from asyncengine.engine_core.core import EngineCore
 
             core = EngineCore(config)
         return InprocClient(core)
@@ -233,7 +233,7 @@ class MPClient(CoreClient):
         make = EngineCoreProc
         try:
             if config.distributed_executor_backend == "ray":  # the cores as Ray actors, on any node
-                from asyncengine.engine.ray_cores import RayEngineCores
+                from asyncengine.engine_core.ray_cores import RayEngineCores
 
                 self._ray = RayEngineCores(config)
                 core_cfg, make = self._ray.core_config, self._ray.client

@@ -13,14 +13,18 @@ from collections.abc import Sequence
 import msgspec
 from tqdm.auto import tqdm
 
+from typing import TYPE_CHECKING
+
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core import EngineCore
-from asyncengine.engine import gc_policy
+from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.engine_core.core import EngineCore
 
 
 def _is_single_prompt(prompts) -> bool:
@@ -37,7 +41,9 @@ class LLM:
             raise ConfigError("data_parallel_size > 1 and engine_core_process run engine cores in their own "
                               "processes behind AsyncLLMEngine (or asyncengine serve); LLM drives one core "
                               "in this process")
-        with gc_policy.paused(self.config.freeze_gc_after_load):  # engine/gc_policy.py
+        from asyncengine.engine_core.core import EngineCore  # lazy: the front end imports no torch until a core is built
+
+        with gc_policy.paused(self.config.freeze_gc_after_load):  # engine_core/gc_policy.py
             self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
@@ -123,7 +129,7 @@ class LLM:
         n_out, t0 = 0, time.perf_counter()
         try:
             while len(done) < len(made):
-                batch = engine.step_with_batch_queue()  # the core's step pipeline (engine/core.py)
+                batch = engine.step_with_batch_queue()  # the core's step pipeline (engine_core/core.py)
                 core_outs = batch.outputs if batch is not None else []
                 if batch is not None:
                     outp.record_started(batch.started)

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from asyncengine.core.request import child_request_id
-from asyncengine.core.sched_output import EngineCoreOutput
+from asyncengine.contracts.sched_output import EngineCoreOutput
 from asyncengine.engine.detokenizer import IncrementalDetokenizer
 from asyncengine.engine.stop_strings import StopAutomaton, StopStringMatcher
 from asyncengine.errors import RequestFailedError

@@ -17,9 +17,10 @@ prefill cores' sweep deletes whatever is left). A core that dies fails its reque
 ``EngineDeadError`` (the async engine's own death detection). Built from ``AsyncLLMEngine``s with
 ``engine_core_process=True``, so this module adds routing only.
 
-``PDEngine`` answers the front-end API of ``AsyncLLMEngine`` (what the OpenAI server and the
-adapters use: generate, abort, encode, the checks, stats, health, the model's facts), so that
-``asyncengine serve --prefill-cores P --decode-cores D`` serves through it unchanged. The model's
+``PDEngine`` implements the front ends' one interface (engine/protocol.py: ``EngineClient``, what
+the OpenAI server and the adapters use: generate, abort, encode, the checks, stats, health, the
+model's facts) and ``AsyncLLMEngine.from_config`` returns one for a config with prefill and decode
+cores, so ``asyncengine serve --prefill-cores P --decode-cores D`` serves through it unchanged. The model's
 facts come from a decode core (every core loads the same model); the engine counts as errored once
 any core died (a request needs both sides); ``stats()`` sums the pools over the cores, as data
 parallel does, with each core's own under ``cores`` (and ``prefill``/``decode``).
@@ -34,17 +35,16 @@ import threading
 import time
 import uuid
 
-import msgspec
-
 from asyncengine.config import EngineConfig
 from asyncengine.engine import validation
 from asyncengine.engine.async_engine import AsyncLLMEngine
-from asyncengine.engine.core_stats import combine
+from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.pd_stream import PDStream
+from asyncengine.engine.protocol import EngineClient
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.transport import make_transport
-from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.sampling_params import SamplingParams
 
 # when to look again for the transfer file of a request that left during its prefill
 ORPHAN_RECHECK_S = (0.05, 0.5, 2.0, 10.0)
@@ -53,7 +53,7 @@ _FRONT_END_KEYS = ("cores", "data_parallel_size", "dp_prefix_affinity_routed", "
                    "num_streams", "uptime_s")
 
 
-class PDEngine:
+class PDEngine(EngineClient):
     def __init__(self, config: EngineConfig, skip_hop_below: int | None = None) -> None:
         """``skip_hop_below`` (default ``config.pd_skip_hop_below``): prompts of fewer tokens (token
         ids or text; chat messages always take the hop) go straight to a decode core, which computes
@@ -186,13 +186,6 @@ class PDEngine:
         for e in self.engines:
             await e.start()
 
-    async def __aenter__(self) -> "PDEngine":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown(drain=False)
-
     async def shutdown(self, drain: bool = True) -> None:
         """As ``AsyncLLMEngine.shutdown``. drain=True: the prefill cores finish their requests first,
         then the decode cores theirs (a request not yet handed to a decode core by then, because
@@ -294,16 +287,6 @@ class PDEngine:
                              name="asyncengine-pd-discard").start()
         else:
             self.transport.delete(request_id, source)
-
-    async def complete(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, **kw):
-        """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(sampling_params or self.default_sampling_params,
-                                         output_kind=OutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.generate(prompt, params, request_id, **kw):
-            final = out
-        return final
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

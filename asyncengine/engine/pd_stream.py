@@ -18,7 +18,7 @@ from asyncengine.outputs import RequestMetrics, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from asyncengine.engine.async_engine import AsyncLLMEngine
+    from asyncengine.engine.protocol import EngineClient
 
 # what the prefill core is asked: its one token is never used (the decode core samples the first)
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.FINAL_ONLY)
@@ -34,7 +34,7 @@ def aborted(out: RequestOutput, n: int) -> RequestOutput:
 
 class PDStream:
     def __init__(self, request_id: str, prompt, params: SamplingParams, kw: dict,
-                 prefill: "AsyncLLMEngine | None", decode: "AsyncLLMEngine", load: dict[int, int],
+                 prefill: "EngineClient | None", decode: "EngineClient", load: dict[int, int],
                  on_close: Callable[["PDStream", bool], None], source: str | None = None) -> None:
         """``prefill`` None: the prompt skips the hop (the decode core computes it). Submits now,
         so that a bad request raises here, as ``AsyncLLMEngine.generate`` does. ``load``: requests in

@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 
-from asyncengine.core.sched_output import EngineCoreOutputs
+from asyncengine.contracts.sched_output import EngineCoreOutputs
 from asyncengine.engine.admission import Admission
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.request_stream import RequestSlot

@@ -24,7 +24,9 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
-from asyncengine.request_limits import CHARS_PER_TOKEN, RequestLimitError, RequestLimits
+# the raw-body checks live with the limits (the server runs them before any engine code)
+from asyncengine.config.request_limits import CHARS_PER_TOKEN, RequestLimitError, RequestLimits
+from asyncengine.config.request_limits import check_body_size, check_json_depth, over_limit as _over
 from asyncengine.sampling_params import SamplingParams
 
 __all__ = ["RequestLimits", "RequestLimitError", "check_sampling_params", "check_prompt_chars",
@@ -32,59 +34,6 @@ __all__ = ["RequestLimits", "RequestLimitError", "check_sampling_params", "check
            "check_body_size", "check_allowed_tokens", "CHAT_ROLES"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _over(what: str, value: int, limit: str, limits: RequestLimits, param: str, cap: int | None = None
-          ) -> RequestLimitError:
-    cap = getattr(limits, limit) if cap is None else cap
-    return RequestLimitError(f"{what} is {value}, over the limit {limit}={cap}", param=param, limit=limit)
-
-
-# ---------------------------------------------------------------- bodies (the server)
-
-
-def check_body_size(num_bytes: int, limits: RequestLimits) -> None:
-    if num_bytes > limits.max_request_bytes:
-        raise _over("the request body (bytes)", num_bytes, "max_request_bytes", limits, "body")
-
-
-def check_json_depth(body: bytes, limits: RequestLimits) -> None:
-    """Refuse JSON nested deeper than ``max_json_depth`` before a decoder recurses into it.
-
-    Vectorized (numpy), linear in the body and a few bytes of scratch per body byte, whatever the
-    body holds (a regex that cuts out strings takes seconds on a body of many small or escaped
-    strings). Brackets inside strings do not count; a quote after an odd run of backslashes is
-    escaped."""
-    limit = limits.max_json_depth
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return  # cannot be deeper
-    import numpy as np
-
-    a = np.frombuffer(body, dtype=np.uint8)
-    n = len(a)
-    quote = a == 34
-    bs = a == 92
-    if bs.any():  # quotes escaped by an odd run of backslashes are not string delimiters
-        prev = np.empty(n, dtype=bool)
-        prev[0] = False
-        prev[1:] = bs[:-1]
-        nxt = np.empty(n, dtype=bool)
-        nxt[-1] = False
-        nxt[:-1] = bs[1:]
-        starts = np.flatnonzero(bs & ~prev)
-        ends = np.flatnonzero(bs & ~nxt)
-        after_odd = ends[(ends - starts) % 2 == 0] + 1  # run length (ends - starts + 1) is odd
-        after_odd = after_odd[after_odd < n]
-        quote[after_odd] = False
-        del prev, nxt, starts, ends, after_odd
-    in_string = (np.cumsum(quote, dtype=np.int32) & 1).astype(bool)
-    del quote, bs
-    steps = np.zeros(n, dtype=np.int8)
-    steps[((a == 91) | (a == 123)) & ~in_string] = 1
-    steps[((a == 93) | (a == 125)) & ~in_string] = -1
-    depth = int(np.cumsum(steps, dtype=np.int32).max())
-    if depth > limit:
-        raise _over("the JSON nesting depth", depth, "max_json_depth", limits, "body")
 
 
 # ---------------------------------------------------------------- prompts

@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.models.model_info import ModelInfo
 
 

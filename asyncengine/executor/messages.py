@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import msgspec
 
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 class ExecuteModel(msgspec.Struct, tag="exec"):

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_any
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import EngineDeadError
 from asyncengine.executor import messages as M
 from asyncengine.executor.abstract import Executor

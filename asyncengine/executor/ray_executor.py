@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError, EngineDeadError
 from asyncengine.executor import messages as M
 from asyncengine.executor.abstract import Executor

@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import EngineDeadError
 from asyncengine.executor.abstract import Executor
 from asyncengine.worker.worker import Worker

@@ -28,7 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
     from asyncengine.core.block_pool import KVBlock

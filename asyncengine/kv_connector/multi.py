@@ -19,7 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncengine.kv_connector.base import SchedulerConnector, WorkerConnector
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
 
 _FIELDS = [f.name for f in msgspec.structs.fields(KVConnectorMetadata)]
 

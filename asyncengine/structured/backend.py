@@ -17,8 +17,8 @@ import torch
 from asyncengine.errors import InvalidRequestError
 from asyncengine.structured.cache import CompiledEntry, GrammarCache
 from asyncengine.structured.compile_worker import compile_kind, unpack
-from asyncengine.structured.limits import GrammarLimits, check_upfront
-from asyncengine.structured.params import StructuredOutputsParams
+from asyncengine.config.grammar_limits import GrammarLimits, check_upfront
+from asyncengine.structured_params import StructuredOutputsParams
 
 
 def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):

@@ -35,8 +35,8 @@ import msgspec
 from asyncengine.errors import EngineOverloaded, InvalidRequestError
 from asyncengine.structured import compile_worker as cw
 from asyncengine.structured.cache import CompiledEntry
-from asyncengine.structured.limits import GrammarLimitError, GrammarLimits, check_upfront
-from asyncengine.structured.params import StructuredOutputsParams
+from asyncengine.config.grammar_limits import GrammarLimitError, GrammarLimits, check_upfront
+from asyncengine.structured_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 

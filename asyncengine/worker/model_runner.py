@@ -28,14 +28,14 @@ import time
 
 import torch
 
-from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.backend import StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.attention.kv_cache import kv_cache_zeros
-from asyncengine.attention.registry import backend_info
+from asyncengine.config.attention import backend_info
 from asyncengine.attention.selector import get_backend
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.layers import batch_invariant
@@ -48,6 +48,7 @@ from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
+from asyncengine.worker.step_layout import StepLayout, classify, lay_out
 
 log = logging.getLogger(__name__)
 
@@ -213,125 +214,81 @@ class ModelRunner:
         return out
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step as named sub-steps: update the request states, lay out the flat batch, run the
+        model (a captured graph, or this pipeline stage's part), then sample and accept."""
         t0 = time.perf_counter()
         self._update_states(so)
         if so.state_copies:  # hybrid n > 1 forks: before this step's forward moves the sources on
             self.state_cache.copy_slots(so.state_copies)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_output_rank else None
-        bs = self.block_size
-        decodes: list[RunnerRequestState] = []
-        prefills: list[tuple[RunnerRequestState, int]] = []
-        specs: list[tuple[RunnerRequestState, list[int]]] = []  # (state, drafts), after the prefills
-        spec_k = so.num_spec_tokens
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self.requests[rid]
-            if spec_k and rid in spec_k:
-                assert st.num_computed_tokens + 1 == st.num_tokens, f"{rid}: drafts scheduled off a decode"
-                specs.append((st, spec_k[rid]))
-            elif n == 1 and st.num_computed_tokens > 0:
-                decodes.append(st)
-            else:
-                prefills.append((st, n))
+        decodes, prefills, specs = classify(so, self.requests)
         # a draft model runs on every position the target computes, drafts or not
         if self.proposer is not None and (specs or self.proposer.runs_every_step):
             specs = propose_drafts(self.proposer, decodes, prefills, specs)
-
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []  # flat row of the last token of each request that samples
-        sample_states: list[RunnerRequestState] = []
-
-        # decodes: one token each, longest context first (the torch backend groups similar lengths)
-        decodes.sort(key=lambda st: st.num_computed_tokens, reverse=True)
-        nd = len(decodes)
-        seqs: list[SeqChunk] = []
-        for i, st in enumerate(decodes):
-            pos = st.num_computed_tokens
-            n_prompt = st.num_prompt_tokens
-            input_ids.append(st.prompt_ids[pos] if pos < n_prompt else st.output_ids[pos - n_prompt])
-            positions.append(pos)
-            slots.append(st.block_ids[pos // bs] * bs + pos % bs)
-            seqs.append(SeqChunk(query_start=i, query_len=1, context_len=pos, block_ids=st.block_ids))
-            if pos + 1 == st.num_tokens:
-                sample_rows.append(i)
-                sample_states.append(st)
-
-        # prefill chunks (any run of tokens over any cached context)
-        row = nd
-        ssm_chunks: list[tuple[int, int, int, bool]] = []  # hybrid models: (row, rows, state slot, fresh)
-        for st, n in prefills:
-            start = st.num_computed_tokens
-            ssm_chunks.append((row, n, st.state_slot, start == 0))
-            end = start + n
-            input_ids.extend(st.tokens(start, end))
-            positions.extend(range(start, end))
-            blocks = st.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            seqs.append(SeqChunk(query_start=row, query_len=n, context_len=start, block_ids=blocks))
-            row += n
-            if end == st.num_tokens:
-                sample_rows.append(row - 1)
-                sample_states.append(st)
-
-        # speculative rows: the last token and its drafts, all sampled
-        spec_rows: list[tuple[int, int]] = []  # (first sample index, count) of each spec row
-        for st, drafts in specs:
-            start = st.num_computed_tokens
-            n = 1 + len(drafts)
-            end = start + n
-            input_ids.append(st.tokens(start, start + 1)[0])
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            blocks = st.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            seqs.append(SeqChunk(query_start=row, query_len=n, context_len=start, block_ids=blocks))
-            spec_rows.append((len(sample_rows), n))
-            sample_rows.extend(range(row, row + n))
-            sample_states.extend([st] * n)
-            row += n
-
-        plp_spans = prompt_logprob_spans(decodes, prefills, positions) if self._prompt_logprob_ids else None
-
+        lay = lay_out(decodes, prefills, specs, self.block_size)
+        plp_spans = prompt_logprob_spans(decodes, prefills, lay.positions) if self._prompt_logprob_ids else None
         for st in decodes:
             st.num_computed_tokens += 1
         for st, n in prefills:
             st.num_computed_tokens += n
+        hidden = self._forward(lay, decodes)
+        if hidden is None:  # a pipeline stage before the last: sent on, nothing to sample
+            self.execute_time_s += time.perf_counter() - t0
+            return None
+        if lay.sample_rows and self.tp.rank > 0:
+            self._follow_the_head(hidden, lay, plp_spans)
+            self.execute_time_s += time.perf_counter() - t0
+            return None
+        req_ids, sampled_ids, logprobs, num_drafts = self._sample_and_accept(hidden, lay, specs)
+        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
+        if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
+            self.execute_time_s += time.perf_counter() - t0
+            return None
+        dt = time.perf_counter() - t0
+        self.execute_time_s += dt
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
-        dev = self.device
-        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(seqs) else None
+    def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState]) -> torch.Tensor | None:
+        """The model over the flat batch: the hidden states, or None on a pipeline stage that sent
+        its own on to the next."""
+        nd = lay.num_decodes
+        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(lay.seqs) else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
-            hidden = self.graphs.run(graph_size, input_ids, positions, seqs, slots)
-        else:
-            meta = self.attn_backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=slots, num_decodes=nd))
-            stage = {} if self.state_cache is None else {
-                "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], ssm_chunks)}
-            if self.link is not None and not self.pp.is_first:  # the previous stage's stream
-                t_wait = time.perf_counter()
-                stage["intermediate"] = self.link.recv(len(input_ids))
-                self.recv_wait_s += time.perf_counter() - t_wait
-            hidden = self.model(self._stage("input_ids", input_ids), self._stage("positions", positions),
-                                self.kv_caches, meta, **stage)
-            if self.link is not None and not self.pp.is_last:  # on to the next stage; nothing to sample
-                from asyncengine.worker.pipeline import IntermediateTensors
+            return self.graphs.run(graph_size, lay.input_ids, lay.positions, lay.seqs, lay.slots)
+        meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))
+        stage = {} if self.state_cache is None else {
+            "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], lay.ssm_chunks)}
+        if self.link is not None and not self.pp.is_first:  # the previous stage's stream
+            t_wait = time.perf_counter()
+            stage["intermediate"] = self.link.recv(lay.num_rows)
+            self.recv_wait_s += time.perf_counter() - t_wait
+        hidden = self.model(self._stage("input_ids", lay.input_ids), self._stage("positions", lay.positions),
+                            self.kv_caches, meta, **stage)
+        if self.link is not None and not self.pp.is_last:  # on to the next stage; nothing to sample
+            from asyncengine.worker.pipeline import IntermediateTensors  # lazy: only pipeline stages need it
 
-                self.link.send(IntermediateTensors(*hidden))
-                self.execute_time_s += time.perf_counter() - t0
-                return None
+            self.link.send(IntermediateTensors(*hidden))
+            return None
+        return hidden
 
+    def _follow_the_head(self, hidden: torch.Tensor, lay: StepLayout, plp_spans) -> None:
+        """A tensor-parallel rank other than 0: take part in the head's gather, then learn the ids."""
+        self.model.compute_logits(self._rows(hidden, lay.sample_rows))
+        ids = self.tp.broadcast_from_first(torch.empty(len(lay.sample_rows), dtype=torch.long, device=self.device))
+        for st, tok in zip(lay.sample_states, ids.tolist()):
+            st.output_ids.append(tok)
+        if plp_spans:
+            self._prompt_logprobs(hidden, plp_spans)
+
+    def _sample_and_accept(self, hidden: torch.Tensor, lay: StepLayout, specs):
+        """Sample the step's rows and append what each request accepts (drafts verified, grammar
+        advanced): (request ids, accepted ids per request, logprobs, drafts per request)."""
         req_ids: list[str] = []
         sampled_ids: list[list[int]] = []  # the tokens each row accepted (one without speculation)
         logprobs = num_drafts = None
-        if sample_rows and self.tp.rank > 0:  # take part in the head's gather, then learn the ids
-            self.model.compute_logits(self._rows(hidden, sample_rows))
-            ids = self.tp.broadcast_from_first(torch.empty(len(sample_rows), dtype=torch.long, device=dev))
-            for st, tok in zip(sample_states, ids.tolist()):
-                st.output_ids.append(tok)
-            if plp_spans:
-                self._prompt_logprobs(hidden, plp_spans)
-            self.execute_time_s += time.perf_counter() - t0
-            return None
+        sample_rows, sample_states, spec_rows = lay.sample_rows, lay.sample_states, lay.spec_rows
         if sample_rows and specs:
             out = self._sample(hidden, sample_rows, sample_states, draft_outputs(sample_states, specs, spec_rows),
                                {first: d for (_, d), (first, _) in zip(specs, spec_rows)})
@@ -341,7 +298,7 @@ class ModelRunner:
             out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
             sampled = out.sampled_token_ids
             if self.tp.size > 1:
-                self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=dev))
+                self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=self.device))
             for st, tok in zip(sample_states, sampled):
                 st.output_ids.append(tok)
                 req_ids.append(st.req_id)
@@ -352,14 +309,7 @@ class ModelRunner:
                 logprobs = [None if ids is None else [(ids, vals, rank)]
                             for ids, vals, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks)]
             sampled_ids = [[t] for t in sampled]
-        prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
-        if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
-            self.execute_time_s += time.perf_counter() - t0
-            return None
-        dt = time.perf_counter() - t0
-        self.execute_time_s += dt
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+        return req_ids, sampled_ids, logprobs, num_drafts
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[RunnerRequestState],
                 output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:

@@ -155,6 +155,31 @@ class SamplingMetadata:
         if not meta.all_greedy:
             meta._build_random(params, greedy, output_token_ids)
 
+        allowed_rows, allowed_ids, bias, ban, pen_rows = meta._collect_row_rules(
+            params, output_token_ids, bw_all, eos_token_ids)
+        (bias_r, bias_c, bias_v), (ban_r, ban_c) = bias, ban
+
+        def idx(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        if meta.logprob_rows and len(meta.logprob_rows) < B:
+            meta.logprob_rows_t = idx(meta.logprob_rows)
+        if allowed_rows:
+            meta.allowed_rows = idx(allowed_rows)
+            meta.allowed_ids = _padded(allowed_ids, device)
+        if bias_r:
+            meta.bias_index = (idx(bias_r), idx(bias_c))
+            meta.bias_values = torch.tensor(bias_v, dtype=torch.float32, device=device)
+        if ban_r:
+            meta.ban_index = (idx(ban_r), idx(ban_c))
+        meta._build_penalties(params, pen_rows, prompt_token_ids, output_token_ids, idx)
+        return meta
+
+    def _collect_row_rules(self, params: list[SamplingParams], output_token_ids: list[list[int]],
+                           bw_all, eos_token_ids: Sequence[int]):
+        """One pass over the rows: allowed ids, logit bias, banned ids (bad words, EOS before
+        min_tokens) and penalty rows, returned; logprob rows recorded on ``self``."""
+        V = self.vocab_size
         allowed_rows: list[int] = []
         allowed_ids: list[list[int]] = []
         bias_r: list[int] = []
@@ -195,29 +220,21 @@ class SamplingMetadata:
                     or p.frequency_penalty != 0.0):
                 pen_rows.append(i)
             if p.logprobs is not None:
-                meta.logprob_rows.append(i)
-                meta.logprob_ks.append(min(p.logprobs, V))
+                self.logprob_rows.append(i)
+                self.logprob_ks.append(min(p.logprobs, V))
+        return allowed_rows, allowed_ids, (bias_r, bias_c, bias_v), (ban_r, ban_c), pen_rows
 
-        def idx(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64, device=device)
-
-        if meta.logprob_rows and len(meta.logprob_rows) < B:
-            meta.logprob_rows_t = idx(meta.logprob_rows)
-        if allowed_rows:
-            meta.allowed_rows = idx(allowed_rows)
-            meta.allowed_ids = _padded(allowed_ids, device)
-        if bias_r:
-            meta.bias_index = (idx(bias_r), idx(bias_c))
-            meta.bias_values = torch.tensor(bias_v, dtype=torch.float32, device=device)
-        if ban_r:
-            meta.ban_index = (idx(ban_r), idx(ban_c))
+    def _build_penalties(self, params: list[SamplingParams], pen_rows: list[int], prompt_token_ids,
+                         output_token_ids, idx) -> None:
+        """The repetition, presence and frequency penalties' index and value tensors."""
+        V, device = self.vocab_size, self.device
         rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0
                     and (prompt_token_ids[i] or output_token_ids[i])]
         if rep_rows:
-            meta.rep_rows = idx(rep_rows).unsqueeze(1)
-            meta.rep_ids = _padded([[t for t in (*prompt_token_ids[i], *output_token_ids[i])
+            self.rep_rows = idx(rep_rows).unsqueeze(1)
+            self.rep_ids = _padded([[t for t in (*prompt_token_ids[i], *output_token_ids[i])
                                      if 0 <= t < V] for i in rep_rows], device)
-            meta.repetition_penalty = torch.tensor(
+            self.repetition_penalty = torch.tensor(
                 [[params[i].repetition_penalty] for i in rep_rows], dtype=torch.float32,
                 device=device)
         fp_rows = [i for i in pen_rows if output_token_ids[i] and (
@@ -225,15 +242,14 @@ class SamplingMetadata:
         if fp_rows:
             outs = [[t for t in output_token_ids[i] if 0 <= t < V] for i in fp_rows]
             width = max(1, max(len(o) for o in outs))
-            meta.fp_rows = idx(fp_rows).unsqueeze(1)
-            meta.fp_ids = _padded(outs, device, width)
-            meta.presence_penalty = torch.tensor(
+            self.fp_rows = idx(fp_rows).unsqueeze(1)
+            self.fp_ids = _padded(outs, device, width)
+            self.presence_penalty = torch.tensor(
                 [[params[i].presence_penalty] for i in fp_rows], dtype=torch.float32,
                 device=device)
-            meta.frequency_src = torch.tensor(
+            self.frequency_src = torch.tensor(
                 [[-params[i].frequency_penalty] * len(o) + [0.0] * (width - len(o))
                  for i, o in zip(fp_rows, outs)], dtype=torch.float32, device=device)
-        return meta
 
     def _build_random(self, params: list[SamplingParams], greedy: list[bool],
                       output_token_ids: list[list[int]]) -> None:

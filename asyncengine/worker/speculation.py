@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.config.speculative import SpeculativeConfig
 from asyncengine.spec_decode.proposer import Proposer
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import LogprobsLists

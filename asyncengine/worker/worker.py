@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def _available_memory(device: torch.device) -> int | None:
     """Memory this rank could give the KV cache: the one measure (core/kv_sizing.py)."""
-    from asyncengine.core.kv_sizing import available_memory_bytes
+    from asyncengine.contracts.kv_sizing import available_memory_bytes
 
     return available_memory_bytes(device)
 

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from asyncengine.engine.validation import RequestLimits
+from asyncengine.config.request_limits import RequestLimits
 from asyncengine.errors import InvalidRequestError
-from asyncengine.engine.request_stream import RequestStream
+from asyncengine.engine.protocol import OutputStream
 from asyncengine.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -67,7 +67,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         raise from_engine(e, None) from None
 
 
-def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> RequestStream:
+def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> OutputStream:
     """One prompt's ``n`` samples as one engine stream (engine-native n: the samples share the
     prompt's KV blocks; sample i is seeded ``seed + i`` when a seed is given)."""
     if n != params.n:
@@ -79,7 +79,7 @@ class Submission:
     """Every choice of one API request: one engine stream per prompt, each carrying ``n`` samples.
     ``len()`` is the number of choices (choice index = prompt index * n + sample index)."""
 
-    def __init__(self, streams: Sequence[RequestStream], n: int) -> None:
+    def __init__(self, streams: Sequence[OutputStream], n: int) -> None:
         self.streams = list(streams)
         self.n = n
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.engine.validation import RequestLimitError
+from asyncengine.config.request_limits import RequestLimitError
 from asyncengine.errors import InvalidRequestError
 from asyncengine.structured import StructuredOutputsParams
 

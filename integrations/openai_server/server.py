@@ -35,12 +35,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
-    if config.prefill_cores:  # disaggregated prefill/decode: the same front-end API over P + D cores
-        from asyncengine.engine.pd_client import PDEngine
-
-        engine = PDEngine(config)
-    else:
-        engine = AsyncLLMEngine(config)
+    engine = AsyncLLMEngine.from_config(config)  # a PDEngine for prefill_cores/decode_cores
     server: uvicorn.Server | None = None
 
     def stop() -> None:

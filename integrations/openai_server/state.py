@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.engine import validation
+from asyncengine.config import request_limits
 from asyncengine.errors import AsyncEngineError, InvalidRequestError
 
 from . import chat_render
@@ -46,11 +46,11 @@ async def _drain(stream, budget: int) -> None:
 _CLOSE = {"connection": "close"}  # an oversized body is not read on past the drain: end the connection
 
 
-def decode_checked(body: bytes, typ: type, limits: validation.RequestLimits):
+def decode_checked(body: bytes, typ: type, limits: request_limits.RequestLimits):
     """JSON bytes -> a validated ``typ``, its nesting checked before it is decoded."""
     try:
-        validation.check_json_depth(body, limits)
-    except validation.RequestLimitError as e:
+        request_limits.check_json_depth(body, limits)
+    except request_limits.RequestLimitError as e:
         raise APIError(400, str(e), param="body", code="limit_exceeded") from None
     return decode(body, typ)
 
@@ -77,7 +77,7 @@ class ServerState:
         self.chat_config = chat_config or chat_render.ChatConfig()
         self.model_name = served_model_name
         self.policy = policy
-        self.limits: validation.RequestLimits = engine.limits
+        self.limits: request_limits.RequestLimits = engine.limits
         self.metrics = ServerMetrics(engine)
         self.token_bytes = TokenBytes(engine.tokenizer)
         self.web_chat_dir = web_chat_dir
@@ -126,8 +126,8 @@ class ServerState:
         if length is not None:
             try:
                 declared = int(length)
-                validation.check_body_size(declared, limits)
-            except validation.RequestLimitError as e:
+                request_limits.check_body_size(declared, limits)
+            except request_limits.RequestLimitError as e:
                 if declared > DRAIN_FACTOR * cap:
                     raise APIError(413, str(e), param="body", code="request_too_large", headers=_CLOSE) from None
                 await _drain(request.stream(), DRAIN_FACTOR * cap)
@@ -208,7 +208,7 @@ class ServerState:
         if tools is None:
             try:
                 raw = with_tools_prompt(openai_history(raw), tools_text)
-            except validation.RequestLimitError as e:
+            except request_limits.RequestLimitError as e:
                 raise APIError(400, str(e), param=e.param) from None
         msgs = chat_render.checked_messages(raw, self.limits, self.max_model_len)
         ids = await asyncio.to_thread(chat_render.render, tok, msgs, tools, template_kwargs or {})

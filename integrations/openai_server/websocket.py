@@ -38,7 +38,7 @@ import uuid
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from asyncengine.engine import validation
+from asyncengine.config import request_limits
 from asyncengine.errors import AsyncEngineError
 
 from . import guided
@@ -83,12 +83,12 @@ class _Connection:
         limits = self.st.limits
         data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         try:
-            validation.check_body_size(len(data), limits)
+            request_limits.check_body_size(len(data), limits)
             if len(data) > 256 * 1024:  # megabytes: scanned off the event loop
-                await asyncio.to_thread(validation.check_json_depth, data, limits)
+                await asyncio.to_thread(request_limits.check_json_depth, data, limits)
             else:
-                validation.check_json_depth(data, limits)
-        except validation.RequestLimitError as e:
+                request_limits.check_json_depth(data, limits)
+        except request_limits.RequestLimitError as e:
             return await self.send_error(None, APIError(400, str(e), param="frame", code="limit_exceeded"))
         try:
             obj = msgspec.json.decode(data)

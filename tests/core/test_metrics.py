@@ -17,7 +17,7 @@ import types
 import pytest
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 import asyncengine.core.scheduler as scheduler_module
 from asyncengine.core.request import Request
 

@@ -27,7 +27,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import asyncengine.core.kv_cache_manager as kvm
 from asyncengine.core.block_pool import BlockPool, hash_block
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
 from sched_oracle import Driver, make_req, new_sched

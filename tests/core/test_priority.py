@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.core.request_queue import PriorityQueue
 import model_utils

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request, RequestStatus
-from asyncengine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
 from sched_oracle import check_accounting, check_no_running_request_skipped  # shared checks

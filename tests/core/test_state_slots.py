@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from asyncengine import EngineConfig, SamplingParams
 from asyncengine.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from asyncengine.core.kv_sizing import plan_kv_blocks
+from asyncengine.contracts.kv_sizing import plan_kv_blocks
 from asyncengine.core.request import Request
 from asyncengine.core.state_slots import StateSlotPool
 from asyncengine.errors import ConfigError

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from asyncengine import LLM, AsyncLLMEngine, EngineConfig, InvalidRequestError, OutputKind, SamplingParams
-from asyncengine.core.sched_output import EngineCoreOutput
+from asyncengine.contracts.sched_output import EngineCoreOutput
 from asyncengine.engine.output_processor import OutputProcessor
 from model_utils import check_entry, ref_logprobs
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from model_utils import compare
 from proc_utils import descendants
 

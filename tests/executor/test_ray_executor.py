@@ -177,7 +177,7 @@ def test_engine_stops_the_ray_cluster_it_started(tiny_llama_dir, tmp_path):
 
 def test_clear_error_without_ray(tiny_llama_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
     with pytest.raises(ConfigError, match=r"pip install 'asyncengine\[ray\]'"):
         EngineCore(EngineConfig(model=tiny_llama_dir, dtype="float32", tensor_parallel_size=2,

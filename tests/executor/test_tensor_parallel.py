@@ -14,7 +14,7 @@ import random
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from model_utils import compare
 
 HANG_GUARD_S = 180.0  # a guard against hangs only

@@ -20,7 +20,7 @@ pytest.importorskip("xgrammar")
 
 from live_server import HANG_GUARD_S, MODEL, LiveServer, make_engine  # noqa: E402
 
-from asyncengine.structured.limits import GrammarLimits  # noqa: E402
+from asyncengine.config.grammar_limits import GrammarLimits  # noqa: E402
 
 # the repetition limit is raised so that the 50,000-bound pattern reaches the compiler and is
 # stopped by the budget (xgrammar needs minutes for it); everything else meets the default limits

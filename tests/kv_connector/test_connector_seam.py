@@ -4,9 +4,9 @@ under a lease are freed when the connector reports the transfer done, when the l
 from __future__ import annotations
 
 from asyncengine.core.request import RequestStatus
-from asyncengine.core.sched_output import ModelRunnerOutput
+from asyncengine.contracts.sched_output import ModelRunnerOutput
 from asyncengine.kv_connector.base import SchedulerConnector
-from asyncengine.kv_connector.messages import KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorOutput
 from sched_oracle import KVOracleRunner, make_req, new_sched
 
 import pytest

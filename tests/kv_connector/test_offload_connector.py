@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.offload.disk_store import HEADER_SIZE, DiskStore

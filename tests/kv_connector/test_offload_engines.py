@@ -9,7 +9,7 @@ import random
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from asyncengine.core.request import Request
 
 HANG_GUARD_S = 120.0  # only a guard against a hang, never what a test checks

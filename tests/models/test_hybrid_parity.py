@@ -228,7 +228,7 @@ def test_speculative_decoding_is_refused(tiny_model_dir):
 
 
 def test_tensor_parallel_is_refused_before_workers_start(tiny_model_dir):
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
         EngineCore(EngineConfig(model=tiny_model_dir("nemotron_h"), dtype="float32", tensor_parallel_size=2))

@@ -122,7 +122,7 @@ def test_refuses_heads_that_do_not_split(tiny_model_dir):
         attention_shard(8, 3, TPGroup(rank=0, size=2))
     assert attention_shard(4, 1, TPGroup(rank=1, size=2)).num_kv_heads == 1  # MQA: replicated
     # SmolLM2's shape (9 query heads, 3 KV heads): refused before any worker process starts
-    from asyncengine.engine.core import EngineCore
+    from asyncengine.engine_core.core import EngineCore
 
     d = tiny_model_dir("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3)
     with pytest.raises(ConfigError, match="does not divide the model's 9 query heads"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core import EngineCore
+from asyncengine.engine_core.core import EngineCore
 from asyncengine.core.request import Request
 from asyncengine.errors import ConfigError
 from asyncengine.sampling_params import SamplingParams

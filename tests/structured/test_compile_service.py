@@ -18,7 +18,7 @@ from asyncengine.structured import StructuredOutputsParams as SO  # noqa: E402
 from asyncengine.structured.backend import compiler_for  # noqa: E402
 from asyncengine.structured.cache import CompiledEntry, GrammarCache  # noqa: E402
 from asyncengine.structured.compile_service import CompileService  # noqa: E402
-from asyncengine.structured.limits import GrammarLimitError, GrammarLimits  # noqa: E402
+from asyncengine.config.grammar_limits import GrammarLimitError, GrammarLimits  # noqa: E402
 
 # a 199-byte schema that xgrammar needs minutes for (2.4 s at {1,5000}; issue 27), let through
 # the upfront checks by raising max_regex_repetition so that the budget is what stops it. (Not

@@ -80,8 +80,8 @@ def test_device_auto(monkeypatch):
 def test_kv_blocks_from_the_profiled_budget():
     """The core sizes the cache from the CUDA budget when a rank measured one (not the CPU default,
     not capped by the memory-fraction rule), still bounded by what max_num_seqs full requests use."""
-    from asyncengine.core.kv_cache_spec import KVCacheSpec
-    from asyncengine.engine.core import num_kv_blocks_for
+    from asyncengine.contracts.kv_cache_spec import KVCacheSpec
+    from asyncengine.engine_core.core import num_kv_blocks_for
 
     cfg = EngineConfig(device="cpu", max_num_seqs=4, block_size=16)
     spec = KVCacheSpec(block_size=16, bytes_per_block=1 << 20, available_bytes=100 << 20, kv_budget_bytes=50 << 20)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.executor.abstract import Executor
 
 

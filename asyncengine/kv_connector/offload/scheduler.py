@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING
 
 from asyncengine.kv_connector.base import SchedulerConnector
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput, StageJob
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput, StageJob
 from asyncengine.kv_connector.offload.disk_store import DiskStore
 from asyncengine.kv_connector.offload.host_index import HostIndex
 

@@ -21,7 +21,7 @@ import weakref
 from collections import Counter
 
 from asyncengine.kv_connector.base import WorkerConnector
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput, StageJob, StageResult
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput, StageJob, StageResult
 from asyncengine.kv_connector.offload.disk_store import BadBlockFile, DiskStore, is_out_of_space
 from asyncengine.kv_connector.offload.host_pool import HostPool
 

@@ -25,7 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from asyncengine.kv_connector.base import SchedulerConnector
-from asyncengine.kv_connector.messages import ExportJob, ImportJob, KVConnectorMetadata
+from asyncengine.contracts.connector_messages import ExportJob, ImportJob, KVConnectorMetadata
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.tcp_server import BadTransfer
 

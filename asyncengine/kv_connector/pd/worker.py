@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from asyncengine.kv_connector.base import WorkerConnector
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
 from asyncengine.kv_connector.offload.host_pool import HostPool
 from asyncengine.kv_connector.pd import transfer_file as tf
 

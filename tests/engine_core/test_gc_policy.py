@@ -1,4 +1,4 @@
-"""The cycle collector is paused while an engine loads (engine/gc_policy.py): a full collection
+"""The cycle collector is paused while an engine loads (engine_core/gc_policy.py): a full collection
 walks torch's ~1M objects, and a load used to trigger three of them (~0.2 s of a one-line chat)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from asyncengine.engine import gc_policy
+from asyncengine.engine_core import gc_policy
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,7 @@ def test_paused_across_threads_resumes_once_both_are_done():
 @pytest.mark.parametrize("freeze", [True, False])
 def test_engine_loads_with_the_collector_paused(tiny_llama_dir, monkeypatch, freeze):
     from asyncengine import AsyncLLMEngine, EngineConfig
-    from asyncengine.engine import core as engine_core
+    from asyncengine.engine_core import core as engine_core
 
     seen = []
     real = engine_core.EngineCore.__init__

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from asyncengine.errors import ConfigError, InvalidRequestError
-from asyncengine.structured.limits import GrammarLimitError, GrammarLimits, check_pattern, check_upfront
+from asyncengine.config.grammar_limits import GrammarLimitError, GrammarLimits, check_pattern, check_upfront
 
 L = GrammarLimits()
 
@@ -100,5 +100,5 @@ def test_deep_schema_walk_does_not_recurse():
         node["items"] = {}
         node = node["items"]
     with pytest.raises(GrammarLimitError):
-        from asyncengine.structured.limits import check_schema
+        from asyncengine.config.grammar_limits import check_schema
         check_schema(deep, L)

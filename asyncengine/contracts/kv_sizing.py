@@ -68,7 +68,7 @@ def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: 
     rank, its share of the KV heads) and the memory available (on the rank with the least; None if
     unknown). ``budget_bytes``: a measured budget that replaces the memory-fraction cap (CUDA: what
     ``gpu_memory_utilization`` leaves after a profiling run). The engine core applies this to the
-    :class:`~asyncengine.core.kv_cache_spec.KVCacheSpec` its workers report.
+    :class:`~asyncengine.contracts.kv_cache_spec.KVCacheSpec` its workers report.
 
     ``state_bytes``: memory the hybrid models' state slots take out of the same budget first (all
     ``max_num_seqs`` slots of every Mamba layer); blocks get the rest. With no attention layers

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from asyncengine.attention.backend import AttentionBackend
-from asyncengine.attention.registry import (BACKEND_CHOICES, BACKENDS, AttentionBackendName, backend_info,
+from asyncengine.config.attention import (BACKEND_CHOICES, BACKENDS, AttentionBackendName, backend_info,
                                             check_backend_name)
 from asyncengine.attention.selector import get_backend
 from asyncengine.cli.args import build_parser

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncengine import EngineConfig, LLM, SamplingParams
-from asyncengine.core.kv_sizing import KVModelShape, bytes_per_block, plan_kv_cache
+from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block, plan_kv_cache
 from asyncengine.errors import ConfigError
 from asyncengine.attention.kv_cache import kv_cache_zeros
 

@@ -20,10 +20,10 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
 from asyncengine.core.kv_cache_manager import KVCacheManager
-from asyncengine.core.kv_sizing import plan_kv_blocks
-from asyncengine.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.kv_sizing import plan_kv_blocks
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
-from asyncengine.core.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from asyncengine.contracts.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class

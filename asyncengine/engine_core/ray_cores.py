@@ -21,7 +21,7 @@ import os
 import time
 
 from asyncengine.config import EngineConfig
-from asyncengine.engine.core_proc import EngineCoreProc, engine_core_main
+from asyncengine.engine_core.core_proc import EngineCoreProc, engine_core_main
 from asyncengine.errors import EngineDeadError
 from asyncengine.executor.ray_executor import acquire_ray, release_ray
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncengine.kv_connector.messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
 from asyncengine.sampling_params import SamplingParams
 
 

@@ -13,14 +13,14 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
-from asyncengine.attention.registry import AttentionBackendName, backend_info, check_backend_name
+from asyncengine.config.attention import AttentionBackendName, backend_info, check_backend_name
 from asyncengine.errors import ConfigError
-from asyncengine.request_limits import RequestLimits
+from asyncengine.config.request_limits import RequestLimits
 
 if TYPE_CHECKING:
     import torch
 
-    from asyncengine.structured.limits import GrammarLimits
+    from asyncengine.config.grammar_limits import GrammarLimits
 
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
@@ -124,13 +124,13 @@ class EngineConfig:
     # loaded, so that full collections no longer walk the objects of torch/transformers/the
     # tokenizer (one stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive
     # at that point are then never cycle-collected: turn it off if your app creates the engine late
-    # and cares (engine/gc_policy.py).
+    # and cares (engine_core/gc_policy.py).
     freeze_gc_after_load: bool = True
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
-    # asyncengine/request_limits.py; None = RequestLimits()'s documented defaults
+    # asyncengine/config/request_limits.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
     # what one structured output may cost (compile time, schema size, enum values, repetition
-    # bounds, the compiled-grammar cache's bytes): asyncengine/structured/limits.py; None =
+    # bounds, the compiled-grammar cache's bytes): asyncengine/config/grammar_limits.py; None =
     # GrammarLimits()'s documented defaults
     grammar_limits: "GrammarLimits | None" = None
     # distribution (vLLM's names). The executor runs the model: "uni" = one worker thread in this
@@ -250,7 +250,7 @@ class EngineConfig:
         if self.limits is None:
             self.limits = RequestLimits()
         if self.grammar_limits is None:
-            from asyncengine.structured.limits import GrammarLimits
+            from asyncengine.config.grammar_limits import GrammarLimits
 
             self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
@@ -271,7 +271,7 @@ class EngineConfig:
             raise ConfigError("distributed_timeout_s must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from asyncengine.spec_decode.config import SpeculativeConfig
+        from asyncengine.config.speculative import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative is not None and self.world_size > 1:
@@ -389,7 +389,7 @@ class EngineConfig:
 
     @functools.cached_property
     def attention_backend_name(self) -> str:
-        from asyncengine.attention.registry import resolve_backend_name
+        from asyncengine.config.attention import resolve_backend_name
 
         return resolve_backend_name(self.attention_backend, self.torch_device)
 

@@ -1,7 +1,7 @@
 """An engine core in its own process: the wire messages, the process's main loop, and the handle
 the front end's client holds for it.
 
-The process runs an :class:`~asyncengine.engine.core.EngineCore` and its step pipeline (the same
+The process runs an :class:`~asyncengine.engine_core.core.EngineCore` and its step pipeline (the same
 in-flight batch queue every driver runs) and exchanges msgspec messages with the front end over a
 pipe (or, for a Ray actor, a socket): requests and aborts in, each finished batch's
 ``EngineCoreOutputs`` (with the core's load) out.
@@ -26,8 +26,8 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
-from asyncengine.core.sched_output import EngineCoreOutputs
-from asyncengine.engine import gc_policy
+from asyncengine.contracts.sched_output import EngineCoreOutputs
+from asyncengine.engine_core import gc_policy
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.models.model_info import ModelInfo
 from asyncengine.sampling_params import SamplingParams
@@ -162,7 +162,7 @@ def _load_core(config: EngineConfig, conn):
     """Import the engine (torch) at once, then wait for ``StartCore`` (the model info the front end
     read meanwhile) and load. Exits quietly if the front end gives up first."""
     with gc_policy.paused(config.freeze_gc_after_load):
-        from asyncengine.engine.core import EngineCore  # torch and the model code: the long part
+        from asyncengine.engine_core.core import EngineCore  # torch and the model code: the long part
 
         try:
             start = _to_core.decode(conn.recv_bytes())

@@ -1,0 +1,122 @@
+"""EngineClient: what a caller of an engine may use, and nothing else (as vLLM's EngineClient).
+
+The OpenAI server, the LangChain and LlamaIndex adapters, the anyio bridge and the CLI talk to this
+interface; ``AsyncLLMEngine`` (one core: in this process, in its own, data-parallel cores, Ray
+actors) and ``PDEngine`` (prefill and decode cores) implement it, and
+``AsyncLLMEngine.from_config`` returns the one a config asks for. What is the same for all of them
+is written here once (``complete``, ``async with``); tests/package/test_engine_client.py checks that
+every front end implements the rest with the same parameters."""
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from asyncengine.config import EngineConfig
+from asyncengine.config.request_limits import RequestLimits
+from asyncengine.engine.prompt_intake import check_params
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import OutputKind, SamplingParams
+
+# what generate() returns: the request's outputs as they come (closing it early aborts the request)
+OutputStream = AsyncIterator[RequestOutput]
+
+
+class EngineClient(ABC):
+    # plain attributes or properties, as each front end prefers
+    config: EngineConfig
+    tokenizer: Any  # the model's tokenizer (a tokenizers.Tokenizer or a transformers one)
+    limits: RequestLimits  # what one request may cost (the server checks bodies against it)
+    default_sampling_params: SamplingParams  # the checkpoint's generation config, else ours
+
+    # ------------------------------------------------------------------ the model's facts
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def kernels(self) -> str:
+        """What runs the model, for the ready line."""
+
+    # ------------------------------------------------------------------ health
+
+    @property
+    @abstractmethod
+    def errored(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def is_closing(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine runs on (other threads reach it through this loop)."""
+
+    @abstractmethod
+    def cores_alive(self) -> tuple[int, int]:
+        """(engine cores alive, engine cores)."""
+
+    @abstractmethod
+    def stats(self) -> dict: ...
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self, drain: bool = True) -> None: ...
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown(drain=False)
+
+    # ------------------------------------------------------------------ requests
+
+    @abstractmethod
+    def check_sampling_params(self, params: SamplingParams) -> SamplingParams: ...
+
+    @abstractmethod
+    async def check_structured_outputs(self, params: SamplingParams) -> SamplingParams: ...
+
+    @abstractmethod
+    async def encode(self, prompt) -> tuple[str | None, list[int]]: ...
+
+    @abstractmethod
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None) -> OutputStream: ...
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    async def complete(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, **kw) -> RequestOutput:
+        """Run one request to the end and return its final output."""
+        params = msgspec.structs.replace(check_params(sampling_params or self.default_sampling_params),
+                                         output_kind=OutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.generate(prompt, params, request_id, **kw):
+            final = out
+        return final
