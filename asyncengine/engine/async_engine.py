@@ -65,6 +65,7 @@ class AsyncLLMEngine:
         self.router = StreamRouter(self.output_processor, self.admission, self.client)
         self._busy_loop = BusyLoop(self.client, self.router)  # new requests and aborts wait in it
         self._compiling: dict[str, asyncio.Future] = {}  # request id -> its grammar's compile
+        self._control_lock = asyncio.Lock()  # weight updates, sleep/wake: one at a time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._closed = False
@@ -353,6 +354,33 @@ class AsyncLLMEngine:
                 compiling.cancel()
             if self._busy_loop.wake is not None:
                 self._busy_loop.wake.set()
+
+    # ------------------------------------------------------------------ a trainer's controls
+
+    @property
+    def weights_version(self) -> int:
+        """0 as loaded, +1 per update_weights; every RequestOutput carries the version of its tokens."""
+        return self.client.weights_version
+
+    async def update_weights(self, weights, *, partial: bool = False) -> int:
+        """Replace the model's weights in place, on every rank and core: ``weights`` is a state_dict,
+        (name, tensor) pairs in the checkpoint's naming (a trainer's HF ``named_parameters()``) or
+        a safetensors checkpoint path the engine reads. Every name, shape and dtype is checked on
+        every rank before anything changes: a bad update raises WeightUpdateError and the old
+        weights go on serving. ``partial``: only the given tensors change (else every one must be
+        there). The prefix cache is reset; requests running now go on, their later tokens on the
+        new weights (``pause_generation`` first to control that). Returns the new weights_version."""
+        from asyncengine.engine import weight_sync
+
+        self._bind_loop()
+        update = weight_sync.normalize(weights, partial)
+        async with self._control_lock:  # one update at a time
+            return await self.client.update_weights(update)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (new requests recompute theirs)."""
+        self._bind_loop()
+        await self.client.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection
 

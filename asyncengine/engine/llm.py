@@ -100,6 +100,22 @@ class LLM:
             made.append((req, text))
         return self._run(made, use_tqdm)
 
+    # ------------------------------------------------------------------ a trainer's controls
+
+    @property
+    def weights_version(self) -> int:
+        """0 as loaded, +1 per update_weights; every RequestOutput carries the version of its tokens."""
+        return self.engine.weights_version
+
+    def update_weights(self, weights, *, partial: bool = False) -> int:
+        """Replace the weights in place (AsyncLLMEngine.update_weights: a state_dict, (name,
+        tensor) pairs or a safetensors path; all checked before anything changes; the prefix cache
+        reset); returns the new weights_version."""
+        return self.engine.update_weights(weights, partial)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template; one conversation or a list of them."""
@@ -127,7 +143,7 @@ class LLM:
                 core_outs = batch.outputs if batch is not None else []
                 if batch is not None:
                     outp.record_started(batch.started)
-                processed = outp.process(core_outs)
+                processed = outp.process(core_outs, batch.weights_version if batch is not None else 0)
                 if processed.to_abort:
                     engine.abort_requests(processed.to_abort)
                 if processed.failed:  # a request's output handling raised: the call fails with it

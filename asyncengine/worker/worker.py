@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from asyncengine.worker.weight_update import StageResult
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +236,34 @@ class Worker:
         """Where this rank serves its P/D transfers (``host:port`` as bound; None: nowhere)."""
         conn = self.runner.kv_connector if self.runner is not None else None
         return conn.serving_address() if conn is not None else None
+
+    # ------------------------------------------------------------------ weight updates (two-phase)
+
+    def stage_weight_update(self, update) -> "StageResult":
+        """Check ``update`` (worker/weight_update.py) against this rank's model and keep it for
+        :meth:`commit_weight_update`; nothing changes yet. Problems come back in the result (every
+        rank answers, so the core can refuse the update on all of them)."""
+        from asyncengine.worker import weight_update as wu
+
+        self._staged = None
+        try:
+            staged = wu.stage(self.model, update, self.tp.size)
+        except ValueError as e:
+            return wu.StageResult(rank=self.rank, num_tensors=0, error=str(e))
+        self._staged = staged
+        return wu.StageResult(rank=self.rank, num_tensors=len(staged.entries), unclaimed=staged.unclaimed)
+
+    def commit_weight_update(self) -> int:
+        """Apply the staged update (every rank staged it cleanly); returns how many tensors."""
+        from asyncengine.worker import weight_update as wu
+
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is None:
+            raise RuntimeError("commit_weight_update without a staged update")
+        return wu.apply(self.model, staged)
+
+    def discard_weight_update(self) -> None:
+        self._staged = None
 
     def reset_requests(self) -> None:
         """Forget every request's state (the core abandoned them all)."""

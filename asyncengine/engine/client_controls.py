@@ -1,0 +1,51 @@
+"""A trainer's controls on the engine core(s), as each core client implements them: weight
+updates (engine/weight_sync.py: staged on every rank of every core, then committed on all) and
+prefix-cache resets. Mixed into the clients of engine/core_client.py.
+
+In-process, the ranks check an update on a worker thread (the event loop stays free, steps go on)
+and the commit is queued from the loop that schedules the core, so no batch is scheduled between
+the version's bump and the commit; with cores in their own processes each core does the same in
+its loop when the front end's control calls reach it (engine/core_control.py).
+"""
+from __future__ import annotations
+
+import asyncio
+
+
+class InprocControls:
+    """For ``InprocClient``: ``self.core`` is the EngineCore in this process."""
+
+    @property
+    def weights_version(self) -> int:
+        return self.core.weights_version
+
+    async def update_weights(self, update) -> int:
+        from asyncengine.engine import weight_sync
+
+        await asyncio.to_thread(weight_sync.stage, self.core, update)  # the ranks check it, off the loop
+        fut = weight_sync.commit(self.core)  # from the loop that schedules: no batch slips in between
+        await asyncio.shield(asyncio.wrap_future(fut))  # never cancelled once queued
+        return self.core.weights_version
+
+    async def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
+
+class MPControls:
+    """For ``MPClient``: ``self.clients`` are EngineCoreProc handles, ``self.health`` says which live."""
+
+    weights_version: int = 0
+
+    def live_cores(self) -> list:
+        return [c for i, c in enumerate(self.clients) if self.health.is_alive(i)]
+
+    async def update_weights(self, update) -> int:
+        from asyncengine.engine.core_control import update_all
+
+        self.weights_version = await update_all(self.live_cores(), update)
+        return self.weights_version
+
+    async def reset_prefix_cache(self) -> None:
+        from asyncengine.engine.core_control import call_all
+
+        await call_all(self.live_cores(), "reset_prefix_cache")
