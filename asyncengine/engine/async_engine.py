@@ -30,6 +30,7 @@ from asyncengine.engine.processor import InputProcessor
 from asyncengine.engine.prompt_intake import PromptIntake, check_params
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
 from asyncengine.engine.stream_router import StreamRouter
+from asyncengine.engine.trainer_api import TrainerControls
 from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.outputs import RequestOutput
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from asyncengine.engine.core import EngineCore
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(TrainerControls):  # update_weights, pause, sleep: engine/trainer_api.py
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         with gc_policy.paused(config.freeze_gc_after_load):  # engine/gc_policy.py: ~0.2 s of a start
             self._init(config, core)
@@ -354,33 +355,6 @@ class AsyncLLMEngine:
                 compiling.cancel()
             if self._busy_loop.wake is not None:
                 self._busy_loop.wake.set()
-
-    # ------------------------------------------------------------------ a trainer's controls
-
-    @property
-    def weights_version(self) -> int:
-        """0 as loaded, +1 per update_weights; every RequestOutput carries the version of its tokens."""
-        return self.client.weights_version
-
-    async def update_weights(self, weights, *, partial: bool = False) -> int:
-        """Replace the model's weights in place, on every rank and core: ``weights`` is a state_dict,
-        (name, tensor) pairs in the checkpoint's naming (a trainer's HF ``named_parameters()``) or
-        a safetensors checkpoint path the engine reads. Every name, shape and dtype is checked on
-        every rank before anything changes: a bad update raises WeightUpdateError and the old
-        weights go on serving. ``partial``: only the given tensors change (else every one must be
-        there). The prefix cache is reset; requests running now go on, their later tokens on the
-        new weights (``pause_generation`` first to control that). Returns the new weights_version."""
-        from asyncengine.engine import weight_sync
-
-        self._bind_loop()
-        update = weight_sync.normalize(weights, partial)
-        async with self._control_lock:  # one update at a time
-            return await self.client.update_weights(update)
-
-    async def reset_prefix_cache(self) -> None:
-        """Forget every cached prompt prefix (new requests recompute theirs)."""
-        self._bind_loop()
-        await self.client.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection
 

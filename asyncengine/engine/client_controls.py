@@ -1,6 +1,6 @@
 """A trainer's controls on the engine core(s), as each core client implements them: weight
-updates (engine/weight_sync.py: staged on every rank of every core, then committed on all) and
-prefix-cache resets. Mixed into the clients of engine/core_client.py.
+updates (engine/weight_sync.py: staged on every rank of every core, then committed on all),
+prefix-cache resets and the scheduling pause of ``pause_generation("keep")``. Mixed into the clients of engine/core_client.py.
 
 In-process, the ranks check an update on a worker thread (the event loop stays free, steps go on)
 and the commit is queued from the loop that schedules the core, so no batch is scheduled between
@@ -30,6 +30,16 @@ class InprocControls:
     async def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
 
+    async def pause_scheduling(self) -> None:
+        """Schedule nothing new (the requests keep their KV); returns once the batches in flight
+        are done (the busy loop routes their outputs)."""
+        self.core.scheduling_paused = True
+        while self.core.oldest_batch() is not None:
+            await asyncio.sleep(0.002)
+
+    async def resume_scheduling(self) -> None:
+        self.core.scheduling_paused = False
+
 
 class MPControls:
     """For ``MPClient``: ``self.clients`` are EngineCoreProc handles, ``self.health`` says which live."""
@@ -46,6 +56,15 @@ class MPControls:
         return self.weights_version
 
     async def reset_prefix_cache(self) -> None:
+        await self._call_all("reset_prefix_cache")
+
+    async def pause_scheduling(self) -> None:
+        await self._call_all("pause_scheduling")  # each core answers once its batches in flight are sent
+
+    async def resume_scheduling(self) -> None:
+        await self._call_all("resume_scheduling")
+
+    async def _call_all(self, method: str, *args) -> list:
         from asyncengine.engine.core_control import call_all
 
-        await call_all(self.live_cores(), "reset_prefix_cache")
+        return await call_all(self.live_cores(), method, *args)

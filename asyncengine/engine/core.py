@@ -99,6 +99,8 @@ class EngineCore:
         # bumped by every weight update (engine/weight_sync.py); each batch's outputs carry the
         # version their step ran on (the update's control call is queued behind earlier steps)
         self.weights_version = 0
+        # pause_generation("keep"): nothing new is scheduled, the requests keep their KV blocks
+        self.scheduling_paused = False
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
@@ -189,7 +191,7 @@ class EngineCore:
         in flight or nothing more can be scheduled. An empty schedule that only ends requests is
         still sent (the runner drops their state) but ends the filling."""
         depth = self.batch_queue_size if depth is None else depth
-        while len(self._batches) < depth and self.scheduler.has_unfinished():
+        while len(self._batches) < depth and self.scheduler.has_unfinished() and not self.scheduling_paused:
             so = self.schedule()
             if so.is_empty and not so.finished_req_ids:
                 return

@@ -58,6 +58,9 @@ METHODS = {
     "discard_weights": _discard,
     "reset_prefix_cache": lambda core: core.reset_prefix_cache(),
     "weights_version": lambda core: core.weights_version,
+    # the core process sends the batches still in flight before it answers (engine/core_proc.py)
+    "pause_scheduling": lambda core: setattr(core, "scheduling_paused", True),
+    "resume_scheduling": lambda core: setattr(core, "scheduling_paused", False),
 }
 
 _ERRORS = {"WeightUpdateError": WeightUpdateError}

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Callable, Union
 
 import msgspec
@@ -216,7 +216,11 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
                 elif isinstance(msg, AbortAll):
                     core.abort_all()
                 elif isinstance(msg, Control):  # a trainer's call (engine/core_control.py)
-                    send(run_control(core, msg))
+                    result = run_control(core, msg)
+                    while msg.method == "pause_scheduling" and core.oldest_batch() is not None:
+                        wait([core.oldest_batch()])
+                        send(core.finish_oldest_batch(refill=False))
+                    send(result)
                 else:
                     core.shutdown()
                     conn.close()

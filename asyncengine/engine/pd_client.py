@@ -310,6 +310,37 @@ class PDEngine:
         if stream is not None:
             await stream.abort()
 
+    # ------------------------------------------------------------------ a trainer's controls
+    # (AsyncLLMEngine's, engine/trainer_api.py, over every prefill and decode core at once)
+
+    @property
+    def weights_version(self) -> int:
+        return self.decode[0].weights_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.decode[0].is_paused
+
+    async def update_weights(self, weights, *, partial: bool = False) -> int:
+        """Staged on every core of both sides before any commits (engine/core_control.py)."""
+        from asyncengine.engine.core_control import update_all
+        from asyncengine.engine.weight_sync import normalize
+
+        update = normalize(weights, partial)
+        version = await update_all([c for e in self.engines for c in e.client.live_cores()], update)
+        for e in self.engines:
+            e.client.weights_version = version
+        return version
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.gather(*(e.reset_prefix_cache() for e in self.engines))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await asyncio.gather(*(e.pause_generation(mode) for e in self.engines))
+
+    async def resume_generation(self) -> None:
+        await asyncio.gather(*(e.resume_generation() for e in self.engines))
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:

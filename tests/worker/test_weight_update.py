@@ -88,7 +88,19 @@ async def test_dp2_cores_take_the_update(ab):
         with pytest.raises(WeightUpdateError):
             await eng.update_weights(bad_update(b))
         assert await agreedy(eng) == want_a and eng.weights_version == 0
+        # two streams parked on their cores through an update ("keep"), then finished on B
+        streams = [eng.generate({"prompt_token_ids": REQUESTS[i][0]}, SamplingParams(
+            max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(2)]
+        firsts = [await asyncio.wait_for(s.__anext__(), HANG_GUARD_S) for s in streams]
+        await eng.pause_generation("keep")
         assert await eng.update_weights(load_file(f"{b}/model.safetensors")) == 1
+        await eng.resume_generation()
+        for s, first in zip(streams, firsts):
+            last = first
+            async for last in s:
+                pass
+            assert last.finished and len(last.outputs[0].token_ids) == 40
+            assert set(last.outputs[0].weights_versions) <= {0, 1} and last.outputs[0].weights_versions[-1] == 1
         outs = await agreedy(eng)
         assert outs == want_b
         await eng.reset_prefix_cache()
