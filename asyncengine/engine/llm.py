@@ -116,6 +116,22 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def score(self, prompts, completions, use_tqdm: bool = False) -> list[float] | list[list[float]]:
+        """The logprob of each completion token after its prompt (engine/scoring.py): one
+        (prompt, completion) pair gives a list of floats, lists of them a list of lists. Token
+        ids or text. In batch-invariant mode these equal, bitwise, the logprobs the sampler
+        reported when it generated the same tokens."""
+        from asyncengine.engine.scoring import completion_logprobs, score_request
+
+        single = _is_single_prompt(prompts)
+        if not single and len(prompts) != len(completions):
+            raise InvalidRequestError(f"{len(completions)} completions for {len(prompts)} prompts")
+        pairs = [(prompts, completions)] if single else list(zip(prompts, completions))
+        reqs = [score_request(self.tokenizer, p, c) for p, c in pairs]
+        outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
+        scores = [completion_logprobs(o, r[2], r[3]) for o, r in zip(outs, reqs)]
+        return scores[0] if single else scores
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template; one conversation or a list of them."""
