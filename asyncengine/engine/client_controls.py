@@ -40,6 +40,18 @@ class InprocControls:
     async def resume_scheduling(self) -> None:
         self.core.scheduling_paused = False
 
+    @property
+    def asleep(self) -> set[str]:
+        return self.core.asleep
+
+    async def sleep(self, level: int) -> list[int]:
+        while self.core.has_work():  # the batches of the requests just aborted
+            await asyncio.sleep(0.002)
+        return await asyncio.to_thread(self.core.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None) -> list[int]:
+        return await asyncio.to_thread(self.core.wake_up, tags)
+
 
 class MPControls:
     """For ``MPClient``: ``self.clients`` are EngineCoreProc handles, ``self.health`` says which live."""
@@ -53,6 +65,7 @@ class MPControls:
         from asyncengine.engine.core_control import update_all
 
         self.weights_version = await update_all(self.live_cores(), update)
+        self.asleep = self.asleep - {"weights"}
         return self.weights_version
 
     async def reset_prefix_cache(self) -> None:
@@ -63,6 +76,18 @@ class MPControls:
 
     async def resume_scheduling(self) -> None:
         await self._call_all("resume_scheduling")
+
+    asleep: set[str] = set()
+
+    async def sleep(self, level: int) -> list[int]:
+        rss = [r for core in await self._call_all("sleep", level) for r in core]
+        self.asleep = {"kv_cache"} | ({"weights"} if level == 2 else set()) | self.asleep
+        return rss
+
+    async def wake_up(self, tags: list[str] | None) -> list[int]:
+        rss = [r for core in await self._call_all("wake_up", tags) for r in core]
+        self.asleep = set((await self._call_all("asleep"))[0])
+        return rss
 
     async def _call_all(self, method: str, *args) -> list:
         from asyncengine.engine.core_control import call_all

@@ -101,6 +101,8 @@ class EngineCore:
         self.weights_version = 0
         # pause_generation("keep"): nothing new is scheduled, the requests keep their KV blocks
         self.scheduling_paused = False
+        # sleep(): what is freed on the ranks ("weights", "kv_cache"): nothing is scheduled meanwhile
+        self.asleep: set[str] = set()
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
@@ -191,7 +193,7 @@ class EngineCore:
         in flight or nothing more can be scheduled. An empty schedule that only ends requests is
         still sent (the runner drops their state) but ends the filling."""
         depth = self.batch_queue_size if depth is None else depth
-        while len(self._batches) < depth and self.scheduler.has_unfinished() and not self.scheduling_paused:
+        while len(self._batches) < depth and self.scheduler.has_unfinished() and not (self.scheduling_paused or self.asleep):
             so = self.schedule()
             if so.is_empty and not so.finished_req_ids:
                 return
@@ -271,6 +273,18 @@ class EngineCore:
         from asyncengine.engine import weight_sync
 
         return weight_sync.update_blocking(self, weights, partial)
+
+    def sleep(self, level: int = 1) -> list[int]:
+        """Free the KV cache and packed weight copies on every rank (level 2: the weights too);
+        the core must be idle (engine/sleep.py). Returns each rank's RSS after."""
+        from asyncengine.engine import sleep
+
+        return sleep.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> list[int]:
+        from asyncengine.engine import sleep
+
+        return sleep.wake_up(self, tags)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (and the offload tier's entries, whose keys chain from the

@@ -51,6 +51,15 @@ def _discard(core):
     weight_sync.discard(core)
 
 
+def _sleep(core, level):
+    from concurrent.futures import wait
+
+    while core.oldest_batch() is not None:  # the last batches of requests the front end aborted
+        wait([core.oldest_batch()])
+        core.finish_oldest_batch(refill=False)
+    return core.sleep(level)
+
+
 # what a front end may ask of a core process, by name
 METHODS = {
     "stage_weights": _stage,
@@ -61,9 +70,12 @@ METHODS = {
     # the core process sends the batches still in flight before it answers (engine/core_proc.py)
     "pause_scheduling": lambda core: setattr(core, "scheduling_paused", True),
     "resume_scheduling": lambda core: setattr(core, "scheduling_paused", False),
+    "sleep": _sleep,
+    "wake_up": lambda core, tags: core.wake_up(tags),
+    "asleep": lambda core: sorted(core.asleep),
 }
 
-_ERRORS = {"WeightUpdateError": WeightUpdateError}
+_ERRORS = {"WeightUpdateError": WeightUpdateError, "ValueError": ValueError}
 
 
 def run_control(core, msg: Control) -> ControlResult:

@@ -83,6 +83,9 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        if self.engine.asleep:
+            raise InvalidRequestError(f"the engine is asleep ({', '.join(sorted(self.engine.asleep))}): "
+                                      "wake_up() first")
         made = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if isinstance(sp, SamplingParams) and sp.output_kind != OutputKind.FINAL_ONLY:
@@ -115,6 +118,19 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and packed weight copies (level 2: the weights too) until wake_up."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back ``tags`` (default both: "weights", "kv_cache"); level-2 weights are read from
+        the checkpoint again (a new weights_version), unless a full update_weights filled them."""
+        self.engine.wake_up(tags)
 
     def score(self, prompts, completions, use_tqdm: bool = False) -> list[float] | list[list[float]]:
         """The logprob of each completion token after its prompt (engine/scoring.py): one

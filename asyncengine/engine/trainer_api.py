@@ -58,3 +58,32 @@ class TrainerControls:
 
         req, params, n_prompt, n_completion = score_request(self.tokenizer, prompt, completion)
         return completion_logprobs(await self.complete(req, params), n_prompt, n_completion)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.client.asleep)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Give memory back to the OS while a trainer needs it (engine/sleep.py): level 1 frees the
+        KV cache and packed weight copies, level 2 the weights too. Generation pauses (running
+        requests are aborted, new ones wait) until :meth:`wake_up` has woken everything."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        self._bind_loop()
+        async with self._control_lock:
+            from asyncengine.engine.pause import pause
+
+            await pause(self, "abort")
+            await self.client.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back ``tags`` (default both): "weights" (level 2: read from the checkpoint again, a
+        new weights_version; or fill them with a full update_weights instead) and "kv_cache".
+        Generation resumes once nothing sleeps."""
+        self._bind_loop()
+        async with self._control_lock:
+            await self.client.wake_up(tags)
+            if not self.client.asleep:
+                from asyncengine.engine.pause import resume
+
+                await resume(self)

@@ -55,6 +55,7 @@ def commit(core) -> Future:
     next version: the future of the ranks' results. Call on the thread that schedules the core."""
     fut = core.executor.collective_rpc("commit_weight_update", non_block=True)
     core.weights_version += 1
+    core.asleep.discard("weights")  # a full update fills weights that slept (worker/sleep_mode.py)
     core.reset_prefix_cache()
     return fut
 
