@@ -158,7 +158,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               own_engine: bool = False, web_chat_dir: str | os.PathLike | None = None,
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
-              ws_idle_timeout_s: float = 600.0) -> Starlette:
+              ws_idle_timeout_s: float = 600.0, training_endpoints: bool = False,
+              training_weights_dir: str | None = None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -174,6 +175,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         non-zero, so that a supervisor restarts it.
     max_connections: websockets plus in-flight /v1/ requests at once; more get 503 (connections.py).
     ws_idle_timeout_s: a websocket with no frame and no generation for this long is closed (1001).
+    training_endpoints: serve /pause, /resume, /sleep, /wake_up, /reset_prefix_cache and
+        /update_weights (training.py; needs ``api_key``); ``training_weights_dir``: where
+        /update_weights may read checkpoints.
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -216,6 +220,12 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         Route("/chat.js", _page("chat.js", "text/javascript; charset=utf-8"), methods=["GET"]),
         WebSocketRoute("/v1/ws/chat", ws_chat),
     ]
+    if training_endpoints:  # off by default; they change what every client is served
+        from .training import training_routes
+
+        if not api_key:
+            raise ValueError("the training endpoints need an API key (--api-key or $ASYNCENGINE_API_KEY)")
+        routes += training_routes(engine, training_weights_dir)
     middleware = [Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS)]
     if allowed_origins:  # CORS only where asked for (a preflight is answered before the key check)
         from starlette.middleware.cors import CORSMiddleware

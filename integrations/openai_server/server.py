@@ -10,7 +10,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           api_key: str | None = None, max_model_len: int | None = None, seed: int = 0, *,
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
-          max_connections: int = 512, ws_idle_timeout_s: float = 600.0, **engine_kwargs) -> int:
+          max_connections: int = 512, ws_idle_timeout_s: float = 600.0, training_endpoints: bool = False,
+          training_weights_dir: str | None = None, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -18,7 +19,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     build_app (security.py). warm_up: run one short request on the server's loop before it
     listens, so the first client does not pay the first step's one-time costs
     (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
-    up, before the server listens. Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
+    up, before the server listens. training_endpoints / training_weights_dir: see build_app
+    (training.py). Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost; ``prefill_cores``/``decode_cores`` serve through a PDEngine,
     engine/pd_client.py). Returns the exit status: 0, or 1 when it stopped because the engine died
     (after answering in-flight clients; a supervisor restarts it)."""
@@ -31,6 +33,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
+    if training_endpoints and not api_key:
+        raise ValueError("--enable-training-endpoints needs an API key (--api-key or $ASYNCENGINE_API_KEY)")
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
     if config.prefill_cores:  # disaggregated prefill/decode: the same front-end API over P + D cores
         from asyncengine.engine.pd_client import PDEngine
@@ -46,7 +50,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     app = build_app(engine, served_model_name=served_model_name or model or DEFAULT_MODEL, api_key=api_key,
                     own_engine=True, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
                     bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
-                    max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s)
+                    max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s,
+                    training_endpoints=training_endpoints, training_weights_dir=training_weights_dir)
     _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,
