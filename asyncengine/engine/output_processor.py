@@ -107,6 +107,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # by user request id
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core id
+        self._weights_version = 0  # of the batch being processed
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
@@ -187,6 +188,7 @@ class OutputProcessor:
 
     def process(self, core_outputs: list[EngineCoreOutput], weights_version: int = 0) -> ProcessedOutputs:
         """``weights_version``: the weights the batch of ``core_outputs`` ran on (its tokens carry it)."""
+        self._weights_version = weights_version
         now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -201,7 +203,7 @@ class OutputProcessor:
                 continue
             touched[st.request_id] = st
             try:
-                self._process_one(st, s, co, now, to_abort, weights_version)
+                self._process_one(st, s, co, now, to_abort)
             except Exception as e:  # this request's fault (a detokenizer, a matcher...): it alone fails
                 failed.append((st.request_id, self._fail(st, e, to_abort)))
                 touched.pop(st.request_id, None)
@@ -231,12 +233,12 @@ class OutputProcessor:
         return err
 
     def _process_one(self, st: RequestState, s: SampleState, co: EngineCoreOutput, now: float,
-                     to_abort: list[str], weights_version: int = 0) -> None:
+                     to_abort: list[str]) -> None:
         m = st.metrics
         new_ids = co.new_token_ids
         if new_ids:
-            s.weights_versions.extend([weights_version] * len(new_ids))
-            st.weights_version = weights_version
+            s.weights_versions.extend([self._weights_version] * len(new_ids))
+            st.weights_version = self._weights_version
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now

@@ -341,6 +341,8 @@ class PDEngine:
     async def resume_generation(self) -> None:
         await asyncio.gather(*(e.resume_generation() for e in self.engines))
 
+    # (no sleep: a P/D core's KV connector holds its cache; worker/sleep_mode.py refuses it)
+
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> dict:

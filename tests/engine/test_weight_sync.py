@@ -63,8 +63,10 @@ def test_update_of_weights_quantized_at_load(dirs):
     a, b = dirs
     want_b = fresh(b, quantization="int8")
     with LLM(a, **COMMON, quantization="int8") as llm:
+        from asyncengine.kernels.cpu import repack
+
         layer = llm.engine.executor.worker.model.layers[0].mlp.gate_up_proj
-        assert layer.quantized
+        assert layer.quantized and layer.packed == repack.can_pack(layer.out_features)
         before = greedy(llm)
         llm.update_weights(state_dict(b))
         assert greedy(llm) == want_b != before
