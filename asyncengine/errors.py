@@ -13,6 +13,11 @@ class ConfigError(AsyncEngineError, ValueError):
     """An EngineConfig that cannot work (bad sizes, unknown dtype, unsupported model...)."""
 
 
+class WeightUpdateError(AsyncEngineError, ValueError):
+    """An ``update_weights`` that cannot apply (a wrong name, shape or dtype, a missing tensor, an
+    unreadable path): nothing changed, the old weights go on serving."""
+
+
 class ModelLoadError(AsyncEngineError):
     """A checkpoint that is missing, corrupt, or of an architecture we do not implement."""
 

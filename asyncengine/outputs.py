@@ -37,6 +37,9 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    # per token of token_ids: the weights_version that produced it (a request kept through a
+    # pause_generation("keep") and an update_weights may span versions)
+    weights_versions: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -56,6 +59,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # per-sample deltas live in outputs[i] when output_kind is DELTA)
     text_delta: str = ""
     token_ids_delta: list[int] = []
+    # the weights (0 as loaded, +1 per update_weights) that produced this output's newest tokens
+    weights_version: int = 0
 
     @property
     def finish_reason(self) -> str | None:

@@ -130,6 +130,11 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on everything but /health and the chat page "
                         "(default: $ASYNCENGINE_API_KEY, else none)")
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--enable-training-endpoints", action="store_true",
+                   help="serve /pause, /resume, /sleep, /wake_up, /reset_prefix_cache, /update_weights for an RL "
+                        "trainer (docs/training.md; needs --api-key)")
+    s.add_argument("--training-weights-dir", default=None, metavar="DIR",
+                   help="the folder /update_weights may read checkpoints from (default: none)")
     s.add_argument("--allowed-hosts", type=_csv, default=None,
                    help="Host names to answer besides the defaults (loopback names when bound to loopback, "
                         "the bound address otherwise); '*' for any (comma-separated)")

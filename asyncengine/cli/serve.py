@@ -38,6 +38,9 @@ def run_serve(args) -> int:
     if missing:
         print(f"asyncengine: `serve` needs {', '.join(missing)}: reinstall asyncengine (pip install asyncengine)", file=sys.stderr)
         return EXIT_USAGE
+    if args.enable_training_endpoints and not (args.api_key or os.environ.get("ASYNCENGINE_API_KEY")):
+        print("asyncengine: --enable-training-endpoints needs --api-key (or $ASYNCENGINE_API_KEY)", file=sys.stderr)
+        return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
@@ -68,7 +71,9 @@ def run_serve(args) -> int:
                      metrics_public=args.metrics_public, limits=limits, grammar_limits=grammar_limits,
                      max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
                      responses_store_size=args.responses_store_size,
-                     responses_store_ttl_s=args.responses_store_ttl, on_loaded=status_warm,
+                     responses_store_ttl_s=args.responses_store_ttl,
+                     training_endpoints=args.enable_training_endpoints,
+                     training_weights_dir=args.training_weights_dir, on_loaded=status_warm,
                      warm_up=warm_up_wanted(args), chat_config=chat, **kw)
     except BaseException:
         status.done("stopped")

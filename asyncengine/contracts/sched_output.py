@@ -110,3 +110,5 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
     # data parallel: requests a dead engine core held (they fail; the other cores go on), and why
     lost_req_ids: list[str] = []
     lost_reason: str = ""
+    # the weights the batch ran on: 0 as loaded, +1 per update_weights (engine_core/weight_sync.py)
+    weights_version: int = 0

@@ -23,6 +23,9 @@ class KVCacheManager:
         # called with (request, its blocks, first, end) when blocks [first, end) were just registered
         # in the prefix cache (a KV connector persists them)
         self.on_blocks_cached = None
+        # the hash chains' root: None as loaded; new random bytes at each reset_prefix_cache, so no
+        # request admitted after it can match a block (or an offloaded copy) computed before
+        self.hash_root: bytes | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,7 +70,22 @@ class KVCacheManager:
                 toks = req.prompt_token_ids[start:start + bs]
             else:
                 toks = [req.token_id_at(p) for p in range(start, start + bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else None, toks, req.cache_salt))
+            hashes.append(hash_block(hashes[-1] if hashes else self.hash_root, toks, req.cache_salt))
+
+    def reset_prefix_cache(self, requests) -> None:
+        """Forget every cached prefix, also those of blocks running ``requests`` still hold (the
+        weights changed: their KV is stale for anyone else). A request holding no block forgets its
+        hashes (they chain from the old root); a running one keeps its own, which no newer request
+        can compute."""
+        import os
+
+        self.hash_root = os.urandom(16)
+        for b in self.pool.cached.values():
+            b.block_hash = None
+        self.pool.cached.clear()
+        for req in requests:
+            if not self.req_to_blocks.get(req.request_id):
+                req.block_hashes.clear()
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the start of the request. At least the last token

@@ -30,6 +30,7 @@ from asyncengine.engine.protocol import EngineClient
 from asyncengine.engine.prompt_intake import PromptIntake, check_params
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
 from asyncengine.engine.stream_router import StreamRouter
+from asyncengine.engine.trainer_api import TrainerControls
 from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from asyncengine.engine_core.core import EngineCore
 
 
-class AsyncLLMEngine(EngineClient):
+class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, sleep: engine/trainer_api.py
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         with gc_policy.paused(config.freeze_gc_after_load):  # engine_core/gc_policy.py: ~0.2 s of a start
             self._init(config, core)
@@ -64,6 +65,7 @@ class AsyncLLMEngine(EngineClient):
         self.router = StreamRouter(self.output_processor, self.admission, self.client)
         self._busy_loop = BusyLoop(self.client, self.router)  # new requests and aborts wait in it
         self._compiling: dict[str, asyncio.Future] = {}  # request id -> its grammar's compile
+        self._control_lock = asyncio.Lock()  # weight updates, sleep/wake: one at a time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._closed = False

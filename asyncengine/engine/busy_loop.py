@@ -32,6 +32,8 @@ class BusyLoop:
         self.wake: asyncio.Event | None = None  # set when an input (or a remote core's output) arrives
         self.dead: EngineDeadError | None = None  # why the loop died (the engine is unusable)
         self.closing = False  # shutdown began: the loop returns once nothing is left
+        # pause_generation: new requests wait here (within the admission limits) until resumed
+        self.paused = False
 
     @property
     def is_running(self) -> bool:
@@ -52,7 +54,9 @@ class BusyLoop:
 
     def drain_inputs(self) -> None:
         core = self.client
-        if self.new:
+        if self.new and self.paused:  # held; only those abandoned meanwhile leave
+            self.new = [r for r in self.new if r.request_id not in self.aborts]
+        elif self.new:
             new, self.new = self.new, []
             for req in new:
                 if req.request_id in self.aborts:
@@ -85,7 +89,7 @@ class BusyLoop:
                 if self.closing and not self.new and not self.router.slots and client.is_idle():
                     return
                 self.wake.clear()
-                if self.new or self.aborts:
+                if (self.new and not self.paused) or self.aborts:
                     continue
                 # work that cannot be scheduled now (never with a sane config) is retried soon
                 timeout = _HEALTH_CHECK_S if client.is_idle() else 0.01

@@ -31,6 +31,7 @@ from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutputs
 from asyncengine.engine_core.core_proc import CoreDead, CoreModelInfo, EngineCoreProc
 from asyncengine.engine_core.core_stats import combine
+from asyncengine.engine.client_controls import InprocControls, MPControls
 from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
 from asyncengine.errors import EngineDeadError
@@ -134,6 +135,8 @@ class CoreClient(ABC):
         """(engine cores alive, engine cores): below the second, the engine serves degraded."""
         return 1, 1
 
+    # a trainer's controls (update_weights, reset_prefix_cache, ...): engine/client_controls.py
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop everything the client started (idempotent)."""
@@ -154,7 +157,7 @@ async def _wait(fut: Future) -> None:
     await waiter
 
 
-class InprocClient(CoreClient):
+class InprocClient(InprocControls, CoreClient):
     """The engine core in this process, stepped by the front end's busy loop."""
 
     def __init__(self, core: "EngineCore") -> None:
@@ -212,7 +215,7 @@ class InprocClient(CoreClient):
         self.core.shutdown()
 
 
-class MPClient(CoreClient):
+class MPClient(MPControls, CoreClient):
     """``data_parallel_size`` engine-core processes (or Ray actors) behind one front end.
 
     ``load_info()`` reads the model (models/model_info.py) in this process; it runs after the cores

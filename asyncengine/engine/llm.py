@@ -89,6 +89,9 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        if self.engine.asleep:
+            raise InvalidRequestError(f"the engine is asleep ({', '.join(sorted(self.engine.asleep))}): "
+                                      "wake_up() first")
         made = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if isinstance(sp, SamplingParams) and sp.output_kind != OutputKind.FINAL_ONLY:
@@ -105,6 +108,51 @@ class LLM:
                 raise e from None
             made.append((req, text))
         return self._run(made, use_tqdm)
+
+    # ------------------------------------------------------------------ a trainer's controls
+
+    @property
+    def weights_version(self) -> int:
+        """0 as loaded, +1 per update_weights; every RequestOutput carries the version of its tokens."""
+        return self.engine.weights_version
+
+    def update_weights(self, weights, *, partial: bool = False) -> int:
+        """Replace the weights in place (AsyncLLMEngine.update_weights: a state_dict, (name,
+        tensor) pairs or a safetensors path; all checked before anything changes; the prefix cache
+        reset); returns the new weights_version."""
+        return self.engine.update_weights(weights, partial)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and packed weight copies (level 2: the weights too) until wake_up."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back ``tags`` (default both: "weights", "kv_cache"); level-2 weights are read from
+        the checkpoint again (a new weights_version), unless a full update_weights filled them."""
+        self.engine.wake_up(tags)
+
+    def score(self, prompts, completions, use_tqdm: bool = False) -> list[float] | list[list[float]]:
+        """The logprob of each completion token after its prompt (engine/scoring.py): one
+        (prompt, completion) pair gives a list of floats, lists of them a list of lists. Token
+        ids or text. In batch-invariant mode these equal, bitwise, the logprobs the sampler
+        reported when it generated the same tokens."""
+        from asyncengine.engine.scoring import completion_logprobs, score_request
+
+        single = _is_single_prompt(prompts)
+        if not single and len(prompts) != len(completions):
+            raise InvalidRequestError(f"{len(completions)} completions for {len(prompts)} prompts")
+        pairs = [(prompts, completions)] if single else list(zip(prompts, completions))
+        reqs = [score_request(self.tokenizer, p, c) for p, c in pairs]
+        outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
+        scores = [completion_logprobs(o, r[2], r[3]) for o, r in zip(outs, reqs)]
+        return scores[0] if single else scores
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -133,7 +181,7 @@ class LLM:
                 core_outs = batch.outputs if batch is not None else []
                 if batch is not None:
                     outp.record_started(batch.started)
-                processed = outp.process(core_outs)
+                processed = outp.process(core_outs, batch.weights_version if batch is not None else 0)
                 if processed.to_abort:
                     engine.abort_requests(processed.to_abort)
                 if processed.failed:  # a request's output handling raised: the call fails with it

@@ -55,6 +55,7 @@ class SampleState:
     detokenizer: IncrementalDetokenizer | None
     stops: StopStringMatcher | None
     token_ids: list[int] = field(default_factory=list)
+    weights_versions: list[int] = field(default_factory=list)  # per token: the weights that made it
     text: str = ""
     logprobs: list | None = None
     cumulative_logprob: float | None = None
@@ -85,6 +86,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    weights_version: int = 0  # of the newest batch that brought this request tokens
 
     @property
     def finished(self) -> bool:
@@ -105,6 +107,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # by user request id
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core id
+        self._weights_version = 0  # of the batch being processed
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
@@ -183,7 +186,9 @@ class OutputProcessor:
             out[tid] = Logprob(logprob=v, rank=rank if j == 0 else j, decoded_token=dec)
         return out
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process(self, core_outputs: list[EngineCoreOutput], weights_version: int = 0) -> ProcessedOutputs:
+        """``weights_version``: the weights the batch of ``core_outputs`` ran on (its tokens carry it)."""
+        self._weights_version = weights_version
         now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -232,6 +237,8 @@ class OutputProcessor:
         m = st.metrics
         new_ids = co.new_token_ids
         if new_ids:
+            s.weights_versions.extend([self._weights_version] * len(new_ids))
+            st.weights_version = self._weights_version
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
@@ -275,13 +282,14 @@ class OutputProcessor:
                 continue
             if delta_kind:
                 text, ids = s.text[s.sent_text:], s.token_ids[s.sent_tokens:]
+                versions = s.weights_versions[s.sent_tokens:]
                 lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
             else:
-                text, ids = s.text, list(s.token_ids)
+                text, ids, versions = s.text, list(s.token_ids), list(s.weights_versions)
                 lps = list(s.logprobs) if s.logprobs is not None else None
             comps.append(CompletionOutput(index=s.index, text=text, token_ids=ids, finish_reason=s.finish_reason,
                                           stop_reason=s.stop_reason, logprobs=lps,
-                                          cumulative_logprob=s.cumulative_logprob))
+                                          cumulative_logprob=s.cumulative_logprob, weights_versions=versions))
         s0 = st.samples[0]
         text_delta, ids_delta = s0.text[s0.sent_text:], s0.token_ids[s0.sent_tokens:]
         for s in st.samples:
@@ -297,4 +305,5 @@ class OutputProcessor:
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                              outputs=comps, finished=st.finished, prompt_logprobs=prompt_lps,
                              metrics=st.metrics, num_cached_tokens=st.num_cached_tokens,
-                             text_delta=text_delta, token_ids_delta=ids_delta)
+                             text_delta=text_delta, token_ids_delta=ids_delta,
+                             weights_version=st.weights_version)

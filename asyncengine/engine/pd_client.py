@@ -41,7 +41,7 @@ from asyncengine.engine.async_engine import AsyncLLMEngine
 from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.pd_stream import PDStream
 from asyncengine.engine.protocol import EngineClient
-from asyncengine.errors import EngineDeadError, InvalidRequestError
+from asyncengine.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.transport import make_transport
 from asyncengine.sampling_params import SamplingParams
@@ -292,6 +292,48 @@ class PDEngine(EngineClient):
         stream = self._streams.get(request_id)
         if stream is not None:
             await stream.abort()
+
+    # ------------------------------------------------------------------ a trainer's controls
+    # (AsyncLLMEngine's, engine/trainer_api.py, over every prefill and decode core at once)
+
+    @property
+    def weights_version(self) -> int:
+        return self.decode[0].weights_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.decode[0].is_paused
+
+    async def update_weights(self, weights, *, partial: bool = False) -> int:
+        """Staged on every core of both sides before any commits (engine_core/core_control.py)."""
+        from asyncengine.engine_core.core_control import update_all
+        from asyncengine.engine_core.weight_sync import normalize
+
+        update = normalize(weights, partial)
+        version = await update_all([c for e in self.engines for c in e.client.live_cores()], update)
+        for e in self.engines:
+            e.client.weights_version = version
+        return version
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.gather(*(e.reset_prefix_cache() for e in self.engines))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await asyncio.gather(*(e.pause_generation(mode) for e in self.engines))
+
+    async def resume_generation(self) -> None:
+        await asyncio.gather(*(e.resume_generation() for e in self.engines))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return False
+
+    async def sleep(self, level: int = 1) -> None:
+        """Refused: a P/D core's KV connector holds its cache (worker/sleep_mode.py refuses it too)."""
+        raise ConfigError("sleep is not supported with prefill/decode cores: their KV connectors hold the cache")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        raise ConfigError("sleep is not supported with prefill/decode cores: their KV connectors hold the cache")
 
     # ------------------------------------------------------------------ introspection
 

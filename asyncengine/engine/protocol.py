@@ -111,6 +111,48 @@ class EngineClient(ABC):
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...
 
+    # ------------------------------------------------------------------ a trainer's controls
+    # (docs/training.md; AsyncLLMEngine's in engine/trainer_api.py, PDEngine's over both sides)
+
+    @property
+    @abstractmethod
+    def weights_version(self) -> int:
+        """0 as loaded, +1 per update_weights (every RequestOutput carries its tokens' versions)."""
+
+    @property
+    @abstractmethod
+    def is_paused(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def is_sleeping(self) -> bool: ...
+
+    @abstractmethod
+    async def update_weights(self, weights, *, partial: bool = False) -> int: ...
+
+    @abstractmethod
+    async def reset_prefix_cache(self) -> None: ...
+
+    @abstractmethod
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    @abstractmethod
+    async def resume_generation(self) -> None: ...
+
+    @abstractmethod
+    async def sleep(self, level: int = 1) -> None: ...
+
+    @abstractmethod
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def score(self, prompt, completion) -> list[float]:
+        """The logprob of each completion token after ``prompt`` (engine/scoring.py; token ids
+        or text): in batch-invariant mode, bitwise the sampler's logprobs of the same tokens."""
+        from asyncengine.engine.scoring import completion_logprobs, score_request
+
+        req, params, n_prompt, n_completion = score_request(self.tokenizer, prompt, completion)
+        return completion_logprobs(await self.complete(req, params), n_prompt, n_completion)
+
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
         """Run one request to the end and return its final output."""

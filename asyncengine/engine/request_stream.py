@@ -30,7 +30,7 @@ def merge_outputs(old: RequestOutput, new: RequestOutput, kind: OutputKind) -> R
                     index=c.index, text=o.text + c.text, token_ids=o.token_ids + c.token_ids,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=(o.logprobs or []) + (c.logprobs or []) if (o.logprobs or c.logprobs) else None,
-                    cumulative_logprob=c.cumulative_logprob)
+                    cumulative_logprob=c.cumulative_logprob, weights_versions=o.weights_versions + c.weights_versions)
             merged.append(c)
         seen = {c.index for c in merged}
         merged.extend(c for c in old.outputs if c.index not in seen)

@@ -38,7 +38,7 @@ class StreamRouter:
             return
         self.tokens_out += sum(len(c.new_token_ids) for c in core_outputs)
         self._recent.append((time.monotonic(), self.tokens_out))
-        processed = self.output_processor.process(core_outputs)
+        processed = self.output_processor.process(core_outputs, batch.weights_version)
         if processed.to_abort:
             self.client.abort_requests(processed.to_abort)
         for rid, err in processed.failed:  # that request alone fails; the engine goes on

@@ -94,8 +94,15 @@ class EngineCore:
         self._steps_in_flight = 0
         self.num_overlapped_steps = 0
         self._flight_lock = threading.Lock()
-        # the step pipeline: (schedule, future of its result), oldest first
-        self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
+        # the step pipeline: (schedule, future of its result, weights version it runs on), oldest first
+        self._batches: deque[tuple[SchedulerOutput, Future, int]] = deque()
+        # bumped by every weight update (engine_core/weight_sync.py); each batch's outputs carry the
+        # version their step ran on (the update's control call is queued behind earlier steps)
+        self.weights_version = 0
+        # pause_generation("keep"): nothing new is scheduled, the requests keep their KV blocks
+        self.scheduling_paused = False
+        # sleep(): what is freed on the ranks ("weights", "kv_cache"): nothing is scheduled meanwhile
+        self.asleep: set[str] = set()
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
@@ -186,7 +193,7 @@ class EngineCore:
         in flight or nothing more can be scheduled. An empty schedule that only ends requests is
         still sent (the runner drops their state) but ends the filling."""
         depth = self.batch_queue_size if depth is None else depth
-        while len(self._batches) < depth and self.scheduler.has_unfinished():
+        while len(self._batches) < depth and self.scheduler.has_unfinished() and not (self.scheduling_paused or self.asleep):
             so = self.schedule()
             if so.is_empty and not so.finished_req_ids:
                 return
@@ -200,7 +207,7 @@ class EngineCore:
             req = requests.get(nr.req_id)
             if req is not None and req.first_scheduled_time is not None:
                 self._started[nr.req_id] = req.first_scheduled_time
-        self._batches.append((so, self.execute_model(so)))
+        self._batches.append((so, self.execute_model(so), self.weights_version))
 
     def oldest_batch(self) -> "Future[ModelRunnerOutput] | None":
         """The future of the batch that finishes next (None: nothing in flight). Await it (the
@@ -210,7 +217,7 @@ class EngineCore:
     def finish_oldest_batch(self, refill: bool = True) -> EngineCoreOutputs:
         """Fold the oldest batch's (finished) result into the requests; with ``refill``, queue the
         next batches before returning, so the model runs while the caller routes these outputs."""
-        so, fut = self._batches.popleft()  # consumed even if it failed
+        so, fut, version = self._batches.popleft()  # consumed even if it failed
         try:
             result = fut.result()
         except BaseException:
@@ -221,13 +228,15 @@ class EngineCore:
         outputs = self.update(so, result)
         if refill:
             self.fill_batch_queue()
-        return self.take_outputs(outputs)
+        return self.take_outputs(outputs, version)
 
-    def take_outputs(self, outputs: list[EngineCoreOutput] = ()) -> EngineCoreOutputs:
-        """``outputs`` with the core's load and the requests started since the last call."""
+    def take_outputs(self, outputs: list[EngineCoreOutput] = (), version: int | None = None) -> EngineCoreOutputs:
+        """``outputs`` (of a batch run on weights ``version``) with the core's load and the requests
+        started since the last call."""
         started, self._started = self._started, {}
         return EngineCoreOutputs(outputs=list(outputs), num_running=self.scheduler.num_running,
-                                 num_waiting=self.scheduler.num_waiting, started=started)
+                                 num_waiting=self.scheduler.num_waiting, started=started,
+                                 weights_version=self.weights_version if version is None else version)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """One turn of the pipeline, blocking: fill, wait on the oldest, update, refill. None when
@@ -255,6 +264,32 @@ class EngineCore:
         runs them, in order, before anything queued later."""
         self._batches.clear()
         self._started.clear()
+
+    # weights (engine_core/weight_sync.py: two-phase, every rank checks before any changes)
+    def update_weights(self, weights, partial: bool = False) -> int:
+        """Replace the model's weights in place (a state_dict, (name, tensor) pairs in the
+        checkpoint's naming, or a safetensors path); returns the new ``weights_version``. A bad
+        update raises WeightUpdateError and changes nothing."""
+        from asyncengine.engine_core import weight_sync
+
+        return weight_sync.update_blocking(self, weights, partial)
+
+    def sleep(self, level: int = 1) -> list[int]:
+        """Free the KV cache and packed weight copies on every rank (level 2: the weights too);
+        the core must be idle (engine_core/sleep.py). Returns each rank's RSS after."""
+        from asyncengine.engine_core import sleep
+
+        return sleep.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> list[int]:
+        from asyncengine.engine_core import sleep
+
+        return sleep.wake_up(self, tags)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (and the offload tier's entries, whose keys chain from the
+        same root): new requests recompute their whole prompt."""
+        self.scheduler.kv.reset_prefix_cache(self.scheduler.requests.values())
 
     # control
     def collective_rpc(self, method, args=(), kwargs=None, timeout=None):

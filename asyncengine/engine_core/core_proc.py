@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import Future, wait
 from typing import Callable, Union
 
 import msgspec
@@ -28,6 +29,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutputs
 from asyncengine.engine_core import gc_policy
+from asyncengine.engine_core.core_control import Control, ControlResult, PendingCalls, run_control
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.models.model_info import ModelInfo
 from asyncengine.sampling_params import SamplingParams
@@ -141,8 +143,8 @@ def _dead(e: BaseException) -> CoreDead:
                     error_type=type(e).__name__)
 
 
-ToCore = Union[StartCore, AddRequest, Abort, AbortAll, ShutdownCore]
-FromCore = Union[CoreReady, EngineCoreOutputs, CoreDead]
+ToCore = Union[StartCore, AddRequest, Abort, AbortAll, ShutdownCore, Control]
+FromCore = Union[CoreReady, EngineCoreOutputs, CoreDead, ControlResult]
 _enc = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _from_core = msgspec.msgpack.Decoder(FromCore)
@@ -213,6 +215,12 @@ def engine_core_main(config: EngineConfig, conn, parent_pid: int | None) -> None
                     core.abort_requests(msg.request_ids)
                 elif isinstance(msg, AbortAll):
                     core.abort_all()
+                elif isinstance(msg, Control):  # a trainer's call (engine_core/core_control.py)
+                    result = run_control(core, msg)
+                    while msg.method == "pause_scheduling" and core.oldest_batch() is not None:
+                        wait([core.oldest_batch()])
+                        send(core.finish_oldest_batch(refill=False))
+                    send(result)
                 else:
                     core.shutdown()
                     conn.close()
@@ -265,6 +273,7 @@ class EngineCoreProc:
         self.stats: dict = {}
         self.ready: CoreReady | None = None
         self._reader: threading.Thread | None = None
+        self._calls = PendingCalls()
 
     def _launch(self, config: EngineConfig):
         """Start the core process (it imports torch, then waits for ``start``); returns (its
@@ -310,11 +319,15 @@ class EngineCoreProc:
             try:
                 msg = _from_core.decode(self.conn.recv_bytes())
             except (EOFError, OSError):
+                self._calls.fail_all(f"engine core {self.index} is gone")
                 if not self._closing:
                     self._sink(self.index, CoreDead(
                         message=f"engine core {self.index} (pid {self.proc.pid}) is gone "
                                 f"(exit code {self.proc.exitcode})", traceback=""))
                 return
+            if isinstance(msg, ControlResult):
+                self._calls.resolve(msg)
+                continue
             if isinstance(msg, EngineCoreOutputs):
                 self.num_running, self.num_waiting = msg.num_running, msg.num_waiting
                 self.sent_since_report = 0
@@ -322,6 +335,7 @@ class EngineCoreProc:
                     self.stats = msg.stats
             self._sink(self.index, msg)
             if isinstance(msg, CoreDead):
+                self._calls.fail_all(f"engine core {self.index} died: {msg.message}")
                 return
 
     @property
@@ -344,6 +358,12 @@ class EngineCoreProc:
 
     def abort_all(self) -> None:
         self._send(AbortAll())
+
+    def call(self, method: str, *args) -> "Future":
+        """A control call (engine_core/core_control.py METHODS) on the core: the future of its result."""
+        msg, fut = self._calls.new(method, args)
+        self._send(msg)
+        return fut
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()

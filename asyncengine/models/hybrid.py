@@ -219,6 +219,14 @@ class HybridForCausalLM(nn.Module):
                 return ".".join(parts), shard
         return name, None
 
+    def weight_targets(self, weights):
+        """(HF name, target, part, tensor) per checkpoint tensor (worker/weight_update.py shares it)."""
+        for hf_name, tensor in weights:
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = self._our_name(hf_name)
+            yield hf_name, target, shard, tensor
+
     def load_weights(self, weights) -> None:
         """(HF name, tensor) pairs into our modules; q/k/v (and gate/up where a model fuses them)
         into one projection. Anything missing or unexpected is an error: a wrong checkpoint fails
@@ -226,9 +234,6 @@ class HybridForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            if hf_name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            target, shard = self._our_name(hf_name)
+        for hf_name, target, shard, tensor in self.weight_targets(weights):
             loaded.add(load_tensor(self, modules, params, hf_name, target, shard, tensor))
         check_complete(modules, params, loaded)

@@ -298,6 +298,28 @@ class LlamaForCausalLM(nn.Module):
                 out[name] = (m, [f"{prefix}.{x}.weight" if prefix else f"{x}.weight" for x in leaves])
         return out
 
+    def weight_targets(self, weights):
+        """(HF name, target, part, tensor) for each (HF name, tensor) this stage holds: ``target``
+        names our parameter (q/k/v and gate/up fused: ``part`` says which), None for a whole one.
+        Tensors of other stages, the rotary table and a tied head are skipped. The loader and the
+        in-place weight update (worker/weight_update.py) share this one mapping."""
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            local = self.local_name(name.removeprefix("model."))
+            if local is None:
+                continue  # another pipeline stage's
+            if local == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            parts = local.split(".")
+            target, shard = local, None
+            for i, p in enumerate(parts):
+                if p in _FUSED:
+                    parts[i], shard = _FUSED[p]
+                    target = ".".join(parts)
+                    break
+            yield local, target, shard, tensor
+
     def load_weights(self, weights) -> None:
         """Take (HF name, tensor) pairs (a tensor may be a ``QuantizedTensor``: GGUF blocks); fuse
         q/k/v and gate/up; complain about anything missing or unexpected so a wrong checkpoint fails
@@ -305,21 +327,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            name = self.local_name(name.removeprefix("model."))
-            if name is None:
-                continue  # another pipeline stage's
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves as the head
-            parts = name.split(".")
-            target, shard = name, None
-            for i, p in enumerate(parts):
-                if p in _FUSED:
-                    parts[i], shard = _FUSED[p]
-                    target = ".".join(parts)
-                    break
+        for name, target, shard, tensor in self.weight_targets(weights):
             loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
         check_complete(modules, params, loaded)
 

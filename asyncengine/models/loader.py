@@ -80,7 +80,7 @@ def _safetensors_weights(path: Path, shard_of=None):
 
 
 def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None,
-               pp=None) -> LoadedModel:
+               pp=None, read_weights: bool = True) -> LoadedModel:
     """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
     rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
     never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
@@ -90,7 +90,8 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     An unsharded GGUF goes straight into the runtime format (config from its metadata, weights
     decoded lazily, on CPU a memory-mapped weight cache for later starts: models/weight_cache.py);
     a shard reads only its slices (load_gguf(shard_of=...)). What it is doing is logged at INFO on
-    this module's logger (the CLI shows it as one status line on stderr)."""
+    this module's logger (the CLI shows it as one status line on stderr). ``read_weights=False``:
+    the model's storage only, uninitialised (a full update_weights fills it: worker/sleep_mode.py)."""
     from asyncengine.layers.parallel import SINGLE
 
     say = log.info
@@ -143,7 +144,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     keep = choose_weight_storage(model, config, file_types)
     cache, cached = None, False
     # unsharded CPU loads only: a key without the shard would hand one rank another's weights
-    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not stage:
+    if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not stage and read_weights:
         from asyncengine.models import weight_cache
 
         if weight_cache.enabled_for(path):
@@ -154,7 +155,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     materialize(model, config.torch_device, config.torch_dtype)  # all of it, or what the cache left
     if getattr(model, "rotary", None) is not None:  # models without rope (Mamba2, NemotronH) have none
         model.rotary.build(config.torch_device)
-    if not cached:
+    if not cached and read_weights:
         if gguf is not None:
             say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache
                 else f"decoding {os.path.basename(path)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from asyncengine.worker.weight_update import StageResult
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class Worker:
         self.tp: TPGroup = SINGLE
         self.pp: PPGroup = FULL
         self.model = None
+        self.weights_dropped = False  # by sleep(level=2) (worker/sleep_mode.py)
         self.draft_model = None  # speculative decoding with a draft model
         self.runner: ModelRunner | None = None
         self.threads: ThreadGovernor | None = None
@@ -95,7 +100,8 @@ class Worker:
             self.tp = TPGroup(rank=tp_rank, size=n_tp, group=group, vocab_parallel=c.tp_vocab_parallel,
                               fixed_order=c.batch_invariant)
 
-    def load_model(self) -> None:
+    def load_model(self, read_weights: bool = True) -> None:
+        """``read_weights=False``: storage only (waking from sleep level 2 into a full update)."""
         from asyncengine.models.loader import load_model
 
         if self._preloaded is not None and self.world_size == 1:
@@ -103,7 +109,7 @@ class Worker:
             self._preloaded = None
         else:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
-                                    pp=self.pp).model
+                                    pp=self.pp, read_weights=read_weights).model
         set_quantized_activations(self.model, self.config.quantized_activations)
         if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
             from asyncengine.models.llama_native import NativeStep
@@ -232,6 +238,50 @@ class Worker:
         """Where this rank serves its P/D transfers (``host:port`` as bound; None: nowhere)."""
         conn = self.runner.kv_connector if self.runner is not None else None
         return conn.serving_address() if conn is not None else None
+
+    # ------------------------------------------------------------------ weight updates (two-phase)
+
+    def stage_weight_update(self, update) -> "StageResult":
+        """Check ``update`` (worker/weight_update.py) against this rank's model and keep it for
+        :meth:`commit_weight_update`; nothing changes yet. Problems come back in the result (every
+        rank answers, so the core can refuse the update on all of them)."""
+        from asyncengine.worker import sleep_mode
+        from asyncengine.worker import weight_update as wu
+
+        self._staged = None
+        try:
+            sleep_mode.weights_for_update(self, update)
+            staged = wu.stage(self.model, update, self.tp.size)
+        except ValueError as e:
+            return wu.StageResult(rank=self.rank, num_tensors=0, error=str(e))
+        self._staged = staged
+        return wu.StageResult(rank=self.rank, num_tensors=len(staged.entries), unclaimed=staged.unclaimed)
+
+    def commit_weight_update(self) -> int:
+        """Apply the staged update (every rank staged it cleanly); returns how many tensors."""
+        from asyncengine.worker import weight_update as wu
+
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is None:
+            raise RuntimeError("commit_weight_update without a staged update")
+        n = wu.apply(self.model, staged)
+        self.weights_dropped = False
+        return n
+
+    def discard_weight_update(self) -> None:
+        self._staged = None
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache and the packed weight copies (level 2: the weights too); returns the
+        process's RSS after (worker/sleep_mode.py)."""
+        from asyncengine.worker import sleep_mode
+
+        return sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: list[str]) -> int:
+        from asyncengine.worker import sleep_mode
+
+        return sleep_mode.wake_up(self, tags)
 
     def reset_requests(self) -> None:
         """Forget every request's state (the core abandoned them all)."""

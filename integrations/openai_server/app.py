@@ -178,7 +178,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               allowed_hosts=None, allowed_origins=(), bind_host: str = "127.0.0.1",
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
               ws_idle_timeout_s: float = 600.0, responses_store_size: int = DEFAULT_SIZE,
-              responses_store_ttl_s: float = DEFAULT_TTL_S, chat_config=None) -> Starlette:
+              responses_store_ttl_s: float = DEFAULT_TTL_S, chat_config=None, training_endpoints: bool = False,
+              training_weights_dir: str | None = None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -198,6 +199,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         (for GET and ``previous_response_id``), and for how long (responses_store.py).
     chat_config: how chat outputs are read (chat_render.ChatConfig: tool-call and reasoning parsers,
         default chat_template_kwargs; default: the project's JSON-array tool calls, no reasoning parser).
+    training_endpoints: serve /pause, /resume, /sleep, /wake_up, /reset_prefix_cache and
+        /update_weights (training.py; needs ``api_key``); ``training_weights_dir``: where
+        /update_weights may read checkpoints.
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat
@@ -244,6 +248,12 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         WebSocketRoute("/v1/ws/chat", ws_chat),
         *other_api_routes(),
     ]
+    if training_endpoints:  # off by default; they change what every client is served
+        from .training import training_routes
+
+        if not api_key:
+            raise ValueError("the training endpoints need an API key (--api-key or $ASYNCENGINE_API_KEY)")
+        routes += training_routes(engine, training_weights_dir)
     middleware = [Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS)]
     if allowed_origins:  # CORS only where asked for (a preflight is answered before the key check)
         from starlette.middleware.cors import CORSMiddleware

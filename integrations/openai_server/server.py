@@ -11,7 +11,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           served_model_name: str | None = None, log_level: str = "info", allowed_hosts=None,
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
           max_connections: int = 512, ws_idle_timeout_s: float = 600.0, responses_store_size: int = 1024,
-          responses_store_ttl_s: float = 3600.0, chat_config=None, **engine_kwargs) -> int:
+          responses_store_ttl_s: float = 3600.0, chat_config=None, training_endpoints: bool = False,
+          training_weights_dir: str | None = None, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -21,7 +22,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     listens, so the first client does not pay the first step's one-time costs
     (asyncengine/engine/warmup.py). on_loaded(engine): called once the model is loaded and warmed
     up, before the server listens. responses_store_size / responses_store_ttl_s: the Responses API's
-    store (build_app). Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
+    store (build_app). training_endpoints / training_weights_dir: see build_app (training.py).
+    Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost; ``prefill_cores``/``decode_cores`` serve through a PDEngine,
     engine/pd_client.py). Returns the exit status: 0, or 1 when it stopped because the engine died
     (after answering in-flight clients; a supervisor restarts it)."""
@@ -34,6 +36,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
 
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
+    if training_endpoints and not api_key:
+        raise ValueError("--enable-training-endpoints needs an API key (--api-key or $ASYNCENGINE_API_KEY)")
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
     engine = AsyncLLMEngine.from_config(config)  # a PDEngine for prefill_cores/decode_cores
     server: uvicorn.Server | None = None
@@ -46,7 +50,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
                     bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
                     max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s,
                     responses_store_size=responses_store_size, responses_store_ttl_s=responses_store_ttl_s,
-                    chat_config=chat_config)
+                    chat_config=chat_config, training_endpoints=training_endpoints,
+                    training_weights_dir=training_weights_dir)
     _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level,
