@@ -1,18 +1,27 @@
 #!/usr/bin/env python
-"""Mutation check of the engine core's guards: delete or negate each one, run the tests that
-should notice, and report which mutants survive.
+"""Mutation check: delete or negate a guard, run the tests that should notice, and report which
+mutants survive.
 
-Each mutant names a file under asyncengine/core/, the exact code it replaces (which must occur
-exactly once), what replaces it, and the test selection expected to kill it. Mutants are applied
-to a copy of the checkout (``--in-place``: to the checkout itself) and always undone (``finally``,
-plus SIGINT/SIGTERM handlers); the tests run in a subprocess that writes no bytecode and sees the
-mutant with a new mtime (so a same-size mutant is never served from a stale .pyc), under a
-timeout: a hang counts as killed, since a test suite that hangs fails CI.
+Each mutant names a file (under asyncengine/core/ when the name has no folder; else relative to the
+repository: asyncengine/, kernels/, integrations/, C sources included), the exact code it replaces
+(which must occur exactly once), what replaces it, and the test selection expected to kill it
+(the area's own tests; ``-k`` expressions allowed). Mutants are applied to a copy of the checkout
+(``--in-place``: to the checkout itself) and always undone (``finally``, plus SIGINT/SIGTERM
+handlers); the tests run in a subprocess that writes no bytecode and sees the mutant with a new
+mtime (so a same-size mutant is never served from a stale .pyc; a C source's new bytes give a new
+kernel build key), under a timeout: a hang counts as killed, since a test suite that hangs fails CI.
 
-    .venv/bin/python scripts/mutation_check.py            # every mutant (about 15-25 min, 2 cores)
-    .venv/bin/python scripts/mutation_check.py --list     # the mutants
-    .venv/bin/python scripts/mutation_check.py --check    # each applies once and compiles (seconds)
-    .venv/bin/python scripts/mutation_check.py sched.in_flight pool.evict   # some of them
+pyproject's ``package-dir`` maps kernels/ and integrations/ into the package, so an installed
+``asyncengine.kernels`` would be the checkout's, not the copy's: the copy gets its own links
+(asyncengine/kernels -> ../kernels, asyncengine/integrations -> ../integrations,
+integrations/web_chat -> ../examples/web_chat), its tests run with PYTHONPATH at the copy, and a
+probe checks that all three packages import from the copy before any mutant runs.
+
+    python scripts/mutation_check.py            # every mutant (hours on 2 cores)
+    python scripts/mutation_check.py --list     # the mutants
+    python scripts/mutation_check.py --check    # each applies once and compiles (seconds)
+    python scripts/mutation_check.py sched.in_flight pool.evict   # some of them
+    python scripts/mutation_check.py --group wave   # the last two waves' features (docs/mutation.md)
 
 Not part of CI (too slow); the last run's score and the reasons for any survivor are in
 docs/mutation.md.
@@ -32,6 +41,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_wave import WAVE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = "asyncengine/core/"
 
@@ -48,11 +60,16 @@ METRICS = ["tests/core/test_metrics.py", "tests/core/test_prefix_caching.py"]
 @dataclass
 class Mutant:
     id: str
-    file: str  # under asyncengine/core/
+    file: str  # a bare name: under asyncengine/core/; else relative to the repository
     find: str
     replace: str
-    tests: list[str]
+    tests: list[str]  # pytest arguments: files, node ids, "-k", "expr"
     what: str
+    group: str = "core"  # core: asyncengine/core's guards (issue 16); wave: scripts/mutation_wave.py
+
+    @property
+    def path(self) -> str:
+        return self.file if "/" in self.file else CORE + self.file
 
 
 M = Mutant
@@ -204,9 +221,8 @@ MUTANTS = [
       "        if False:\n            raise ValueError(",
       POOL, "asking for more blocks than are free raises before taking any"),
     M("pool.evict", "block_pool.py",
-      "            if b.block_hash is not None:  # evict the cached prefix it held\n"
       "                del self.cached[b.block_hash]\n                b.block_hash = None\n"
-      "                self.num_evictions += 1\n", "", POOL,
+      "                self.num_evictions += 1\n", "                pass\n", POOL,
       "reusing a free cached block evicts its hash"),
     M("pool.touch_free", "block_pool.py",
       "            if b.ref_cnt == 0:\n                self.free_queue.remove(b)\n            b.ref_cnt += 1",
@@ -275,6 +291,9 @@ MUTANTS = [
 ]
 
 
+MUTANTS += [Mutant(*row, group="wave") for row in WAVE]
+
+
 # ---------------------------------------------------------------------- running
 
 
@@ -304,7 +323,7 @@ class Restorer:
 
 
 def mutated(m: Mutant, root: Path = ROOT) -> tuple[Path, str, str]:
-    path = root / CORE / m.file
+    path = root / m.path
     src = path.read_text()
     n = src.count(m.find)
     if n != 1:
@@ -316,6 +335,8 @@ def check(mutants) -> None:
     with tempfile.TemporaryDirectory() as d:
         for m in mutants:
             _, _, text = mutated(m)
+            if not m.path.endswith(".py"):
+                continue  # a C source: compiled by the kernels' own build when its tests import it
             f = Path(d) / f"{m.id}.py"
             f.write_text(text)
             try:
@@ -325,22 +346,44 @@ def check(mutants) -> None:
     print(f"{len(mutants)} mutants: each applies exactly once and compiles")
 
 
+# the package-dir folders (pyproject.toml), linked into the copy's package so that it imports its own
+PACKAGE_LINKS = {"asyncengine/kernels": "../kernels", "asyncengine/integrations": "../integrations",
+                 "integrations/web_chat": "../examples/web_chat"}
+PROBE = ("import asyncengine.core.scheduler as a, asyncengine.kernels.cpu.build as b, "
+         "asyncengine.integrations.tool_calls as c, asyncengine.integrations.web_chat as d; "
+         "print(a.__file__); print(b.__file__); print(c.__file__); print(list(d.__path__)[0])")
+
+
+def test_env(root: Path) -> dict[str, str]:
+    """PYTHONPATH at ``root`` (before the editable install's mapping), no bytecode written."""
+    pp = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=str(root) + (os.pathsep + pp if pp else ""), PYTHONDONTWRITEBYTECODE="1")
+
+
 def copy_checkout(dest: Path) -> Path:
-    """The checkout's sources and tests in ``dest`` (run from there, ``import asyncengine`` finds the
-    copy before the editable install; checked)."""
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", ".hypothesis",
-                                                             ".benchmarks", "*.gguf"))
-    probe = subprocess.run([sys.executable, "-c", "import asyncengine.core.scheduler as m; print(m.__file__)"],
-                           cwd=dest, capture_output=True, text=True, check=True).stdout.strip()
-    if not Path(probe).resolve().is_relative_to(dest.resolve()):
-        raise SystemExit(f"the copy in {dest} would test {probe}: use --in-place")
+    """The checkout's sources and tests in ``dest``, with the package-dir links; checked: the copy's
+    core, kernels and integrations are what ``import asyncengine`` finds there."""
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", ".hypothesis", ".benchmarks", "*.gguf", "*.egg-info", "build"))
+    for link, target in PACKAGE_LINKS.items():
+        p = dest / link
+        if p.is_symlink() or p.exists():
+            if not (p.is_symlink() and os.readlink(p) == target):
+                raise SystemExit(f"{p} exists and is not the link -> {target}")
+            continue
+        p.symlink_to(target)
+    files = subprocess.run([sys.executable, "-c", PROBE], cwd=dest, env=test_env(dest), capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if not Path(f).resolve().is_relative_to(dest.resolve()):
+            raise SystemExit(f"the copy in {dest} would test {f}: use --in-place")
     return dest
 
 
 def run_one(m: Mutant, root: Path, restorer: Restorer, timeout: float) -> tuple[str, str, float]:
     path, _, text = mutated(m, root)
     t0 = time.monotonic()
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env = test_env(root)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
     restorer.mutate(path, text)
     try:
@@ -370,14 +413,15 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only check that each mutant applies and compiles")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-mutant test timeout, seconds (a hang = killed)")
     ap.add_argument("--in-place", action="store_true", help="mutate the checkout itself (restored after each)")
+    ap.add_argument("--group", choices=("core", "wave"), help="only this group's mutants")
     args = ap.parse_args()
-    mutants = [m for m in MUTANTS if not args.ids or m.id in args.ids]
+    mutants = [m for m in MUTANTS if (not args.ids or m.id in args.ids) and args.group in (None, m.group)]
     unknown = set(args.ids) - {m.id for m in MUTANTS}
     if unknown:
         raise SystemExit(f"unknown mutant ids: {sorted(unknown)}")
     if args.list:
         for m in mutants:
-            print(f"{m.id:32} {m.file:20} {m.what}")
+            print(f"{m.id:32} {m.path:48} {m.what}")
         return 0
     check(mutants)
     if args.check:
@@ -393,7 +437,7 @@ def main() -> int:
     killed = sum(r[1] == "killed" for r in rows)
     print(f"\n| mutant | file | guard | result | first failing test |\n|---|---|---|---|---|")
     for m, status, by, _ in rows:
-        print(f"| `{m.id}` | {m.file} | {m.what} | {status} | {by} |")
+        print(f"| `{m.id}` | {m.path} | {m.what} | {status} | {by} |")
     print(f"\nscore: {killed}/{len(rows)} killed; survivors: "
           f"{', '.join(m.id for m, s, _, _ in rows if s != 'killed') or 'none'}")
     return 0 if killed == len(rows) else 1
