@@ -21,12 +21,11 @@ def _ssm(arch: str) -> tuple:
 
 WAVE = [
     # ------------------------------------------------------------------ issue 40's five places
-    ("offload.preempt_recompute", "asyncengine/core/scheduler.py",
-     "        req.num_computed_tokens = 0\n        req.num_preemptions += 1",
-     "        req.num_preemptions += 1",
+    ("offload.stage_past_host_gap", "asyncengine/kv_connector/offload/scheduler.py",
+     "        while (k < end and self.host.lookup(hashes[k]) is None and not self.host.is_pending(hashes[k])",
+     "        while (k < end and not self.host.is_pending(hashes[k])",
      [OFFLOAD, "-k", "chunked_prefill_and_preemption"],
-     "offload tiers under preemption: a preempted request recomputes from position 0 (killed only "
-     "if the offload test really preempts)"),
+     "disk staging stops at a block the host tier holds (the bug the preempting, chunking test found)"),
     _ssm("mamba2"), _ssm("bamba"), _ssm("nemotron_h"), _ssm("granitemoehybrid"),
     ("disk.crc", "asyncengine/kv_connector/offload/disk_store.py",
      "                if zlib.crc32(view) != crc:", "                if False:",

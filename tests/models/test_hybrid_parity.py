@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -342,10 +344,40 @@ def linear_qtypes(worker) -> list[str]:
     return sorted({str(m.qtype) for m in worker.model.modules() if isinstance(m, Linear)})
 
 
-def test_int8_quantizes_every_projection(tiny_model_dir, tiny_reference):
+def q8_0_round_trip(src: str, dst: str) -> str:
+    """A copy of checkpoint ``src`` whose matrices hold what Q8_0 keeps of them (each row's blocks
+    of 32 quantized and dequantized, as the engine does per row): transformers on it is the
+    reference for an int8 engine with fp32 activations."""
+    from safetensors.torch import load_file, save_file
+
+    from asyncengine.kernels.cpu import quant
+
+    shutil.copytree(src, dst)
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dst, f))
+            for name, t in tensors.items():
+                if t.dim() == 2 and t.shape[1] % 32 == 0:
+                    tensors[name] = quant.dequantize_torch(quant.quantize(t, "Q8_0"), "Q8_0", t.shape[1]).to(t.dtype)
+            save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
+    return dst
+
+
+def test_int8_quantizes_every_projection(tiny_model_dir, tiny_reference, hf_reference, tmp_path):
     """``quantization="int8"``: the Mamba in/out projections, attention, MLP, embedding and head all
-    run from Q8_0 blocks (the conv, A, D and norms stay dense); the requests all complete."""
+    run from Q8_0 blocks (the conv, A, D and norms stay dense). With fp32 activations they give
+    transformers' tokens on the same Q8_0-rounded weights (near-ties excused); with the default
+    (int8 activations, which round x too) the requests complete."""
     requests, _ = tiny_reference("bamba")
-    llm = LLM(tiny_model_dir("bamba"), dtype="float32", quantization="int8", **REGIMES["chunked"])
-    assert llm.engine.collective_rpc(linear_qtypes)[0] == ["Q8_0"]
-    run(llm, requests[:6])
+    refs = hf_reference(q8_0_round_trip(tiny_model_dir("bamba"), str(tmp_path / "q8")), requests[:6])
+    for activations in ("fp32", "auto"):
+        llm = LLM(tiny_model_dir("bamba"), dtype="float32", quantization="int8", quantized_activations=activations,
+                  **REGIMES["chunked"])
+        try:
+            assert llm.engine.collective_rpc(linear_qtypes)[0] == ["Q8_0"]
+            got = run(llm, requests[:6])
+        finally:
+            llm.shutdown()
+        if activations == "fp32":
+            counts = compare(got, refs)
+            assert counts["exact"] + counts["near_tie"] == counts["total"]
