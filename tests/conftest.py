@@ -9,6 +9,10 @@ Only model fixtures live here (other test files bring their own helpers):
   (``PARITY_NUM_REQUESTS`` requests, prompts 3-60 tokens, outputs 1-24 tokens) and transformers'
   greedy fp32 references for it, computed once per session per checkpoint.
 * ``hf_reference(model_dir, requests)``: the same cache for any other (dir, workload) pair.
+
+Hypothesis runs derandomized (profile ``asyncengine``): the same examples on every run, so a
+failure seen once reproduces; ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples instead.
+Every test starts from fixed torch and ``random`` seeds (an autouse fixture), for the same reason.
 """
 from __future__ import annotations
 
@@ -19,6 +23,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("asyncengine", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "asyncengine"))
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/model_utils.py importable from every test file
 
@@ -129,6 +138,18 @@ def tiny_qwen2_dir(tiny_model_dir) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_model_dir) -> str:
     return tiny_model_dir("qwen3")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same torch and ``random`` seeds, so a tensor or choice a test
+    draws without its own generator is the same on every run and a failure reproduces."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")

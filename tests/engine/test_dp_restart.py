@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig, EngineCoreDied, SamplingParams
+from model_utils import compare
 
 HANG_GUARD_S = 120.0
 
@@ -24,7 +25,7 @@ async def last(stream):
     return out
 
 
-async def test_a_dead_core_is_replaced(tiny_llama_dir):
+async def test_a_dead_core_is_replaced(tiny_llama_dir, hf_reference):
     eng = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", data_parallel_size=2,
                                       restart_dead_cores=True, num_threads=1, num_kv_blocks=64,
                                       max_model_len=512, freeze_gc_after_load=False))
@@ -45,8 +46,10 @@ async def test_a_dead_core_is_replaced(tiny_llama_dir):
             await asyncio.sleep(0.1)
         assert eng.client.health.summary()["restarts"] == 1 and eng.client.health.num_alive == 2
         assert eng.client.clients[1].proc.pid != old and eng.client.clients[1].proc.is_alive()
-        outs = await asyncio.wait_for(asyncio.gather(*(last(eng.generate({"prompt_token_ids": [9, i, 9]}, greedy(4)))
-                                                       for i in range(6))), HANG_GUARD_S)
-        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        after = [([9, 3 + i, 9], 4) for i in range(6)]  # no id 0-2: the reference masks its pad id
+        outs = await asyncio.wait_for(asyncio.gather(*(last(eng.generate({"prompt_token_ids": p}, greedy(m)))
+                                                       for p, m in after)), HANG_GUARD_S)
+        # the new core's (and the survivor's) tokens are transformers' (fp32, greedy; near-ties excused)
+        compare([o.outputs[0].token_ids for o in outs], hf_reference(tiny_llama_dir, after))
         assert eng.client.stats()["cores"][1]["num_steps"] > 0  # the new core served some of them
     assert not eng.client.clients[1].proc.is_alive()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-pytest.importorskip("xgrammar")
+import xgrammar  # noqa: E402,F401  (a main dependency: missing fails the run, never skips it)
 
 from asyncengine import EngineConfig  # noqa: E402
 from asyncengine.errors import InvalidRequestError  # noqa: E402

@@ -103,7 +103,10 @@ class OffloadScheduler(SchedulerConnector):
         if self.disk is None or j >= end or req.request_id in self._staged_once:
             return (j - first) * bs, False
         k = j
-        while k < end and not self.host.is_pending(hashes[k]) and hashes[k] in self.disk:
+        # up to the next block the host already holds or is reading (the host evicts on its own,
+        # so a prefix can have a gap there): those are found by the next look, not staged twice
+        while (k < end and self.host.lookup(hashes[k]) is None and not self.host.is_pending(hashes[k])
+               and hashes[k] in self.disk):
             k += 1
         if k == j:
             return (j - first) * bs, False
