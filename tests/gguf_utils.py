@@ -264,3 +264,65 @@ def quantized_reference(tensor: torch.Tensor, qtype: str) -> torch.Tensor:
     if qtype == "F16":
         return torch.from_numpy(data.astype(np.float16).astype(np.float32))
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qt), qt).reshape(data.shape).copy())
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _k4_pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins per super-block -> llama.cpp's 12 bytes (get_scale_min_k4's inverse)."""
+    out = np.zeros(sc.shape[:-1] + (12,), dtype=np.uint8)
+    out[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return out
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(v.shape[:-1] + (2,))
+
+
+def quantize_k(data: np.ndarray, qtype: str) -> np.ndarray:
+    """A 2-D float array (columns a multiple of 256) as valid ``qtype`` K-quant blocks, uint8
+    ``[rows, cols // 256 * block_bytes]``: a plain min/max encoding in llama.cpp's block layout
+    (``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``), not its search for the best scales; what the
+    tests need is a valid file whose dequantized values the kernels must reproduce."""
+    rows, cols = data.shape
+    x = data.astype(np.float32).reshape(rows, cols // 256, 256)
+    if qtype == "Q6_K":
+        sub = x.reshape(rows, -1, 16, 16)
+        scale = np.abs(sub).max(-1) / 31  # per 16 values
+        d = np.maximum(scale.max(-1, keepdims=True), 1e-8) / 127
+        d = d.astype(np.float16).astype(np.float32)
+        sc = np.clip(np.round(scale / d), 1, 127)
+        q = np.clip(np.round(sub / (d[..., None] * sc[..., None])), -32, 31).astype(np.int32) + 32
+        q = q.reshape(rows, -1, 256)
+        ql = np.zeros((rows, q.shape[1], 128), np.uint8)
+        qh = np.zeros((rows, q.shape[1], 64), np.uint8)
+        for h in range(2):
+            v = q[..., 128 * h:128 * h + 128]
+            a, b, c, e = v[..., 0:32], v[..., 32:64], v[..., 64:96], v[..., 96:128]
+            ql[..., 64 * h:64 * h + 32] = (a & 15) | ((c & 15) << 4)
+            ql[..., 64 * h + 32:64 * h + 64] = (b & 15) | ((e & 15) << 4)
+            qh[..., 32 * h:32 * h + 32] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+        blocks = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=-1)
+        return blocks.reshape(rows, -1)
+    top = 15 if qtype == "Q4_K" else 31
+    sub = x.reshape(rows, -1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - lo) / top
+    d = (np.maximum(scale.max(-1, keepdims=True), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    dmin = (np.maximum((-lo).max(-1, keepdims=True), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 63).astype(np.int32)
+    mn = np.clip(np.round(-lo / dmin), 0, 63).astype(np.int32)
+    q = np.round((sub + (dmin * mn)[..., None]) / (d * sc)[..., None])
+    q = np.clip(q, 0, top).astype(np.int32).reshape(rows, -1, 256)
+    qs = np.zeros((rows, q.shape[1], 128), np.uint8)
+    qh = np.zeros((rows, q.shape[1], 32), np.uint8)
+    for g in range(4):
+        a, b = q[..., 64 * g:64 * g + 32], q[..., 64 * g + 32:64 * g + 64]
+        qs[..., 32 * g:32 * g + 32] = (a & 15) | ((b & 15) << 4)
+        qh |= (((a >> 4) & 1) << (2 * g) | ((b >> 4) & 1) << (2 * g + 1)).astype(np.uint8)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_pack_scales(sc.astype(np.uint8), mn.astype(np.uint8))]
+    parts += [qh, qs] if qtype == "Q5_K" else [qs]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)

@@ -220,9 +220,9 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
             qtype = next(iter(found))
         elif mode in ("int8", "int4") and found <= {None, "F32", "F16", "BF16"}:
             qtype = "Q8_0" if mode == "int8" or isinstance(layer, VocabEmbedding) else "Q4_1"
-        if qtype is not None and not layer.can_quantize():
+        if qtype is not None and not layer.can_quantize(qtype):
             if not quiet:
-                log.info("%s stays dense: its %d input features are not whole %s blocks of 32", name,
+                log.info("%s stays dense: its %d input features are not whole %s blocks", name,
                          layer.in_features, qtype)
             qtype = None
         if qtype is not None:

@@ -31,8 +31,19 @@ import torch
 from asyncengine.kernels.cpu.build import load
 
 BLOCK = 32
-# name -> (GGML type id, bytes per block of 32)
-QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# name -> (GGML type id, bytes per block: of 32 values, of 256 for the K-quants)
+QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34),
+                                      "Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+# The K-quant super-block formats (kernels/cpu/quant_k.h): 256 values per block, run with q8_K
+# activations (int8 blocks of 256, one scale each: llama.cpp's), kept in the file's row layout
+# (no x8 repacking), no quantizer here (they come from GGUF files as they are).
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+QK = 256
+
+
+def block_len(qtype: str) -> int:
+    """Values per block of ``qtype``: 32, or 256 for the K-quants."""
+    return QK if qtype in K_QUANTS else BLOCK
 
 # The x8 layout (kernels/cpu/quant_common.h, repacking: kernels/cpu/repack.py): rows repacked 8 at a
 # time at load, in place, for the int8 kernel. The functions below take ``packed=True`` for a weight
@@ -71,15 +82,16 @@ ACTIVATIONS = _activations_from_env()
 
 
 def row_bytes(qtype: str, k: int) -> int:
-    return k // BLOCK * QTYPES[qtype][1]
+    return k // block_len(qtype) * QTYPES[qtype][1]
 
 
 def check(w: torch.Tensor, qtype: str, k: int) -> int:
     """N, after checking that ``w`` holds N rows of ``k`` values in ``qtype`` blocks."""
     if qtype not in QTYPES:
         raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(QTYPES)})")
-    if k % BLOCK:
-        raise ValueError(f"{qtype} rows hold blocks of {BLOCK} values; K={k} is not a multiple of {BLOCK}")
+    if k % block_len(qtype):
+        raise ValueError(f"{qtype} rows hold blocks of {block_len(qtype)} values; K={k} is not a multiple of "
+                         f"{block_len(qtype)}")
     if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype} weight of K={k} must be uint8 [N, {row_bytes(qtype, k)}], "
                          f"got {w.dtype} {list(w.shape)}")
@@ -95,12 +107,13 @@ def _lib():
         lib.ae_q_gemm.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_gemm_i8.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+        lib.ae_q_quantize_act_k.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.ae_q_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
         lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
         lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64]
-        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
+        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_quantize_act_k, lib.ae_q_dequant, lib.ae_q_embed,
                   lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa, lib.ae_q_repack_x8,
                   lib.ae_q_unpack_x8):
             f.restype = c_int
@@ -164,8 +177,15 @@ def kernels_available() -> bool:
 
 
 def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
-    """fp32 [N, k], exactly as ggml dequantizes (q * d + m; (q - 8) * d; q * d)."""
+    """fp32 [N, k], exactly as ggml dequantizes (q * d + m; (q - 8) * d; q * d; the K-quants through
+    gguf-py's ``gguf.quants.dequantize``, imported only then)."""
     n = w.shape[0]
+    if qtype in K_QUANTS:
+        import gguf.quants
+
+        blocks = w.contiguous().numpy()
+        out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(out.astype("float32", copy=False).reshape(n, k))
     b = w.reshape(-1, QTYPES[qtype][1])
     d = b[:, 0:2].contiguous().view(torch.float16).float()
     if qtype == "Q8_0":
@@ -212,6 +232,29 @@ def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q.reshape(m, k), d, s
 
 
+def quantize_activations_k_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (q int8 [M, K], d fp32 [M, K/256]): the q8_K blocks the K-quant kernel
+    multiplies with, as quant_k.h makes them (d = max|x| / 127, q = rint(x * (1 / d)))."""
+    m, k = x2.shape
+    blocks = x2.to(torch.float32).reshape(m, k // QK, QK)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks * _inverse(d).unsqueeze(-1)).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def quantize_activations_k(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's own q8_K blocks of fp32 [M, K] (K a multiple of 256)."""
+    lib = _lib()
+    x2 = x2.to(torch.float32).contiguous()
+    m, k = x2.shape
+    if lib is None:
+        return quantize_activations_k_torch(x2)
+    q, d = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QK)
+    if lib.ae_q_quantize_act_k(x2.data_ptr(), m, k, q.data_ptr(), d.data_ptr()):
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    return q, d
+
+
 def _roundf(v: torch.Tensor) -> torch.Tensor:
     """ggml's roundf (half away from zero), in gguf-py's formulation, so bytes match its quantizer."""
     a = v.abs()
@@ -223,6 +266,9 @@ def quantize(w: torch.Tensor, qtype: str, rows_per_chunk: int = 4096) -> torch.T
     """Dense [N, K] (K a multiple of 32) -> uint8 blocks, byte-identical to gguf-py's quantizer
     (ggml's reference rounding). Works a chunk of rows at a time to bound the scratch memory."""
     n, k = w.shape
+    if qtype in K_QUANTS:
+        raise ValueError(f"{qtype} weights are read from GGUF files as they are; there is no {qtype} quantizer "
+                         f"here (quantize to {', '.join(q for q in QTYPES if q not in K_QUANTS)})")
     if k % BLOCK:
         raise ValueError(f"{qtype} needs rows of whole blocks of {BLOCK}; K={k} is not a multiple of {BLOCK}")
     out = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)
