@@ -172,13 +172,16 @@ def write_tiny_gguf(
     chat_template: str | None = CHATML_TEMPLATE,
     name: str = "tiny-test-model",
     tensor_overrides: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    tensor_qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (an HF model or a folder to load one from) as a GGUF at ``out_path``.
 
-    2-D weights are stored as ``qtype`` (F32, F16, BF16 or a type gguf-py can quantize: Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1); 1-D tensors stay F32 as llama.cpp keeps them. ``tokenizer`` is a
+    2-D weights are stored as ``qtype`` (F32, F16, BF16, a type gguf-py can quantize: Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1, or a K-quant, by :func:`quantize_k`: Q4_K, Q5_K, Q6_K); 1-D tensors stay F32 as llama.cpp keeps them. ``tokenizer`` is a
     ``tokenizers.Tokenizer`` (or None for no tokenizer metadata). ``tensor_overrides`` replaces or adds
     tensors by GGUF name with raw (array, type) pairs, for writing deliberately odd files.
+    ``tensor_qtypes`` stores the named 2-D
+    tensors (GGUF names) in another type than ``qtype`` (a Q4_K_M-like mix).
     """
     if not isinstance(model, torch.nn.Module):
         model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -206,7 +209,8 @@ def write_tiny_gguf(
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
+                    if qtype not in K_QUANTS else gguf.LlamaFileType.MOSTLY_Q4_K_M)
 
     if tokenizer is not None:
         meta = _tokenizer_metadata(tokenizer)
@@ -232,7 +236,9 @@ def write_tiny_gguf(
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             n_kv = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             data = llama_permute(data, cfg.num_attention_heads, n_kv)
-        tensors[_gguf_name(hf_name)] = (data, qt if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        gname = _gguf_name(hf_name)
+        t = gguf.GGMLQuantizationType[(tensor_qtypes or {}).get(gname, qtype)]
+        tensors[gname] = (data, t if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
     tensors.update(tensor_overrides or {})
 
     for gname, (data, t) in tensors.items():
@@ -242,6 +248,8 @@ def write_tiny_gguf(
             w.add_tensor(gname, data.astype(np.float32))
         elif t == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gname, data.astype(np.float16))
+        elif t.name in K_QUANTS:  # gguf-py has no K-quant quantizer: ours (quantize_k)
+            w.add_tensor(gname, quantize_k(data, t.name), raw_dtype=t)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, t), raw_dtype=t)
     w.write_header_to_file()
