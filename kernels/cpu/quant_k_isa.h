@@ -15,7 +15,8 @@
  * Q6_K q - 32 as s8 (wu: |w|, for the u8 operand). scl[j]: the 16-bit scale of each pair of
  * products (Q6_K: two scales per 32 values, one per 16). */
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int type, const uint8_t *blk,
-                                                                     __m256i w[8], __m256i wu[8], __m256i scl[8]) {
+                                                                     const int sc[8], __m256i w[8], __m256i wu[8],
+                                                                     __m256i scl[8]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (type == AE_Q_Q6_K) {
         const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
@@ -40,7 +41,7 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int
         }
         return;
     }
-    const uint8_t *sc = blk + 4, *qs = blk + (type == AE_Q_Q5_K ? 48 : 16);
+    const uint8_t *qs = blk + (type == AE_Q_Q5_K ? 48 : 16);
     __m256i qh = _mm256_setzero_si256();
     if (type == AE_Q_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
     const __m256i one = _mm256_set1_epi8(1);
@@ -56,10 +57,8 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int
         }
     }
     for (int j = 0; j < 8; j++) {
-        int s, m;
-        k4_scale_min(j, sc, &s, &m);
         wu[j] = w[j];
-        scl[j] = _mm256_set1_epi16((int16_t)s);
+        scl[j] = _mm256_set1_epi16((int16_t)sc[j]);
     }
 }
 
@@ -94,9 +93,9 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int 
         int sc[16], m[8];
 #if AE_LVL >= 1
         __m256i w[8], wu[8], scl[8];
-        AE_FN(k_load)(type, blk, w, wu, scl);
         if (type != AE_Q_Q6_K)
             for (int j = 0; j < 8; j++) k4_scale_min(j, blk + 4, sc + j, m + j);
+        AE_FN(k_load)(type, blk, sc, w, wu, scl);
 #else
         int8_t wq[AE_QK];
         float dd, dm;
