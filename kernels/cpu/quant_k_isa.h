@@ -15,8 +15,8 @@
  * Q6_K q - 32 as s8 (wu: |w|, for the u8 operand). scl[j]: the 16-bit scale of each pair of
  * products (Q6_K: two scales per 32 values, one per 16). */
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int type, const uint8_t *blk,
-                                                                     const int sc[8], __m256i w[8], __m256i wu[8],
-                                                                     __m256i scl[8]) {
+                                                                     const uint8_t sc[8], __m256i w[8],
+                                                                     __m256i wu[8], __m256i scl[8]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (type == AE_Q_Q6_K) {
         const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
@@ -90,13 +90,13 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int 
     float acc[AE_K_MB] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wr + b * bs;
-        int sc[16], m[8];
 #if AE_LVL >= 1
         __m256i w[8], wu[8], scl[8];
-        if (type != AE_Q_Q6_K)
-            for (int j = 0; j < 8; j++) k4_scale_min(j, blk + 4, sc + j, m + j);
-        AE_FN(k_load)(type, blk, sc, w, wu, scl);
+        uint8_t s8[8] = {0}, m8[8] = {0};
+        if (type != AE_Q_Q6_K) k4_scales(blk + 4, s8, m8);
+        AE_FN(k_load)(type, blk, s8, w, wu, scl);
 #else
+        int sc[16], m[8];
         int8_t wq[AE_QK];
         float dd, dm;
         k_decode(type, blk, wq, sc, m, &dd, &dm);
@@ -116,7 +116,11 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int 
 #endif
             if (type != AE_Q_Q6_K) {
                 const int32_t *xs = xsum + (i * K + b * AE_QK) / 32;
+#if AE_LVL >= 1
+                for (int j = 0; j < 8; j++) summ += m8[j] * xs[j];
+#else
                 for (int j = 0; j < 8; j++) summ += m[j] * xs[j];
+#endif
             }
             acc[i] = k_combine(blk, type, d[i * (K / AE_QK) + b], sumi, summ, acc[i]);
         }
