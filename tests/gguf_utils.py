@@ -177,11 +177,11 @@ def write_tiny_gguf(
     """Write ``model`` (an HF model or a folder to load one from) as a GGUF at ``out_path``.
 
     2-D weights are stored as ``qtype`` (F32, F16, BF16, a type gguf-py can quantize: Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, or a K-quant, by :func:`quantize_k`: Q4_K, Q5_K, Q6_K); 1-D tensors stay F32 as llama.cpp keeps them. ``tokenizer`` is a
-    ``tokenizers.Tokenizer`` (or None for no tokenizer metadata). ``tensor_overrides`` replaces or adds
-    tensors by GGUF name with raw (array, type) pairs, for writing deliberately odd files.
-    ``tensor_qtypes`` stores the named 2-D
-    tensors (GGUF names) in another type than ``qtype`` (a Q4_K_M-like mix).
+    Q4_1, Q5_0, Q5_1, or a K-quant, by :func:`quantize_k`: Q4_K, Q5_K, Q6_K); 1-D tensors stay F32
+    as llama.cpp keeps them. ``tokenizer`` is a ``tokenizers.Tokenizer`` (or None for no tokenizer
+    metadata). ``tensor_overrides`` replaces or adds tensors by GGUF name with raw (array, type)
+    pairs, for writing deliberately odd files. ``tensor_qtypes`` stores the named 2-D tensors (GGUF
+    names) in another type than ``qtype`` (a Q4_K_M-like mix).
     """
     if not isinstance(model, torch.nn.Module):
         model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -190,7 +190,6 @@ def write_tiny_gguf(
     assert arch in ("llama", "qwen2", "qwen3"), arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = dict(cfg.rope_parameters)
-    qt = gguf.GGMLQuantizationType[qtype]
 
     out_path = Path(out_path)
     w = gguf.GGUFWriter(out_path, arch)

@@ -16,7 +16,6 @@ from test_llama_native import REQUESTS, run
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
-from asyncengine.layers.linear import Linear
 from asyncengine.models import llama_native
 from asyncengine.models.gguf import open_gguf
 from asyncengine.models.loader import load_model

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_quant_kernels import _isa_params, assert_matmul_close
 
-from asyncengine.kernels.cpu import build, quant, repack
+from asyncengine.kernels.cpu import build, quant, quant_k, repack
 from asyncengine.layers.linear import Linear, QuantizedTensor
 
 K_FORMATS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -78,8 +78,8 @@ def test_fp32_activations_match_the_dequantized_matmul(qtype, m):
 def test_q8k_activation_quantizer_matches_torch():
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3)) * 3
     x[1, :256] = 0  # an all-zero block: d = 0, q = 0
-    q, d = quant.quantize_activations_k(x)
-    qr, dr = quant.quantize_activations_k_torch(x)
+    q, d = quant_k.quantize_activations_k(x)
+    qr, dr = quant_k.quantize_activations_k_torch(x)
     assert torch.equal(q, qr) and torch.equal(d, dr)
 
 
@@ -90,7 +90,7 @@ def test_int8_activations_each_isa(isa, qtype, m, n, k):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
     bias = torch.randn(n)
     y = quant.gemm(x, w, qtype, k, bias, activations="int8")
-    q, d = quant.quantize_activations_k_torch(x)
+    q, d = quant_k.quantize_activations_k_torch(x)
     xq = (q.float().reshape(m, k // 256, 256) * d.unsqueeze(-1)).reshape(m, k)
     assert_matmul_close(y, xq, gguf_dequant(w, qtype, k), bias)
     # and the same bits on every path: the scalar one is the reference
