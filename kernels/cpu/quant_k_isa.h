@@ -20,7 +20,11 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (type == AE_Q_Q6_K) {
         const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-        const int8_t *s = (const int8_t *)(blk + 192);
+        /* the 16 scales as int16; dword j = scales 2j, 2j + 1: broadcast it, then spread scale 2j over
+         * the low 128 bits (products 0-15) and 2j + 1 over the high ones (16-31) */
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = blk + 64 * h, *qhp = blk + 128 + 32 * h;
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
@@ -36,7 +40,7 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int
                 const int j = 4 * h + k;
                 w[j] = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_slli_epi16(hb[k], 4)), off);
                 wu[j] = _mm256_abs_epi8(w[j]);
-                scl[j] = _mm256_setr_m128i(_mm_set1_epi16(s[2 * j]), _mm_set1_epi16(s[2 * j + 1]));
+                scl[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(j)), spread);
             }
         }
         return;
