@@ -60,9 +60,13 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_load)(const int
             w[2 * g + 1] = _mm256_or_si256(w[2 * g + 1], _mm256_slli_epi16(b1, 4));
         }
     }
+    /* the 8 scales as int16 in both halves; sub-block j's spread over all lanes by one shuffle */
+    int64_t s8;
+    memcpy(&s8, sc, 8);
+    const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(s8)));
     for (int j = 0; j < 8; j++) {
         wu[j] = w[j];
-        scl[j] = _mm256_set1_epi16((int16_t)sc[j]);
+        scl[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
     }
 }
 
