@@ -172,13 +172,16 @@ def write_tiny_gguf(
     chat_template: str | None = CHATML_TEMPLATE,
     name: str = "tiny-test-model",
     tensor_overrides: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+    tensor_qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (an HF model or a folder to load one from) as a GGUF at ``out_path``.
 
-    2-D weights are stored as ``qtype`` (F32, F16, BF16 or a type gguf-py can quantize: Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1); 1-D tensors stay F32 as llama.cpp keeps them. ``tokenizer`` is a
-    ``tokenizers.Tokenizer`` (or None for no tokenizer metadata). ``tensor_overrides`` replaces or adds
-    tensors by GGUF name with raw (array, type) pairs, for writing deliberately odd files.
+    2-D weights are stored as ``qtype`` (F32, F16, BF16, a type gguf-py can quantize: Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1, or a K-quant, by :func:`quantize_k`: Q4_K, Q5_K, Q6_K); 1-D tensors stay F32
+    as llama.cpp keeps them. ``tokenizer`` is a ``tokenizers.Tokenizer`` (or None for no tokenizer
+    metadata). ``tensor_overrides`` replaces or adds tensors by GGUF name with raw (array, type)
+    pairs, for writing deliberately odd files. ``tensor_qtypes`` stores the named 2-D tensors (GGUF
+    names) in another type than ``qtype`` (a Q4_K_M-like mix).
     """
     if not isinstance(model, torch.nn.Module):
         model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -187,7 +190,6 @@ def write_tiny_gguf(
     assert arch in ("llama", "qwen2", "qwen3"), arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = dict(cfg.rope_parameters)
-    qt = gguf.GGMLQuantizationType[qtype]
 
     out_path = Path(out_path)
     w = gguf.GGUFWriter(out_path, arch)
@@ -206,7 +208,8 @@ def write_tiny_gguf(
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
+                    if qtype not in K_QUANTS else gguf.LlamaFileType.MOSTLY_Q4_K_M)
 
     if tokenizer is not None:
         meta = _tokenizer_metadata(tokenizer)
@@ -232,7 +235,9 @@ def write_tiny_gguf(
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             n_kv = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             data = llama_permute(data, cfg.num_attention_heads, n_kv)
-        tensors[_gguf_name(hf_name)] = (data, qt if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        gname = _gguf_name(hf_name)
+        t = gguf.GGMLQuantizationType[(tensor_qtypes or {}).get(gname, qtype)]
+        tensors[gname] = (data, t if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
     tensors.update(tensor_overrides or {})
 
     for gname, (data, t) in tensors.items():
@@ -242,6 +247,8 @@ def write_tiny_gguf(
             w.add_tensor(gname, data.astype(np.float32))
         elif t == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gname, data.astype(np.float16))
+        elif t.name in K_QUANTS:  # gguf-py has no K-quant quantizer: ours (quantize_k)
+            w.add_tensor(gname, quantize_k(data, t.name), raw_dtype=t)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, t), raw_dtype=t)
     w.write_header_to_file()
@@ -264,3 +271,65 @@ def quantized_reference(tensor: torch.Tensor, qtype: str) -> torch.Tensor:
     if qtype == "F16":
         return torch.from_numpy(data.astype(np.float16).astype(np.float32))
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qt), qt).reshape(data.shape).copy())
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _k4_pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and mins per super-block -> llama.cpp's 12 bytes (get_scale_min_k4's inverse)."""
+    out = np.zeros(sc.shape[:-1] + (12,), dtype=np.uint8)
+    out[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return out
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(v.shape[:-1] + (2,))
+
+
+def quantize_k(data: np.ndarray, qtype: str) -> np.ndarray:
+    """A 2-D float array (columns a multiple of 256) as valid ``qtype`` K-quant blocks, uint8
+    ``[rows, cols // 256 * block_bytes]``: a plain min/max encoding in llama.cpp's block layout
+    (``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``), not its search for the best scales; what the
+    tests need is a valid file whose dequantized values the kernels must reproduce."""
+    rows, cols = data.shape
+    x = data.astype(np.float32).reshape(rows, cols // 256, 256)
+    if qtype == "Q6_K":
+        sub = x.reshape(rows, -1, 16, 16)
+        scale = np.abs(sub).max(-1) / 31  # per 16 values
+        d = np.maximum(scale.max(-1, keepdims=True), 1e-8) / 127
+        d = d.astype(np.float16).astype(np.float32)
+        sc = np.clip(np.round(scale / d), 1, 127)
+        q = np.clip(np.round(sub / (d[..., None] * sc[..., None])), -32, 31).astype(np.int32) + 32
+        q = q.reshape(rows, -1, 256)
+        ql = np.zeros((rows, q.shape[1], 128), np.uint8)
+        qh = np.zeros((rows, q.shape[1], 64), np.uint8)
+        for h in range(2):
+            v = q[..., 128 * h:128 * h + 128]
+            a, b, c, e = v[..., 0:32], v[..., 32:64], v[..., 64:96], v[..., 96:128]
+            ql[..., 64 * h:64 * h + 32] = (a & 15) | ((c & 15) << 4)
+            ql[..., 64 * h + 32:64 * h + 64] = (b & 15) | ((e & 15) << 4)
+            qh[..., 32 * h:32 * h + 32] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+        blocks = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=-1)
+        return blocks.reshape(rows, -1)
+    top = 15 if qtype == "Q4_K" else 31
+    sub = x.reshape(rows, -1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - lo) / top
+    d = (np.maximum(scale.max(-1, keepdims=True), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    dmin = (np.maximum((-lo).max(-1, keepdims=True), 1e-8) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d), 1, 63).astype(np.int32)
+    mn = np.clip(np.round(-lo / dmin), 0, 63).astype(np.int32)
+    q = np.round((sub + (dmin * mn)[..., None]) / (d * sc)[..., None])
+    q = np.clip(q, 0, top).astype(np.int32).reshape(rows, -1, 256)
+    qs = np.zeros((rows, q.shape[1], 128), np.uint8)
+    qh = np.zeros((rows, q.shape[1], 32), np.uint8)
+    for g in range(4):
+        a, b = q[..., 64 * g:64 * g + 32], q[..., 64 * g + 32:64 * g + 64]
+        qs[..., 32 * g:32 * g + 32] = (a & 15) | ((b & 15) << 4)
+        qh |= (((a >> 4) & 1) << (2 * g) | ((b >> 4) & 1) << (2 * g + 1)).astype(np.uint8)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_pack_scales(sc.astype(np.uint8), mn.astype(np.uint8))]
+    parts += [qh, qs] if qtype == "Q5_K" else [qs]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)

@@ -32,7 +32,7 @@ from torch import nn
 from asyncengine.kernels.cpu import invariant, quant, repack
 from asyncengine.layers import packed_linear
 
-BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0
+BLOCK_FORMATS = tuple(quant.QTYPES)  # GGUF block formats a layer can keep: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 
 
 @dataclass
@@ -58,15 +58,17 @@ class QuantizedTensor:
         return QuantizedTensor(self.qtype, (len(index), self.shape[1]), self.data.index_select(0, index))
 
     def cols(self, start: int, stop: int) -> "QuantizedTensor":
-        """Columns [start, stop): a row-parallel shard of K. Blocks of 32 values cannot be split."""
-        if start % quant.BLOCK or stop % quant.BLOCK:
+        """Columns [start, stop): a row-parallel shard of K. Blocks (32 values, 256 for the K-quants)
+        cannot be split."""
+        blk = quant.block_len(self.qtype)
+        if start % blk or stop % blk:
             raise ValueError(
                 f"cannot take columns [{start}, {stop}) of a {self.qtype} weight: a row-parallel shard of a "
-                f"block-quantized weight must start and end on {quant.BLOCK}-column block edges (here K is "
+                f"block-quantized weight must start and end on {blk}-column block edges (here K is "
                 f"split into slices of {stop - start}); use a tensor_parallel_size that gives each rank a "
-                f"multiple of {quant.BLOCK} input features, or load with quantization='none'")
+                f"multiple of {blk} input features, or load with quantization='none'")
         bb = quant.QTYPES[self.qtype][1]
-        data = self.data[:, start // quant.BLOCK * bb:stop // quant.BLOCK * bb].contiguous()
+        data = self.data[:, start // blk * bb:stop // blk * bb].contiguous()
         return QuantizedTensor(self.qtype, (self.shape[0], stop - start), data)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -104,17 +106,18 @@ class Linear(nn.Module):
         # quantized weights: True when qweight holds the x8 layout (repack.pack), not the file's rows
         self.packed = False
 
-    def can_quantize(self) -> bool:
-        """Block formats need whole blocks of 32 input features per row."""
-        return self.in_features % quant.BLOCK == 0
+    def can_quantize(self, qtype: str | None = None) -> bool:
+        """Block formats need whole blocks (of 32 input features per row; 256 for the K-quants)."""
+        return self.in_features % (quant.block_len(qtype) if qtype else quant.BLOCK) == 0
 
     def quantize_as(self, qtype: str) -> None:
         """Keep the weight in ``qtype`` blocks. Call before the weights are loaded (it drops the
         dense parameter); the buffer is created on the device of the dense one (meta is fine)."""
         if qtype not in quant.QTYPES:
             raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(quant.QTYPES)})")
-        if not self.can_quantize():
-            raise ValueError(f"{qtype} needs in_features to be a multiple of {quant.BLOCK}, got {self.in_features}")
+        if not self.can_quantize(qtype):
+            raise ValueError(f"{qtype} needs in_features to be a multiple of {quant.block_len(qtype)}, "
+                             f"got {self.in_features}")
         device = self.weight.device if self.weight is not None else self.qweight.device
         self.weight = None
         self.qtype = qtype
@@ -144,7 +147,7 @@ class Linear(nn.Module):
         """Repack (or unpack) the quantized weight in place for its activation mode (above)."""
         if not self.quantized or self.qweight.device.type != "cpu":
             return
-        want = (self.activations or quant.ACTIVATIONS) == "int8" and repack.can_pack(self.out_features)
+        want = (self.activations or quant.ACTIVATIONS) == "int8" and repack.can_pack(self.out_features, self.qtype)
         if want != self.packed:
             with torch.no_grad():
                 (repack.pack if want else repack.unpack)(self.qweight, self.qtype, self.in_features)

@@ -219,11 +219,16 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
         qtype = None
         if len(found) == 1 and next(iter(found)) in BLOCK_FORMATS:
             qtype = next(iter(found))
+        elif len(found) > 1 and found <= set(BLOCK_FORMATS) and mode is None:
+            # parts in different formats (a Q4_K_M file's Q4_K q/k with a Q6_K v): one layer holds
+            # one format, so the parts are re-quantized to Q8_0 at load (8.5 bits, near-lossless
+            # against 4-6 bit parts) and the layer stays on the native kernels
+            qtype = "Q8_0"
         elif mode in ("int8", "int4") and found <= {None, "F32", "F16", "BF16"}:
             qtype = "Q8_0" if mode == "int8" or isinstance(layer, VocabEmbedding) else "Q4_1"
-        if qtype is not None and not layer.can_quantize():
+        if qtype is not None and not layer.can_quantize(qtype):
             if not quiet:
-                log.info("%s stays dense: its %d input features are not whole %s blocks of 32", name,
+                log.info("%s stays dense: its %d input features are not whole %s blocks", name,
                          layer.in_features, qtype)
             qtype = None
         if qtype is not None:
@@ -240,7 +245,8 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
     keep = set()
     for layer, ckpt, qtype in plan.values():
         layer.quantize_as(qtype)
-        keep.update(f"model.{n}" if not n.startswith("lm_head.") else n for n in ckpt if types.get(n) == qtype)
+        keep.update(f"model.{n}" if not n.startswith("lm_head.") else n for n in ckpt
+                    if types.get(n) == qtype or types.get(n) in BLOCK_FORMATS)
     if not quiet:
         counts: dict[str, int] = {}
         for _, _, q in plan.values():

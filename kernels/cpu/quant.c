@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "quant_common.h"
+#include "quant_k.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define AE_Q_AVX2 1 /* the fp32 kernel's SIMD path (chosen at build time, -march=native) */
@@ -127,11 +128,39 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
 #endif
 }
 
+/* The K-quants with fp32 activations: each super-block dequantized (k_dequant_block, as the
+ * reference) and dotted with every row of x; rows [n0, n1) of out. */
+static void chunk_k_f32(int type, int64_t n0, int64_t n1, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                        const float *bias, float *out, int64_t ldo, int accumulate) {
+    const int bs = block_bytes(type);
+    const int64_t nb = K / AE_QK;
+    float wf[AE_QK];
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t i = 0; i < M; i++) { /* out[i, n] accumulated block by block below */
+            float *o = out + i * ldo + n;
+            *o = (accumulate ? *o : 0.0f) + (bias ? bias[n] : 0.0f);
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            k_dequant_block(type, w + n * nb * bs + b * bs, wf);
+            for (int64_t i = 0; i < M; i++) {
+                const float *xp = x + i * K + b * AE_QK;
+                float s = 0.0f;
+                for (int j = 0; j < AE_QK; j++) s = fmaf(wf[j], xp[j], s);
+                out[i * ldo + n] += s;
+            }
+        }
+    }
+}
+
 /* Rows [n0, n1) of out for every row of x. type and x8 must be compile-time constants (see gemm_run). */
 static inline __attribute__((always_inline)) void gemm_chunk(const int type, const int x8, int64_t n0, int64_t n1,
                                                              const float *x, int64_t M, int64_t K, const uint8_t *w,
                                                              const float *xs, const float *bias, float *out,
                                                              int64_t ldo, int accumulate) {
+    if (is_kquant(type)) {
+        chunk_k_f32(type, n0, n1, x, M, K, w, bias, out, ldo, accumulate);
+        return;
+    }
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
     for (int64_t m0 = 0; m0 < M; m0 += AE_Q_MB) {
         const int64_t mb = M - m0 < AE_Q_MB ? M - m0 : AE_Q_MB;
@@ -163,7 +192,7 @@ static void gemm_run(int tx, const float *x, int64_t M, int64_t K, const uint8_t
     const int type = tx & ~AE_Q_X8;
     const int64_t nb = K / 32;
     float *xs = NULL; /* per (row of x, block) sums, for the m * sum(x) term */
-    if (type != AE_Q_Q8_0) {
+    if (type != AE_Q_Q8_0 && !is_kquant(type)) {
         xs = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
         for (int64_t i = 0; i < M; i++)
             for (int64_t b = 0; b < nb; b++) {
@@ -191,7 +220,7 @@ static void gemm_run(int tx, const float *x, int64_t M, int64_t K, const uint8_t
 int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
               float *out, int64_t ldo, int accumulate, int nthreads) {
     const int t = type & ~AE_Q_X8;
-    if (K % 32 || !block_bytes(t) || ((type & AE_Q_X8) && N % 8)) return -1;
+    if (!block_bytes(t) || K % block_len(t) || ((type & AE_Q_X8) && (N % 8 || is_kquant(t)))) return -1;
     gemm_run(type, x, M, K, w, N, bias, out, ldo, accumulate, nthreads);
     return 0;
 }
@@ -200,10 +229,14 @@ int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, 
  * tile and the embedding gather's building block). */
 int ae_q_dequant(int type, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, float *out, int nthreads) {
     const int x8 = (type & AE_Q_X8) != 0, t = type & ~AE_Q_X8, bs = block_bytes(t);
-    if (!bs || K % 32) return -1;
-    const int64_t nb = K / 32, row_bytes = nb * bs;
+    if (!bs || K % block_len(t) || (x8 && is_kquant(t))) return -1;
+    const int64_t nb = K / block_len(t), row_bytes = nb * bs;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && r1 - r0 > 64)
     for (int64_t r = r0; r < r1; r++) {
+        if (is_kquant(t)) {
+            for (int64_t b = 0; b < nb; b++) k_dequant_block(t, w + r * row_bytes + b * bs, out + (r - r0) * K + b * AE_QK);
+            continue;
+        }
         const ae_qrow q = qrow(t, x8, w, row_bytes, r);
         for (int64_t b = 0; b < nb; b++) dequant_block(t, &q, b, out + (r - r0) * K + b * 32);
     }
@@ -214,10 +247,14 @@ int ae_q_dequant(int type, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, 
  * are checked by the caller; returns -1 for an unknown type. */
 int ae_q_embed(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out, int nthreads) {
     const int x8 = (type & AE_Q_X8) != 0, t = type & ~AE_Q_X8, bs = block_bytes(t);
-    if (!bs || K % 32) return -1;
-    const int64_t nb = K / 32, row_bytes = nb * bs;
+    if (!bs || K % block_len(t) || (x8 && is_kquant(t))) return -1;
+    const int64_t nb = K / block_len(t), row_bytes = nb * bs;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n > 64)
     for (int64_t i = 0; i < n; i++) {
+        if (is_kquant(t)) {
+            for (int64_t b = 0; b < nb; b++) k_dequant_block(t, w + ids[i] * row_bytes + b * bs, out + i * K + b * AE_QK);
+            continue;
+        }
         const ae_qrow q = qrow(t, x8, w, row_bytes, ids[i]);
         for (int64_t b = 0; b < nb; b++) dequant_block(t, &q, b, out + i * K + b * 32);
     }

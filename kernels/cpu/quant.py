@@ -1,4 +1,4 @@
-"""GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) on CPU: quant.c through ctypes, torch beside it.
+"""GGUF block-quantized weights (Q4_0, Q4_1, Q8_0; K-quants: quant_k.py) on CPU: quant.c through ctypes, torch beside it.
 
 A weight is kept as the file's raw blocks, ``uint8 [N, K // 32 * block_bytes]`` (row n = its K
 values in blocks of 32). :func:`gemm` computes ``x @ dequant(W)^T`` with the C kernel (fp32 math,
@@ -29,10 +29,20 @@ import os
 import torch
 
 from asyncengine.kernels.cpu.build import load
+from asyncengine.kernels.cpu.quant_blocks import inverse as _inverse
+from asyncengine.kernels.cpu.quant_blocks import quantize_blocks as _quantize_blocks
 
 BLOCK = 32
-# name -> (GGML type id, bytes per block of 32)
-QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# name -> (GGML type id, bytes per block: of 32 values, of 256 for the K-quants)
+QTYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34),
+                                      "Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+# K-quant super-blocks of QK values (quant_k.h, quant_k.py): the file's rows, no quantizer here.
+K_QUANTS, QK = ("Q4_K", "Q5_K", "Q6_K"), 256
+
+
+def block_len(qtype: str) -> int:
+    """Values per block of ``qtype``: 32, or 256 for the K-quants."""
+    return QK if qtype in K_QUANTS else BLOCK
 
 # The x8 layout (kernels/cpu/quant_common.h, repacking: kernels/cpu/repack.py): rows repacked 8 at a
 # time at load, in place, for the int8 kernel. The functions below take ``packed=True`` for a weight
@@ -71,15 +81,16 @@ ACTIVATIONS = _activations_from_env()
 
 
 def row_bytes(qtype: str, k: int) -> int:
-    return k // BLOCK * QTYPES[qtype][1]
+    return k // block_len(qtype) * QTYPES[qtype][1]
 
 
 def check(w: torch.Tensor, qtype: str, k: int) -> int:
     """N, after checking that ``w`` holds N rows of ``k`` values in ``qtype`` blocks."""
     if qtype not in QTYPES:
         raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(QTYPES)})")
-    if k % BLOCK:
-        raise ValueError(f"{qtype} rows hold blocks of {BLOCK} values; K={k} is not a multiple of {BLOCK}")
+    if k % block_len(qtype):
+        raise ValueError(f"{qtype} rows hold blocks of {block_len(qtype)} values; K={k} is not a multiple of "
+                         f"{block_len(qtype)}")
     if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype} weight of K={k} must be uint8 [N, {row_bytes(qtype, k)}], "
                          f"got {w.dtype} {list(w.shape)}")
@@ -95,12 +106,13 @@ def _lib():
         lib.ae_q_gemm.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_gemm_i8.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+        lib.ae_q_quantize_act_k.argtypes = [ptr, i64, i64, ptr, ptr]
         lib.ae_q_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
         lib.ae_q_embed.argtypes = [c_int, ptr, i64, ptr, i64, ptr, c_int]
         lib.ae_q_gemm_q8.argtypes = [c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, c_int, c_int]
         lib.ae_q_cpu_isa.argtypes, lib.ae_q_isa.argtypes, lib.ae_q_set_isa.argtypes = [], [], [c_int]
         lib.ae_q_repack_x8.argtypes = lib.ae_q_unpack_x8.argtypes = [c_int, ptr, i64, i64]
-        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_dequant, lib.ae_q_embed,
+        for f in (lib.ae_q_gemm, lib.ae_q_gemm_i8, lib.ae_q_quantize_act, lib.ae_q_quantize_act_k, lib.ae_q_dequant, lib.ae_q_embed,
                   lib.ae_q_gemm_q8, lib.ae_q_cpu_isa, lib.ae_q_isa, lib.ae_q_set_isa, lib.ae_q_repack_x8,
                   lib.ae_q_unpack_x8):
             f.restype = c_int
@@ -164,8 +176,13 @@ def kernels_available() -> bool:
 
 
 def dequantize_torch(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
-    """fp32 [N, k], exactly as ggml dequantizes (q * d + m; (q - 8) * d; q * d)."""
+    """fp32 [N, k], exactly as ggml dequantizes (q * d + m; (q - 8) * d; q * d; K-quants: d * sc * q - dmin * m)."""
     n = w.shape[0]
+    if qtype in K_QUANTS:  # gguf-py's values (llama.cpp's), imported only here
+        import gguf.quants
+
+        out = gguf.quants.dequantize(w.contiguous().numpy(), gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(out.astype("float32", copy=False).reshape(n, k))
     b = w.reshape(-1, QTYPES[qtype][1])
     d = b[:, 0:2].contiguous().view(torch.float16).float()
     if qtype == "Q8_0":
@@ -212,17 +229,12 @@ def quantize_activations_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q.reshape(m, k), d, s
 
 
-def _roundf(v: torch.Tensor) -> torch.Tensor:
-    """ggml's roundf (half away from zero), in gguf-py's formulation, so bytes match its quantizer."""
-    a = v.abs()
-    f = a.floor()
-    return torch.sign(v) * (f + (2 * (a - f)).floor())
-
-
 def quantize(w: torch.Tensor, qtype: str, rows_per_chunk: int = 4096) -> torch.Tensor:
     """Dense [N, K] (K a multiple of 32) -> uint8 blocks, byte-identical to gguf-py's quantizer
     (ggml's reference rounding). Works a chunk of rows at a time to bound the scratch memory."""
     n, k = w.shape
+    if qtype in K_QUANTS:
+        raise ValueError(f"{qtype} weights come from GGUF files as they are; there is no {qtype} quantizer here")
     if k % BLOCK:
         raise ValueError(f"{qtype} needs rows of whole blocks of {BLOCK}; K={k} is not a multiple of {BLOCK}")
     out = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)
@@ -230,37 +242,6 @@ def quantize(w: torch.Tensor, qtype: str, rows_per_chunk: int = 4096) -> torch.T
         blocks = w[r0:r0 + rows_per_chunk].detach().to(torch.float32).reshape(-1, BLOCK)
         out[r0:r0 + rows_per_chunk] = _quantize_blocks(blocks, qtype).reshape(-1, out.shape[1])
     return out
-
-
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
-
-
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    q = q.to(torch.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def _half_bytes(v: torch.Tensor) -> torch.Tensor:
-    return v.to(torch.float16).view(torch.uint8).reshape(-1, 2)
-
-
-def _quantize_blocks(x: torch.Tensor, qtype: str) -> torch.Tensor:
-    if qtype == "Q8_0":
-        d = x.abs().amax(dim=1, keepdim=True) / 127
-        q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
-        return torch.cat([_half_bytes(d), q], dim=1)
-    if qtype == "Q4_1":
-        mx, mn = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)
-        d = (mx - mn) / 15
-        q = torch.trunc((x - mn) * _inverse(d) + 0.5).clamp(0, 15)
-        return torch.cat([_half_bytes(d), _half_bytes(mn), _pack_nibbles(q)], dim=1)
-    if qtype == "Q4_0":
-        imax = x.abs().argmax(dim=1, keepdim=True)
-        d = torch.gather(x, 1, imax) / -8
-        q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
-        return torch.cat([_half_bytes(d), _pack_nibbles(q)], dim=1)
-    raise ValueError(f"unknown block format {qtype!r} (supported: {', '.join(QTYPES)})")
 
 
 # ------------------------------------------------------------------------------------- the kernels

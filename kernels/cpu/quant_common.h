@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8 }; /* GGML type ids */
+enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8, AE_Q_Q4_K = 12, AE_Q_Q5_K = 13, AE_Q_Q6_K = 14 }; /* GGML ids */
 #define AE_Q_X8 0x100  /* flag on a type id: the weight is in the x8 layout (above) */
 #define AE_Q_CHUNK 16  /* rows of W per scheduling unit (two x8 groups) */
 
@@ -36,7 +36,13 @@ enum { AE_Q_Q4_0 = 2, AE_Q_Q4_1 = 3, AE_Q_Q8_0 = 8 }; /* GGML type ids */
  * dispatch site). */
 #define AE_Q_FOR_EACH_FORMAT(CASE) \
     CASE(AE_Q_Q4_0, 0) CASE(AE_Q_Q4_1, 0) CASE(AE_Q_Q8_0, 0) \
-    CASE(AE_Q_Q4_0, AE_Q_X8) CASE(AE_Q_Q4_1, AE_Q_X8) CASE(AE_Q_Q8_0, AE_Q_X8)
+    CASE(AE_Q_Q4_0, AE_Q_X8) CASE(AE_Q_Q4_1, AE_Q_X8) CASE(AE_Q_Q8_0, AE_Q_X8) \
+    CASE(AE_Q_Q4_K, 0) CASE(AE_Q_Q5_K, 0) CASE(AE_Q_Q6_K, 0)
+
+/* The K-quant super-block formats (quant_k.h): 256 values per block, the file's row layout only. */
+static inline int is_kquant(int type) {
+    return type == AE_Q_Q4_K || type == AE_Q_Q5_K || type == AE_Q_Q6_K;
+}
 
 static inline float fp16_to_fp32(const uint8_t *p) {
     uint16_t h;
@@ -67,8 +73,22 @@ static inline float fp16_to_fp32(const uint8_t *p) {
 #endif
 }
 
+/* Bytes per block (of 32 values; of 256 for the K-quants, see block_len). */
 static inline int block_bytes(int type) {
-    return type == AE_Q_Q8_0 ? 34 : type == AE_Q_Q4_1 ? 20 : type == AE_Q_Q4_0 ? 18 : 0;
+    switch (type) {
+        case AE_Q_Q8_0: return 34;
+        case AE_Q_Q4_1: return 20;
+        case AE_Q_Q4_0: return 18;
+        case AE_Q_Q4_K: return 144;
+        case AE_Q_Q5_K: return 176;
+        case AE_Q_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* Values per block: 32, or 256 for the K-quants. */
+static inline int block_len(int type) {
+    return is_kquant(type) ? 256 : 32;
 }
 
 /* Where row n's blocks lie: block b starts at base + b * step; in it d at +d, m at +m (Q4_1), the

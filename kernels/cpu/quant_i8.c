@@ -9,6 +9,7 @@
 
 #include "isa.h"
 #include "quant_common.h"
+#include "quant_k.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define AE_Q_X86 1 /* the int8 kernel's AVX2 and VNNI copies exist (chosen at run time) */
@@ -97,6 +98,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float
 #define AE_FN(name) AE_CAT(name, c)
 #define AE_TGT
 #include "quant_x8.h"
+#include "quant_k_isa.h"
 #include "quant_i8.h"
 #undef AE_LVL
 #undef AE_FN
@@ -119,6 +121,7 @@ static inline int32_t load32(const uint8_t *p) {
 #define AE_FN(name) AE_CAT(name, avx2)
 #define AE_TGT __attribute__((target("avx2,fma,f16c")))
 #include "quant_x8.h"
+#include "quant_k_isa.h"
 #include "quant_i8.h"
 #undef AE_LVL
 #undef AE_FN
@@ -128,6 +131,7 @@ static inline int32_t load32(const uint8_t *p) {
 #define AE_FN(name) AE_CAT(name, vnni)
 #define AE_TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #include "quant_x8.h"
+#include "quant_k_isa.h"
 #include "quant_i8.h"
 #undef AE_LVL
 #undef AE_FN
@@ -171,12 +175,28 @@ int ae_q_quantize_act(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
     return 0;
 }
 
-/* out (+)= x's int8 blocks (q, d, s as ae_q_quantize_act makes them) times dequant(W)^T (+ bias),
+/* A known format whose blocks fill K, x8 only for the 32-value formats and whole groups of 8 rows. */
+static int weight_ok(int type, int64_t K, int64_t N) {
+    const int t = type & ~AE_Q_X8;
+    if (!block_bytes(t) || K % block_len(t)) return 0;
+    return !(type & AE_Q_X8) || (!is_kquant(t) && N % 8 == 0);
+}
+
+/* x [M, K] fp32 -> q8_K blocks: q [M, K] int8, d [M, K / 256] (what ae_q_gemm_i8 multiplies a
+ * K-quant weight with; exported for the tests). Returns -1 unless K % 256 == 0. */
+int ae_q_quantize_act_k(const float *x, int64_t M, int64_t K, int8_t *q, float *d) {
+    if (K % AE_QK) return -1;
+    k_quantize_rows(x, M, K, q, d);
+    return 0;
+}
+
+/* out (+)= x's int8 blocks (q, d, s as ae_q_quantize_act makes them; for a K-quant weight q and d
+ * as ae_q_quantize_act_k makes them, s unused) times dequant(W)^T (+ bias),
  * on the ISA in use: for callers that quantize a row once and multiply it by several weights. */
 int ae_q_gemm_q8(int type, const int8_t *q, const float *d, const float *s, int64_t M, int64_t K,
                  const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo, int accumulate,
                  int nthreads) {
-    if (K % 32 || !block_bytes(type & ~AE_Q_X8) || ((type & AE_Q_X8) && N % 8)) return -1;
+    if (!weight_ok(type, K, N)) return -1;
     switch (ae_q_isa()) {
 #if AE_Q_X86
         case AE_Q_ISA_VNNI: return gemm_i8_vnni(type, q, d, s, M, K, w, N, bias, out, ldo, accumulate, nthreads);
@@ -190,7 +210,7 @@ int ae_q_gemm_q8(int type, const int8_t *q, const float *d, const float *s, int6
  * type, K not a multiple of 32, or no memory for the int8 copy of x. */
 int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
                  float *out, int64_t ldo, int accumulate, int nthreads) {
-    if (K % 32 || !block_bytes(type & ~AE_Q_X8) || ((type & AE_Q_X8) && N % 8)) return -1;
+    if (!weight_ok(type, K, N)) return -1;
     const int64_t nb = K / 32;
     const size_t n = (size_t)(M * nb > 0 ? M * nb : 1);
     int8_t *q = (int8_t *)malloc(n * 32);
@@ -200,7 +220,8 @@ int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *
         free(ds);
         return -1;
     }
-    quantize_rows(x, M, K, q, ds, ds + n);
+    if (is_kquant(type)) k_quantize_rows(x, M, K, q, ds); /* d per 256 (ds + n unused) */
+    else quantize_rows(x, M, K, q, ds, ds + n);
     const int rc = ae_q_gemm_q8(type, q, ds, ds + n, M, K, w, N, bias, out, ldo, accumulate, nthreads);
     free(q);
     free(ds);

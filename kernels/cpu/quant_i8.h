@@ -174,6 +174,10 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
     const int type, const int x8, int64_t n0, const int64_t n1, const int8_t *q, const float *d, const float *s,
     const int32_t *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *out,
     int64_t ldo, int accumulate) {
+    if (is_kquant(type)) { /* d: per 256 values (q8_K); xsum: per 32 */
+        AE_FN(chunk_k)(type, n0, n1, q, d, xsum, M, K, w, bias, out, ldo, accumulate);
+        return;
+    }
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
     const uint8_t *wend = w + N * row_bytes;
     (void)xsum, (void)row_bytes, (void)wend;
@@ -253,8 +257,8 @@ static AE_TGT int AE_FN(gemm_i8)(int type, const int8_t *q, const float *d, cons
                                  const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo,
                                  int accumulate, int nthreads) {
     const int64_t nb = K / 32, chunks = (N + AE_Q_CHUNK - 1) / AE_Q_CHUNK;
-    int32_t *xsum = NULL; /* per (row of x, block): sum of q, for the x8 Q8_0 kernel's offset */
-    if (type & AE_Q_X8) {
+    int32_t *xsum = NULL; /* per (row of x, 32 values): sum of q, for x8's offset and the K-quants' mins */
+    if ((type & AE_Q_X8) || is_kquant(type)) {
         xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb > 0 ? M * nb : 1));
         if (!xsum) return -1;
         for (int64_t i = 0; i < M * nb; i++) {

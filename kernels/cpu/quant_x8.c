@@ -38,7 +38,7 @@ static void group_x8(int type, const uint8_t *src, uint8_t *dst, int64_t nb, int
  * OpenMP region per weight cost seconds in all when the host's other load kept one thread waiting. */
 static int convert(int type, uint8_t *w, int64_t N, int64_t K, int to_rows) {
     const int bs = block_bytes(type);
-    if (!bs || K % 32 || N % 8) return -1;
+    if (!bs || is_kquant(type) || K % 32 || N % 8) return -1; /* K-quants keep the file's rows */
     const int64_t nb = K / 32, gbytes = 8 * nb * bs, groups = N / 8;
     uint8_t *tmp = (uint8_t *)malloc((size_t)gbytes);
     if (!tmp) return -2;

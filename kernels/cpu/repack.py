@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from asyncengine.kernels.cpu.quant import QTYPES, _lib, check, cpu_isa
+from asyncengine.kernels.cpu.quant import K_QUANTS, QTYPES, _lib, check, cpu_isa
 
 GROUP = 8  # rows per group (quant.x8_torch: the layout in torch)
 
@@ -25,10 +25,12 @@ def layout_from_env() -> str:
     return mode
 
 
-def can_pack(n: int) -> bool:
+def can_pack(n: int, qtype: str | None = None) -> bool:
     """Whether a weight of ``n`` rows is repacked for int8: whole groups of 8, the layout switch on,
-    and a SIMD copy of the x8 kernel on this CPU (the portable C one is slower on x8 than on rows)."""
-    return n > 0 and n % GROUP == 0 and layout_from_env() == "x8" and cpu_isa() not in (None, "scalar")
+    a SIMD copy of the x8 kernel on this CPU (the portable C one is slower on x8 than on rows), and
+    a format of 32-value blocks (the K-quants keep the file's rows: quant_k_isa.h)."""
+    return (n > 0 and n % GROUP == 0 and qtype not in K_QUANTS and layout_from_env() == "x8"
+            and cpu_isa() not in (None, "scalar"))
 
 
 def pack(w: torch.Tensor, qtype: str, k: int) -> None:

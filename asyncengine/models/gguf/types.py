@@ -92,7 +92,7 @@ SUPPORTED_TENSOR_TYPES: frozenset[GGMLType] = frozenset(FLOAT_TYPES + tuple(GGML
     "TQ1_0", "TQ2_0",
 )))
 # The types the CPU kernels run as they are (asyncengine/layers/linear.py, kernels/cpu/quant.c).
-BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def type_name(type_id: int) -> str:
