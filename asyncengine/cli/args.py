@@ -68,11 +68,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
 
 def _sampling_default(field: str) -> str:
     """The default a sampling flag takes when none is given: the model's generation config, else
-    the small-chat defaults (models/sampling_defaults.py), else SamplingParams' own."""
-    from asyncengine.models.sampling_defaults import SMALL_CHAT_DEFAULTS
-    from asyncengine.sampling_params import SamplingParams
+    the engine's table (models/sampling_defaults.py)."""
+    from asyncengine.models.sampling_defaults import ENGINE_DEFAULTS
 
-    value = SMALL_CHAT_DEFAULTS[field] if field in SMALL_CHAT_DEFAULTS else getattr(SamplingParams(), field)
+    value = ENGINE_DEFAULTS[field]
     shown = {-1: "off", 0: "off"}.get(value, value) if field == "top_k" else value
     if field == "temperature" and value == 0:
         shown = "0 (greedy)"
@@ -82,9 +81,9 @@ def _sampling_default(field: str) -> str:
 def _sampling(p: argparse.ArgumentParser, command: str) -> None:
     g = p.add_argument_group(
         "sampling (the server's fields)", _para(
-        "Unset: the model's generation config, else greedy decoding with presence penalty 0.3 "
-        "(models/sampling_defaults.py). Setting any one of these drops the others' defaults to SamplingParams' "
-        "own (vLLM's: temperature 1, no penalties)."))
+        "Each one unset: the model's generation config, else the engine's table (greedy decoding with "
+        "presence penalty 0.3; models/sampling_defaults.py), as for every front end. A model that names its "
+        "own sampling gets no presence penalty it did not ask for."))
     if command == "generate":
         g.add_argument("--max-tokens", type=POSITIVE_INT, default=GENERATE_MAX_TOKENS,
                        help=f"most tokens of the completion; a cut completion says so on stderr "

@@ -39,17 +39,13 @@ async def _make_engine(args):
 
 
 def _params(engine, args):
-    import msgspec
-
     from asyncengine import OutputKind, SamplingParams
 
+    # the flags given; the others stay unset, for the engine to fill from the model's defaults
     given = {f: getattr(args, f) for f in SAMPLING_FIELDS if getattr(args, f) is not None}
     if args.sample_seed is not None:
         given["seed"] = args.sample_seed
-    # the defaults are a set, as in the server: picking any sampling knob drops the others' defaults
-    picked = any(f in given for f in SAMPLING_FIELDS if f not in ("max_tokens", "stop"))
-    base = SamplingParams(max_tokens=None) if picked else engine.default_sampling_params
-    return msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
+    return engine.processor.resolve(SamplingParams(output_kind=OutputKind.DELTA, **given))
 
 
 def _cut_note(args, params, reason: str | None, n: int, looped: bool) -> str:

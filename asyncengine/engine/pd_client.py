@@ -254,7 +254,7 @@ class PDEngine:
         request's async iterator of RequestOutputs, streamed by the decode core."""
         if self._closing or self._closed:
             raise EngineDeadError("the engine is shutting down")
-        params = sampling_params if sampling_params is not None else self.default_sampling_params
+        params = self.decode[0].processor.resolve(sampling_params)  # unset fields: the model's defaults
         self.check_sampling_params(params)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
         validation.check_request_id(rid, self.limits)
@@ -298,8 +298,7 @@ class PDEngine:
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw):
         """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(sampling_params or self.default_sampling_params,
-                                         output_kind=OutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(sampling_params or SamplingParams(), output_kind=OutputKind.FINAL_ONLY)
         final = None
         async for out in self.generate(prompt, params, request_id, **kw):
             final = out
