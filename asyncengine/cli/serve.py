@@ -50,8 +50,18 @@ def run_serve(args) -> int:
     kw = engine_kwargs(args)
     EngineConfig(**kw)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
-    status_warm = lambda engine: status.done(  # noqa: E731
-        f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
+
+    def status_warm(engine) -> None:
+        core = getattr(engine, "client", None)  # the P/D front end compiles in its decode engines
+        if core is not None and engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
+            # the grammar compile workers start before the server listens, not at its first
+            # structured request (~55 MB, ~0.3-2 s; structured/compile_service.py)
+            from asyncengine.structured.compile_service import warm_up
+
+            status.step("starting the grammar compiler")
+            warm_up(engine.config, core)
+        status.done(f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
+
     try:
         return serve(model=args.model, host=args.host, port=args.port,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
