@@ -9,7 +9,8 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import (EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, model_problem,
+                                  warm_up_wanted)
 from asyncengine.cli.status import LoadStatus
 
 
@@ -39,6 +40,9 @@ def run_serve(args) -> int:
         return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if (why := model_problem(args.model)) is not None:
+        print(f"asyncengine serve: error: {why} (see `asyncengine serve --help`)", file=sys.stderr)
         return EXIT_USAGE
     from asyncengine.config import EngineConfig
     from asyncengine.engine.validation import RequestLimits
