@@ -2,12 +2,18 @@
 
 A msgspec Struct so it crosses process boundaries cheaply; validated in ``__post_init__`` so a bad
 value fails the request that carries it, with a message naming the field.
+
+The sampling knobs and ``max_tokens`` default to ``UNSET``, not to a number: a field the caller
+leaves out is filled from the model's defaults by the front end (models/sampling_defaults.py,
+applied once by the engine's InputProcessor), so ``SamplingParams(max_tokens=64)`` in Python
+decodes as the server and the CLI do.
 """
 from __future__ import annotations
 
 import enum
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.structured_params import StructuredOutputsParams
@@ -19,6 +25,26 @@ class OutputKind(enum.IntEnum):
     DELTA = 0
     CUMULATIVE = 1
     FINAL_ONLY = 2
+
+
+# the fields a caller may leave unset, filled from the model's defaults (models/sampling_defaults.py)
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "max_tokens")
+
+# The engine's default of each of them, for a model whose generation config names no sampling.
+# Why: the small chat models this engine targets (SmolLM2-135M by default) ramble at temperature
+# 1.0 ("Éléments à Noël is the capital of France"), and even at temperature 0.2 with top_p 0.9 four
+# of six seeds answered "What is the capital of France?" in made-up French (the first token is
+# nearly a tie); a repetition penalty of 1.1 derails it the same way, because it also penalizes the
+# prompt's words. Greedy decoding answers correctly but can loop on one sentence in long answers; a
+# presence penalty (output tokens only, a flat 0.3 off every token already written) pushes away from
+# verbatim loops without touching the words the prompt asks about. So: greedy plus a presence
+# penalty, deterministic. ``max_tokens=None``: until EOS or the context is full (front ends say
+# when an answer was cut).
+ENGINE_DEFAULTS: dict = {
+    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.3, "frequency_penalty": 0.0, "max_tokens": None,
+}
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -44,22 +70,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
       ``include_stop_str_in_output``). Neither, nor EOS, can end it before ``min_tokens`` tokens;
       ``ignore_eos`` ignores EOS (not ``stop_token_ids``).
 
+    * Fields left ``UNSET`` (the knobs of :data:`DEFAULTED_FIELDS`) take the model's defaults
+      when the engine takes the request (models/sampling_defaults.py): its generation config, then
+      the engine's table; ``max_tokens=None`` means "until EOS or the context is full".
+
     Out-of-range values raise ``InvalidRequestError`` naming the field.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float | UnsetType = UNSET
+    top_p: float | UnsetType = UNSET
+    top_k: int | UnsetType = UNSET  # 0 or -1 = disabled
+    min_p: float | UnsetType = UNSET
+    repetition_penalty: float | UnsetType = UNSET
+    presence_penalty: float | UnsetType = UNSET
+    frequency_penalty: float | UnsetType = UNSET
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None | UnsetType = UNSET
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] | str | None = None
@@ -80,7 +110,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature is not UNSET and self.temperature < 1e-5
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every defaulted field has a value (the engine's layers below the front end
+        only ever see resolved params)."""
+        return all(getattr(self, f) is not UNSET for f in DEFAULTED_FIELDS)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -93,29 +129,32 @@ def check_sampling_ranges(p: SamplingParams) -> None:
     def bad(msg: str) -> None:
         raise InvalidRequestError(f"SamplingParams: {msg}")
 
+    def given(v) -> bool:
+        return v is not UNSET
+
     if p.n < 1:
         bad(f"n must be >= 1, got {p.n}")
-    if not p.temperature >= 0.0:
+    if given(p.temperature) and not p.temperature >= 0.0:
         bad(f"temperature must be >= 0, got {p.temperature}")
-    if not 0.0 < p.top_p <= 1.0:
+    if given(p.top_p) and not 0.0 < p.top_p <= 1.0:
         bad(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < -1:
+    if given(p.top_k) and p.top_k < -1:
         bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {p.top_k}")
-    if p.top_k == -1:
+    if given(p.top_k) and p.top_k == -1:
         p.top_k = 0
-    if not 0.0 <= p.min_p <= 1.0:
+    if given(p.min_p) and not 0.0 <= p.min_p <= 1.0:
         bad(f"min_p must be in [0, 1], got {p.min_p}")
-    if not p.repetition_penalty > 0.0:
+    if given(p.repetition_penalty) and not p.repetition_penalty > 0.0:
         bad(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    if not -2.0 <= p.presence_penalty <= 2.0:
+    if given(p.presence_penalty) and not -2.0 <= p.presence_penalty <= 2.0:
         bad(f"presence_penalty must be in [-2, 2], got {p.presence_penalty}")
-    if not -2.0 <= p.frequency_penalty <= 2.0:
+    if given(p.frequency_penalty) and not -2.0 <= p.frequency_penalty <= 2.0:
         bad(f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}")
-    if p.max_tokens is not None and p.max_tokens < 1:
+    if given(p.max_tokens) and p.max_tokens is not None and p.max_tokens < 1:
         bad(f"max_tokens must be >= 1, got {p.max_tokens}")
     if p.min_tokens < 0:
         bad(f"min_tokens must be >= 0, got {p.min_tokens}")
-    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+    if given(p.max_tokens) and p.max_tokens is not None and p.min_tokens > p.max_tokens:
         bad(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
     if p.logprobs is not None and p.logprobs < 0:
         bad(f"logprobs must be >= 0, got {p.logprobs}")
@@ -129,3 +168,10 @@ def check_sampling_ranges(p: SamplingParams) -> None:
         bad("allowed_token_ids must not be empty")
     if p.seed is not None and not (0 <= p.seed < 2**63):
         bad(f"seed must be in [0, 2**63), got {p.seed}")
+
+
+def resolve_unset(params: SamplingParams, defaults: dict = ENGINE_DEFAULTS) -> SamplingParams:
+    """``params`` with each unset field taken from ``defaults`` (every key of DEFAULTED_FIELDS,
+    range-checked already); the same object when nothing is unset."""
+    missing = {f: defaults[f] for f in DEFAULTED_FIELDS if getattr(params, f) is UNSET}
+    return msgspec.structs.replace(params, **missing) if missing else params

@@ -26,8 +26,6 @@ import asyncio
 import signal
 import sys
 
-import msgspec
-
 from asyncengine import AsyncLLMEngine, EngineConfig, OutputKind, SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -68,11 +66,10 @@ class Console:
 async def main(a: argparse.Namespace) -> None:
     config = EngineConfig(model=a.model, dtype=a.dtype)
     engine = AsyncLLMEngine(config)  # loads the model (a few seconds) before the loop gets busy
-    # the model's sampling defaults (the same set the CLI and the server use), with what was asked
+    # what was asked; what was not takes the model's defaults (the engine fills them, as for the CLI and server)
     given = {k: v for k, v in dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p).items()
              if v is not None}
-    base = engine.default_sampling_params if not given.keys() - {"max_tokens"} else SamplingParams(max_tokens=None)
-    params = msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
+    params = SamplingParams(output_kind=OutputKind.DELTA, **given)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
@@ -49,20 +48,19 @@ from asyncengine import (AsyncLLMEngine, EngineConfig, EngineDeadError, EngineOv
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def params_from(msg: dict, defaults: SamplingParams) -> SamplingParams:
-    """The frame's fields over the engine's sampling defaults (used as a set when the frame sets no
-    sampling knob); no max_tokens = until the model stops."""
-    knobs = {k: float(msg[k]) for k in ("temperature", "top_p") if msg.get(k) is not None}
-    base = defaults if not knobs else SamplingParams(max_tokens=None)
-    return msgspec.structs.replace(base, max_tokens=int(msg["max_tokens"]) if msg.get("max_tokens") else None,
-                                   stop=msg.get("stop"), output_kind=OutputKind.DELTA, **knobs)
+def params_from(msg: dict) -> SamplingParams:
+    """The frame's fields; those it leaves out take the model's defaults (the engine fills them)."""
+    fields = {k: float(msg[k]) for k in ("temperature", "top_p") if msg.get(k) is not None}
+    if msg.get("max_tokens"):
+        fields["max_tokens"] = int(msg["max_tokens"])
+    return SamplingParams(stop=msg.get("stop"), output_kind=OutputKind.DELTA, **fields)
 
 
 async def stream_one(ws: WebSocket, engine: AsyncLLMEngine, msg: dict) -> None:
     """One request: its deltas as frames. Cancelling this task aborts the request in the engine."""
     try:
         prompt = msg["messages"] if "messages" in msg else msg["prompt"]
-        stream = engine.generate(prompt, params_from(msg, engine.default_sampling_params))
+        stream = engine.generate(prompt, params_from(msg))
     except (KeyError, TypeError, ValueError) as e:  # InvalidRequestError is a ValueError
         await ws.send_json({"type": "error", "error": "invalid_request", "message": str(e) or repr(e)})
         return

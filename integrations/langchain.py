@@ -34,7 +34,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, PrivateAttr, model_validator
 
-from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, with_defaults
+from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, sampling_params_from
 from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -42,7 +42,7 @@ from .engine_thread import EngineBridge, close_shared_engines, shared_engine
 from .tool_calls import ToolPlan, assistant_turn, response_format_params, with_tools_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_KNOBS = SAMPLING_KNOBS  # taken as one set: from the engine's defaults when the caller sets none of them
+_KNOBS = SAMPLING_KNOBS  # None: unset, the engine fills it from the model's defaults
 
 def _text(content) -> str:
     """A message's text: a string, or the text parts of a content list (tool-use parts are carried
@@ -185,10 +185,9 @@ class ChatAsyncEngine(BaseChatModel):
             return kwargs[name] if kwargs.get(name) is not None else getattr(self, name)
 
         stop = stop if stop is not None else pick("stop")
-        # none of the knobs set: the engine's one set of defaults (the model's, else ours)
-        return with_defaults(
-            bridge.engine.default_sampling_params, {k: pick(k) for k in _KNOBS},
-            max_tokens=pick("max_tokens"), min_tokens=pick("min_tokens") or 0,
+        # the knobs left None stay unset: the engine fills them from the model's defaults
+        return sampling_params_from(
+            **{k: pick(k) for k in _KNOBS}, max_tokens=pick("max_tokens"), min_tokens=pick("min_tokens") or 0,
             stop=list(stop) if stop else None, seed=pick("seed"), logit_bias=pick("logit_bias"),
             structured_outputs=structured, output_kind=OutputKind.DELTA)
 

@@ -22,7 +22,7 @@ from llama_index.core.llms import LLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from pydantic import Field, PrivateAttr
 
-from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, with_defaults
+from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, sampling_params_from
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -85,9 +85,10 @@ class AsyncEngineLLM(LLM):
             return kwargs[name] if kwargs.get(name) is not None else getattr(self, name)
 
         stop = pick("stop")
-        return with_defaults(self.bridge.engine.default_sampling_params, {k: pick(k) for k in SAMPLING_KNOBS},
-                             max_tokens=pick("max_tokens"), stop=list(stop) if stop else None, seed=pick("seed"),
-                             output_kind=OutputKind.DELTA)
+        # the knobs left None stay unset: the engine fills them from the model's defaults
+        return sampling_params_from(**{k: pick(k) for k in SAMPLING_KNOBS}, max_tokens=pick("max_tokens"),
+                                    stop=list(stop) if stop else None, seed=pick("seed"),
+                                    output_kind=OutputKind.DELTA)
 
     def _deadline(self, kwargs: dict) -> float | None:
         import time

@@ -28,27 +28,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    sub = ap._subparsers._group_actions[0].choices[args.cmd]  # errors name the command: "asyncengine chat: ..."
+    if unknown:
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _args.model_of(sub, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # check what we can before loading the model (seconds): bad input fails at once (the flags'
-    # types check numbers and sizes; EngineConfig checks how they go together)
+    # types check numbers and sizes; EngineConfig checks how they go together, SamplingParams the
+    # sampling values; the model must be one we can load)
     if getattr(args, "stop_repeats", 0) < 0:
-        ap.error("--stop-repeats must be >= 0 (0 turns the guard off)")
-    from asyncengine.errors import AsyncEngineError, ConfigError
+        sub.error("--stop-repeats must be >= 0 (0 turns the guard off)")
+    from asyncengine.errors import AsyncEngineError, ConfigError, InvalidRequestError
 
     try:  # how the engine flags go together, before the model loads
         from asyncengine.config import EngineConfig
 
         EngineConfig(**_args.engine_kwargs(args))
     except ConfigError as e:
-        ap.error(str(e))
+        sub.error(str(e))
+    if args.cmd != "serve":
+        try:
+            _args.sampling_params_of(args)
+        except InvalidRequestError as e:
+            sub.error(_args.as_flag_message(str(e)))
     if args.cmd == "serve" and not 0 < args.port < 65536:
-        ap.error(f"--port must be in 1..65535, got {args.port}")
+        sub.error(f"--port must be in 1..65535, got {args.port}")
     lines = None
     if args.cmd == "chat":
         if args.prompt is not None:
             if not args.prompt.strip():
-                ap.error("--prompt is empty")
+                sub.error("--prompt is empty")
             lines = [args.prompt]
         elif not sys.stdin.isatty():
             lines = read_piped()
@@ -56,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("asyncengine: nothing to answer: stdin had no question", file=sys.stderr)
                 return EXIT_USAGE
     elif args.cmd == "generate" and not args.prompt:
-        ap.error("--prompt is empty")
+        sub.error("--prompt is empty")
+    if args.cmd != "serve" and (why := _args.model_problem(args.model)) is not None:  # serve: after its port
+        sub.error(why)
     try:
         if args.cmd == "serve":
             return run_serve(args)

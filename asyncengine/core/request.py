@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams, resolve_unset
 
 _SEED_MOD = 2**63
 
@@ -76,6 +76,11 @@ class Request:
     # KV connector: prompt tokens loaded from outside when last taken from the waiting queue (their
     # KV is the target's alone: a draft model computes them itself)
     num_external_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # The front ends fill unset sampling fields from the model's defaults (engine/processor.py);
+        # a request made without one (tests, tools driving the core) gets the engine's table.
+        self.sampling_params = resolve_unset(self.sampling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -53,12 +53,13 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         self.tokenizer = self.client.tokenizer
         self.limits = config.limits
         self.processor = InputProcessor(self.tokenizer, self.client.vocab_size, self.client.max_model_len,
-                                        self.client.eos_token_ids, self.limits)
+                                        self.client.eos_token_ids, self.limits,
+                                        self.client.model_info.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.intake = PromptIntake(self.processor, self.limits)
         self.admission = Admission(config)
-        # what generate() uses without params, and front ends for the fields a caller left out: the
-        # checkpoint's generation config, as the front end read it (ModelInfo), else ours
+        # what a request with no sampling fields decodes with (the processor fills unset fields
+        # from the same values): the checkpoint's generation config, then the engine's table
         self.default_sampling_params = default_sampling_params(self.client.model_info.generation_config)
         if config.freeze_gc_after_load:
             gc_policy.freeze_after_load()
@@ -225,9 +226,8 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         self._bind_loop()
         if self._busy_loop.closing:
             raise EngineDeadError("the engine is shutting down")
-        if sampling_params is None:  # the model's defaults (models/sampling_defaults.py)
-            sampling_params = self.default_sampling_params
-        params = check_params(sampling_params)
+        # unset fields: the model's defaults (models/sampling_defaults.py), here, once
+        params = self.processor.resolve(check_params(sampling_params))
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex[:16]}"
         else:

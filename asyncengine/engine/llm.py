@@ -47,7 +47,8 @@ class LLM:
             self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
-                                        self.engine.eos_token_ids, self.config.limits)
+                                        self.engine.eos_token_ids, self.config.limits,
+                                        self.engine.model_info.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -86,7 +87,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params] * len(prompts)  # None: the model's defaults (processor.resolve)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         if self.engine.asleep:
@@ -94,6 +95,8 @@ class LLM:
                                       "wake_up() first")
         made = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            if sp is None or isinstance(sp, SamplingParams):  # unset fields: the model's defaults
+                sp = self.processor.resolve(sp)
             if isinstance(sp, SamplingParams) and sp.output_kind != OutputKind.FINAL_ONLY:
                 # only the final outputs are returned: don't build the intermediate ones (vLLM too)
                 sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)

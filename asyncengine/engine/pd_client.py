@@ -247,7 +247,7 @@ class PDEngine(EngineClient):
         request's async iterator of RequestOutputs, streamed by the decode core."""
         if self._closing or self._closed:
             raise EngineDeadError("the engine is shutting down")
-        params = sampling_params if sampling_params is not None else self.default_sampling_params
+        params = self.decode[0].processor.resolve(sampling_params)  # unset fields: the model's defaults
         self.check_sampling_params(params)
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
         validation.check_request_id(rid, self.limits)

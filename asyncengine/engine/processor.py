@@ -13,6 +13,7 @@ from asyncengine.core.request import Request
 from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
 from asyncengine.errors import InvalidRequestError
+from asyncengine.models.sampling_defaults import model_defaults, resolve
 from asyncengine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | Mapping
@@ -20,12 +21,23 @@ PromptType = str | Sequence[int] | Mapping
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, generation_config: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = limits or RequestLimits()
+        # the fields a caller leaves unset: the model's generation config, then the engine's table
+        self.sampling_defaults = model_defaults(generation_config)
+
+    def resolve(self, params: SamplingParams | None) -> SamplingParams:
+        """The one place unset sampling fields get their values (models/sampling_defaults.py), for
+        every front end: ``LLM`` and ``AsyncLLMEngine`` (and so the CLI, the server, the adapters)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        return resolve(params, self.sampling_defaults)
 
     def check_text(self, text: str, param: str = "prompt") -> None:
         """A text prompt's length in characters, before it is tokenized."""
@@ -79,9 +91,7 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                      priority: int = 0, cache_salt: str | None = None,
                      arrival_time: float | None = None) -> tuple[Request, str | None]:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        params = self.resolve(params)  # a no-op when the async front end resolved them already
         # the cheap checks first: a request over a limit costs no tokenization
         params = validation.check_sampling_params(params, self.limits, self.vocab_size, self.eos_token_ids)
         text, ids = self.tokenize(prompt)

@@ -156,8 +156,7 @@ class EngineClient(ABC):
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
         """Run one request to the end and return its final output."""
-        params = msgspec.structs.replace(check_params(sampling_params or self.default_sampling_params),
-                                         output_kind=OutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(check_params(sampling_params), output_kind=OutputKind.FINAL_ONLY)
         final = None
         async for out in self.generate(prompt, params, request_id, **kw):
             final = out

@@ -123,8 +123,8 @@ def messages_chars(messages: list[dict]) -> int:
 # ---------------------------------------------------------------- sampling parameters
 
 
-def _finite(name: str, v: float) -> None:
-    if not math.isfinite(v):
+def _finite(name: str, v) -> None:
+    if v is not msgspec.UNSET and not math.isfinite(v):  # UNSET: the model's default, resolved later
         raise RequestLimitError(f"{name} must be a finite number, got {v}", param=name)
 
 

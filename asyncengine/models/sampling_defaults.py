@@ -1,58 +1,60 @@
-"""One set of sampling defaults for every front end (CLI, server, web page, ``generate()`` without
-params): the model's own generation config when it has one (as ``vllm serve --generation-config
-auto``), else :data:`SMALL_CHAT_DEFAULTS`. ``SamplingParams()`` itself keeps vLLM's field defaults.
-The defaults are a set: a front end uses them when the caller picked none of the sampling knobs
-(temperature, top_p, top_k, min_p, penalties); a caller who picks one gets SamplingParams' field
-defaults for the rest (no penalty it did not ask for).
+"""One rule for sampling defaults, for every front end (``LLM``, ``AsyncLLMEngine``, the CLI, the
+server, the LangChain/LlamaIndex adapters): a field the caller sets is used as given; a field it
+leaves unset (``UNSET`` in :class:`SamplingParams`) comes from the model's generation config
+(generation_config.json, or the GGUF's ``general.sampling.*``), then from :data:`ENGINE_DEFAULTS`.
+The engine's InputProcessor applies it, once per request (:func:`resolve`), so no front end
+carries defaults of its own. (The table lives in sampling_params.py, with the fields, so that
+the core can fill a request made without a front end, e.g. in tests, from the same table.)
 
-Why these values: the small chat models this engine targets (SmolLM2-135M by default) ramble at
-temperature 1.0 ("Éléments à Noël is the capital of France"), and even at temperature 0.2 with
-top_p 0.9 four of six seeds answered "What is the capital of France?" in made-up French (the
-first token is nearly a tie); a repetition penalty of 1.1 derails it the same way, because it also
-penalizes the prompt's words. Greedy decoding answers correctly but can loop on one sentence in
-long answers; a presence penalty (output tokens only, a flat 0.3 off every token already written)
-pushes away from verbatim loops without touching the words the prompt asks about. So: greedy plus
-a presence penalty, deterministic. ``max_tokens=None`` means "until EOS or the context is full"
-(front ends say when an answer was cut).
+A model whose generation config names its own sampling (Qwen's temperature 0.7, top_p 0.8, ...)
+gets no loop penalty it did not ask for: the penalty belongs to our greedy choice (vLLM's
+``--generation-config auto`` applies the model's values the same way, field by field).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.sampling_params import SamplingParams
-
-SMALL_CHAT_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "presence_penalty": 0.3, "max_tokens": None}
+from asyncengine.sampling_params import DEFAULTED_FIELDS, ENGINE_DEFAULTS, SamplingParams, resolve_unset
 
 # generation_config.json keys -> SamplingParams fields (the ones that are sampling settings)
 _GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                              "repetition_penalty": "repetition_penalty"}
 
+# the sampling knobs a caller picks (max_tokens and stop are not knobs: they bound the answer)
+SAMPLING_KNOBS = tuple(f for f in DEFAULTED_FIELDS if f != "max_tokens")
 
-def default_sampling_params(generation_config: dict | None) -> SamplingParams:
-    """The front ends' defaults for a model whose generation config is ``generation_config``
+
+def model_defaults(generation_config: dict | None) -> dict[str, Any]:
+    """Every defaulted field's value for a model whose generation config is ``generation_config``
     (the parsed generation_config.json, or sampling keys from GGUF metadata; None: none)."""
-    fields = dict(SMALL_CHAT_DEFAULTS)
+    own: dict[str, Any] = {}
     if generation_config:
         own = {f: generation_config[k] for k, f in _GENERATION_CONFIG_FIELDS.items()
                if generation_config.get(k) is not None}
         if generation_config.get("do_sample") is False:  # the model asks for greedy decoding
             own["temperature"] = 0.0
-        if own:  # the model's own choice replaces ours as a whole, as vLLM does
-            fields = {"max_tokens": None, **own}
-    return SamplingParams(**fields)
+    values = dict(ENGINE_DEFAULTS)
+    if own:  # the loop penalty belongs to our greedy choice, not to the model's own sampling
+        values.update(presence_penalty=0.0, **own)
+    checked = SamplingParams(**values)  # range-checked once, at load (top_k=-1 -> 0)
+    return {f: getattr(checked, f) for f in DEFAULTED_FIELDS}
 
 
-SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty")
+def resolve(params: SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
+    """``params`` with each unset field taken from ``defaults`` (:func:`model_defaults`); the same
+    object when nothing is unset (the defaults were range-checked when they were made)."""
+    return resolve_unset(params, defaults)
 
 
-def with_defaults(defaults: SamplingParams, knobs: dict[str, Any], **fields: Any) -> SamplingParams:
-    """SamplingParams for a front end's call: the caller's sampling knobs (None = not set), or, when
-    it set none of them, ``defaults``' knobs as a set; ``fields`` (max_tokens, stop, ...) as given."""
-    chosen = {k: v for k, v in knobs.items() if k in SAMPLING_KNOBS and v is not None}
-    if not chosen:
-        chosen = {k: getattr(defaults, k) for k in SAMPLING_KNOBS}
-    return SamplingParams(**chosen, **fields)
+def default_sampling_params(generation_config: dict | None) -> SamplingParams:
+    """The model's defaults as one SamplingParams (what a request with no sampling fields decodes with)."""
+    return SamplingParams(**model_defaults(generation_config))
+
+
+def sampling_params_from(**fields: Any) -> SamplingParams:
+    """SamplingParams from a front end's options where ``None`` means "not set" for the defaulted
+    fields (flags, keyword arguments): those stay unset, for the engine to resolve."""
+    return SamplingParams(**{k: v for k, v in fields.items() if not (k in DEFAULTED_FIELDS and v is None)})
 
 
 def gguf_generation_config(metadata: dict) -> dict | None:

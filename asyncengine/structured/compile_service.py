@@ -13,6 +13,11 @@ compiling inside its step loop (issue 27: a 10k enum froze every stream of its c
   executor, which tokenization uses). Past ``max_grammar_compile_s``, or when every request
   waiting for it was cancelled (aborted, client gone), the worker is killed and a fresh one is
   started at once in the background.
+* A worker is small (it imports xgrammar's compiler only: compile_worker.import_compiler) and its
+  memory is returned: after ``worker_pipe.WORKER_MAX_COMPILES`` compiles, or once its resident memory
+  is over ``worker_pipe.WORKER_MAX_RSS``, it is replaced by a fresh one (a compiler's arenas only grow).
+* :func:`warm_up` starts the workers ahead of the first request (``serve`` does, before it
+  listens), so that the first structured request costs what a later one does.
 """
 from __future__ import annotations
 
@@ -20,123 +25,21 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import os
 import queue
-import select
-import struct
-import subprocess
-import sys
 import threading
-import time
 from collections import OrderedDict
 
 import msgspec
 
 from asyncengine.errors import EngineOverloaded, InvalidRequestError
-from asyncengine.structured import compile_worker as cw
+from asyncengine.structured.worker_pipe import Cancelled, Overdue, Worker
 from asyncengine.structured.cache import CompiledEntry
 from asyncengine.config.grammar_limits import GrammarLimitError, GrammarLimits, check_upfront
 from asyncengine.structured_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
-WORKER_START_TIMEOUT_S = 120.0  # importing xgrammar and reading the tokenizer: ~4 s on a busy 2-core host
-_POLL_S = 0.05  # how soon a cancelled or overdue compile notices
-WALL_FACTOR = 4  # a compile's wall-clock backstop, in multiples of its CPU budget
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _FAILED_KEYS = 1024  # failed grammars remembered (a 32-byte digest and a message each)
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class _Overdue(Exception):
-    pass
-
-
-class _Worker:
-    """One compile worker process and the pipe to it."""
-
-    def __init__(self, tokenizer_info: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncengine.structured.compile_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(cw.FromWorker)
-        self.ready = False
-        self._send(cw.Hello(tokenizer_info))  # the pipe buffers it while the child imports
-
-    def _send(self, msg) -> None:
-        body = self._enc.encode(msg)
-        self.proc.stdin.write(cw._HEADER.pack(len(body)) + body)
-        self.proc.stdin.flush()
-
-    def _read_exact(self, n: int, overdue, cancel: threading.Event | None) -> bytes:
-        fd = self.proc.stdout.fileno()
-        buf = bytearray()
-        while len(buf) < n:
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled
-            if overdue():
-                raise _Overdue
-            r, _, _ = select.select([fd], [], [], _POLL_S)
-            if r:
-                chunk = os.read(fd, n - len(buf))
-                if not chunk:
-                    raise EOFError(f"the grammar compile worker exited ({self.proc.poll()})")
-                buf += chunk
-        return bytes(buf)
-
-    def _recv(self, overdue, cancel: threading.Event | None):
-        (size,) = cw._HEADER.unpack(self._read_exact(cw._HEADER.size, overdue, cancel))
-        return self._dec.decode(self._read_exact(size, overdue, cancel))
-
-    def cpu_s(self) -> float | None:
-        """CPU seconds the worker has used (Linux /proc; None elsewhere)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / _TICKS
-        except (OSError, IndexError, ValueError):
-            return None
-
-    def wait_ready(self, cancel: threading.Event) -> None:
-        if not self.ready:
-            deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-            try:
-                msg = self._recv(lambda: time.monotonic() > deadline, cancel)
-            except _Overdue:
-                raise OSError(f"the grammar compile worker did not start in {WORKER_START_TIMEOUT_S:.0f} s") from None
-            assert isinstance(msg, cw.Ready), msg
-            self.ready = True
-
-    def compile(self, kind: str, text: str, budget_s: float, cancel: threading.Event) -> cw.Result:
-        """The budget is the worker's CPU time (a compile starved by a busy host, at nice 10, is
-        not the client's fault), with ``WALL_FACTOR`` x of wall time as the backstop."""
-        cpu0 = self.cpu_s()
-        wall = time.monotonic() + WALL_FACTOR * budget_s
-        self._send(cw.Job(kind, text))
-
-        def overdue() -> bool:
-            if time.monotonic() > wall:
-                return True
-            cpu = self.cpu_s() if cpu0 is not None else None
-            return cpu is not None and cpu - cpu0 > budget_s
-
-        return self._recv(overdue, cancel)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 class _Flight:
@@ -165,7 +68,23 @@ class CompileService:
         self._flights: dict = {}
         self._failed: OrderedDict = OrderedDict()
         self._closed = False
-        self.stats = {"compiles": 0, "hits": 0, "refused": 0, "timeouts": 0, "cancelled": 0, "killed": 0}
+        self.stats = {"compiles": 0, "hits": 0, "refused": 0, "timeouts": 0, "cancelled": 0, "killed": 0,
+                      "recycled": 0}
+
+    def warm(self) -> None:
+        """Start every worker now (not at the first compile); returns once they are ready."""
+        started = []
+        for _ in range(self.limits.grammar_compile_workers):
+            w = self._workers.get()
+            if w is None or not w.alive():
+                w = Worker(self._info)
+            started.append(w)
+        try:
+            for w in started:
+                w.wait_ready(threading.Event())
+        finally:
+            for w in started:
+                self._workers.put(w)
 
     # ------------------------------------------------------------------ front-end API
 
@@ -260,18 +179,18 @@ class CompileService:
         worker = self._workers.get()
         try:
             if worker is None or not worker.alive():
-                worker = _Worker(self._info)
+                worker = Worker(self._info)
             worker.wait_ready(flight.cancel)
             self.stats["compiles"] += 1
             result = worker.compile(kind, text, self.limits.max_grammar_compile_s, flight.cancel)
-        except (_Cancelled, _Overdue, EOFError, OSError) as e:
+        except (Cancelled, Overdue, EOFError, OSError) as e:
             if worker is not None:
                 worker.kill()
                 self.stats["killed"] += 1
-            worker = None if self._closed else _Worker(self._info)  # warm for the next compile
-            if isinstance(e, _Cancelled):
+            worker = None if self._closed else Worker(self._info)  # warm for the next compile
+            if isinstance(e, Cancelled):
                 raise GrammarLimitError("structured_outputs: the compile was abandoned") from None
-            if isinstance(e, _Overdue):
+            if isinstance(e, Overdue):
                 self.stats["timeouts"] += 1
                 err = (GrammarLimitError, f"structured_outputs: the {kind.split('_')[0]} did not compile within "
                        f"max_grammar_compile_s={self.limits.max_grammar_compile_s:g} s of CPU time (server flag "
@@ -286,6 +205,10 @@ class CompileService:
             raise EngineOverloaded("structured_outputs: the grammar compiler is not available right now: "
                                    f"retry ({e})") from None
         finally:
+            if worker is not None and worker.alive() and worker.worn() and not self._closed:
+                worker.kill()  # return its memory: a fresh one is ready for the next compile
+                self.stats["recycled"] += 1
+                worker = Worker(self._info)
             self._workers.put(worker)
         if not result.ok:
             err = (InvalidRequestError, f"structured_outputs: the {kind.split('_')[0]} does not compile: "
@@ -345,6 +268,16 @@ def service_for(config, core) -> CompileService:
                                     core.eos_token_ids, limits)
             s = _services[key] = CompileService(compiler, limits)
         return s
+
+
+def warm_up(config, core) -> None:
+    """Build ``config``'s compile service and start its workers now (``serve`` does, before it
+    listens), so that a server's first structured request costs what a later one does. A failure
+    is logged: the first structured request then starts them, and reports why not."""
+    try:
+        service_for(config, core).warm()
+    except Exception as e:  # noqa: BLE001
+        log.warning("grammar compile workers not started ahead: %s", e)
 
 
 def _service_key(config) -> tuple:

@@ -131,8 +131,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, stream=bool(req.stream), limits=st.limits)
     st.check_params(params, req.n)  # before the messages are rendered
     plan = ChatPlan(st, req)
     plan.check_generation()

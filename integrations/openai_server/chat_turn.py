@@ -29,8 +29,7 @@ async def start_turn(request: Request, st, fields: SamplingFields, messages: lis
                      max_tokens: int | None, stream: bool, request_id: str, what: str = "messages") -> Turn:
     """Check, render and submit one turn (``messages``: OpenAI chat messages; ``fields``: the
     sampling knobs and structured-output fields, as chat's). ``what`` names the input in errors."""
-    params = sampling_params(fields, max_tokens=max_tokens, logprobs=None, stream=stream, limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
+    params = sampling_params(fields, max_tokens=max_tokens, logprobs=None, stream=stream, limits=st.limits)
     st.check_params(params, 1)  # before the messages are rendered
     ids = await tools.prompt_ids(st, messages)
     st.check_length(len(ids), max_tokens, what)

@@ -46,8 +46,7 @@ async def completions(request: Request) -> Response:
                    and not isinstance(req.prompt[0], (int, float)) else 1, req.n)
     k = req.logprobs
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=k, stream=bool(req.stream),
-                             limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
+                             limits=st.limits)
     st.check_params(params, req.n)  # before any prompt is tokenized
     so, field = guided.requested(req)
     prompts = await st.completion_prompts(req.prompt)

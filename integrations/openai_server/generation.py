@@ -19,21 +19,13 @@ from .protocol import SamplingFields
 _SEED_MOD = 2**63  # OpenAI's seed is any int64; the engine's is [0, 2**63)
 
 
-_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty")
-
-
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    stream: bool, limits: RequestLimits | None = None,
-                    defaults: SamplingParams | None = None) -> SamplingParams:
+                    stream: bool, limits: RequestLimits | None = None) -> SamplingParams:
     """The SamplingParams of one prompt's samples (n is set by submit_n). The engine validates
-    them (validation.py); ``limits`` only guards the conversions done here. Sampling knobs come
-    from ``defaults`` (the engine's: the model's generation config, else the small-chat defaults
-    of asyncengine/models/sampling_defaults.py) as a set: only when the request sets none of them (a
-    request that picks its temperature gets no penalty it did not ask for)."""
+    them (validation.py); ``limits`` only guards the conversions done here. Fields the request
+    leaves out (None) stay unset: the engine fills them from the model's defaults
+    (asyncengine/models/sampling_defaults.py), as for every front end."""
     kw: dict = {}
-    if defaults is not None and all(getattr(req, f) is None for f in _DEFAULTED):
-        kw.update({f: getattr(defaults, f) for f in _DEFAULTED})
     if limits is not None and req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
         raise APIError(400, f"the number of logit_bias entries is {len(req.logit_bias)}, over the limit "
                             f"max_logit_bias={limits.max_logit_bias}", param="logit_bias", code="limit_exceeded")
@@ -45,6 +37,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         v = getattr(req, name)
         if v is not None:
             kw[name] = v
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
     if req.seed is not None:
         kw["seed"] = req.seed % _SEED_MOD  # OpenAI's seed is any int64; the engine's is [0, 2**63)
     if req.logit_bias:
@@ -58,7 +52,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         stop = None
     try:
         return SamplingParams(
-            n=1, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids or None,
+            n=1, stop=stop, stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,

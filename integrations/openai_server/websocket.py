@@ -130,8 +130,7 @@ class _Connection:
         st = self.st
         st.check_model(frame.model)
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
-        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits,
-                             defaults=st.engine.default_sampling_params)
+        params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits)
         st.check_params(params, 1)
         so, _ = guided.requested(frame)  # response_format or vLLM's fields: checked now, compiled by
         if so is not None:               # the engine off this loop (errors come as this id's error frame)

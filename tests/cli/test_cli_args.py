@@ -202,3 +202,57 @@ def test_warm_up_runs_for_conversations_and_serve_only_unless_asked():
     assert wanted(["chat"]) and wanted(["serve"])
     assert not wanted(["chat", "--prompt", "x"]) and not wanted(["generate", "--prompt", "x"])
     assert wanted(["generate", "--prompt", "x", "--warm-up"]) and not wanted(["serve", "--no-warm-up"])
+
+
+# ------------------------------------------------------------------------------ polish
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["chat", "--temperature", "abc"], "asyncengine chat: error: argument --temperature: invalid float value: 'abc'"),
+    (["chat", "--top-p", "2"], "asyncengine chat: error: --top-p must be in (0, 1], got 2.0"),
+    (["generate", "--prompt", "x", "--sample-seed", "-1"], "asyncengine generate: error: --sample-seed must be in"),
+    (["generate", "--prompt", "x", "--bogus"], "asyncengine generate: error: unrecognized arguments: --bogus"),
+    (["generate", "/no/such/model.gguf", "--prompt", "x"], "asyncengine generate: error: No model at '/no/such/model.gguf'"),
+    (["chat", "a-model", "--model", "another"], "two models given: 'a-model' and --model 'another'"),
+])
+def test_a_usage_error_is_one_line_with_a_help_hint_before_anything_loads(argv, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err  # one line, not the usage
+    assert err.rstrip().endswith(f"(see `asyncengine {argv[0]} --help`)")
+
+
+@pytest.mark.parametrize("command", cli_args.COMMANDS)
+def test_every_command_takes_the_model_as_a_flag_or_positionally(command, tmp_path, monkeypatch):
+    folder = str(tmp_path)  # an existing folder passes the check before loading
+    seen = []
+    monkeypatch.setattr("asyncengine.cli.run_serve", lambda args: seen.append(args.model) or 0)
+    monkeypatch.setattr("asyncengine.cli.run_generate", lambda args: _done(seen, args))
+    monkeypatch.setattr("asyncengine.cli.run_chat", lambda args, lines: _done(seen, args))
+    tail = ["--prompt", "x"] if command in cli_args.ONE_SHOT else []
+    assert main([command, folder, *tail]) == 0
+    assert main([command, "--model", folder, *tail]) == 0
+    assert main([command, folder, "--model", folder, *tail]) == 0  # the same one twice is fine
+    assert seen == [folder] * 3
+
+
+async def _nothing() -> int:
+    return 0
+
+
+def _done(seen: list, args) -> object:
+    seen.append(args.model)
+    return _nothing()
+
+
+def test_the_readme_names_every_engine_flag_chat_and_generate_do_not_take():
+    readme = (cli_args.__file__.rsplit("/asyncengine/", 1)[0] + "/README.md")
+    text = " ".join(open(readme).read().split())
+    sentence = text[text.index("Every `EngineConfig` knob is a flag of all three commands"):]
+    serve_only = sentence[sentence.index("which only `serve` takes"):sentence.index("; they are generated")]
+    for opt in cli_args.ENGINE_OPTIONS:  # (that the others parse for each command: test_each_knob_...)
+        named = f"`{opt.option}`" in serve_only
+        assert named == (set(opt.commands) != set(cli_args.COMMANDS)), \
+            f"README's list of serve-only flags is wrong about {opt.option}"

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: gguf_u
 
 from gguf_utils import CHATML_TEMPLATE, tiny_hf_model, tiny_tokenizer, write_tiny_gguf  # noqa: E402
 
-from asyncengine.models.sampling_defaults import SMALL_CHAT_DEFAULTS, default_sampling_params  # noqa: E402
 from asyncengine.sampling_params import SamplingParams  # noqa: E402
+
 
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
@@ -283,15 +283,6 @@ def test_cli_piped_reset_exit_and_cut_answers(tiny_gguf):
 
 
 # ----------------------------------------------------------------------------------------- defaults
-
-
-def test_sampling_defaults():
-    assert SamplingParams().temperature == 1.0 and SamplingParams().max_tokens == 16  # vLLM's field defaults
-    d = default_sampling_params(None)
-    assert d.max_tokens is None and d.temperature == SMALL_CHAT_DEFAULTS["temperature"]
-    own = default_sampling_params({"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2})
-    assert (own.temperature, own.top_p, own.repetition_penalty, own.max_tokens) == (0.6, 0.95, 1.0, None)
-    assert default_sampling_params({"do_sample": False}).temperature == 0.0
 
 
 def test_generation_config_reaches_the_engine(tiny_model_dir, tmp_path):

@@ -5,6 +5,8 @@ A block is runnable as written unless the line right above it is a marker:
 * ``<!-- fragment: why -->``: a fragment (e.g. the choices of a field), only compiled;
 * ``<!-- snippet: needs a server on 127.0.0.1:8000 -->``: runs while ``asyncengine serve`` runs
   (the test starts one on a free port and puts its port in place of 8000).
+* ``<!-- snippet: answer not checked (why) -->``: runs, but what it prints is not judged as an
+  answer (tests/docs/answers.py), e.g. a random-weight model's tokens.
 
 Blocks inside list items (indented) are dedented first.
 """
@@ -27,6 +29,7 @@ class Snippet:
     code: str
     fragment: str | None  # why it is only compiled
     needs_server: bool
+    check_answer: bool  # what it prints must pass answers.degenerate
 
 
 def doc_files() -> list[Path]:
@@ -45,5 +48,6 @@ def snippets() -> list[Snippet]:
             what = marker.group("what") if marker else ""
             found.append(Snippet(where=f"{path.relative_to(ROOT)}:{line}", code=textwrap.dedent(m.group("code")),
                                  fragment=what if kind == "fragment" else None,
-                                 needs_server=kind == "snippet" and "server" in what))
+                                 needs_server=kind == "snippet" and "server" in what,
+                                 check_answer=not (kind == "snippet" and "answer not checked" in what)))
     return found

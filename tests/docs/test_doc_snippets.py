@@ -1,5 +1,6 @@
 """Every Python code block of README.md and docs/*.md runs as written, with the default model
-(SmolLM2-135M-Instruct), so a snippet that breaks fails CI. Blocks that need a server run while
+(SmolLM2-135M-Instruct), so a snippet that breaks fails CI, and what it prints is a sensible
+answer (tests/docs/answers.py: no loop, mostly English words). Blocks that need a server run while
 ``asyncengine serve`` runs; blocks marked as fragments are compiled only (tests/docs/snippets.py
 says how a block is marked). The runnable blocks share one process (tests/docs/snippet_runner.py):
 one torch import, and what they share by name loads once."""
@@ -15,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from answers import degenerate
 from snippets import SERVER_ADDRESS, snippets
 
 pytestmark = pytest.mark.smollm2
@@ -87,6 +89,9 @@ def test_snippet_runs_as_written(snippet, results):
     r = results[snippet.where]
     assert r["error"] is None, f"{snippet.where} failed:\n{r['error']}\n--- it printed:\n{r['stdout'][-2000:]}"
     assert r["stdout"].strip(), f"{snippet.where} printed nothing"
+    if snippet.check_answer:  # and what it printed is a sensible answer, as written (default sampling)
+        why = degenerate(r["stdout"])
+        assert why is None, f"{snippet.where} printed a degenerate answer: {why}\n--- it printed:\n{r['stdout'][-2000:]}"
 
 
 @pytest.mark.parametrize("snippet", FRAGMENTS, ids=[f"{s.where} (fragment: {s.fragment})" for s in FRAGMENTS])

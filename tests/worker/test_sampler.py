@@ -10,11 +10,20 @@ import torch
 from asyncengine.worker.sampler import Sampler, gather_logprobs, process_logits
 from asyncengine.worker.sampling_metadata import SamplingMetadata, seeded_uniform, validate_token_ids
 from asyncengine.errors import InvalidRequestError
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams, resolve_unset
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
 CPU = torch.device("cpu")
+# the sampler's tests are written against vLLM's neutral field values (temperature 1, no filter,
+# no penalty), not the engine's chat defaults (sampling_params.ENGINE_DEFAULTS)
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 16}
+
+
+def SP(**kw) -> SamplingParams:
+    """SamplingParams with the fields not given at NEUTRAL (as the front end would fill them)."""
+    return resolve_unset(SamplingParams(**kw), NEUTRAL)
 EOS = [0]
 
 
@@ -97,7 +106,7 @@ N_DRAWS = 20000
     dict(temperature=0.9, top_k=5, min_p=0.3),
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_distribution_matches_reference(kw):
-    p = SamplingParams(**kw)
+    p = SP(**kw)
     logits = BASE_LOGITS.repeat(N_DRAWS, 1)
     gen = torch.Generator().manual_seed(1234)
     out, _ = sample(logits, [p] * N_DRAWS, generator=gen)
@@ -108,7 +117,7 @@ def test_distribution_with_penalties_bias_and_masks():
     V = len(BASE_LOGITS)
     prompt = [1, 3, 3, 8]
     output = [2, 2, 2, 5, 9]
-    p = SamplingParams(temperature=1.1, repetition_penalty=1.4, presence_penalty=0.4,
+    p = SP(temperature=1.1, repetition_penalty=1.4, presence_penalty=0.4,
                        frequency_penalty=0.25, logit_bias={4: 1.5, 6: -0.5})
     logits = BASE_LOGITS.repeat(N_DRAWS, 1)
     gen = torch.Generator().manual_seed(99)
@@ -131,7 +140,7 @@ def test_distribution_top_p_flat_rows_full_vocab_fallback():
     g = torch.Generator().manual_seed(0)
     flat = torch.rand(V, generator=g) * 0.3  # nearly uniform: 256 candidates < 0.9 of the mass
     peaked = torch.randn(V, generator=g) * 3.0
-    p = SamplingParams(temperature=1.0, top_p=0.9)
+    p = SP(temperature=1.0, top_p=0.9)
     n = 8000
     logits = torch.cat([flat.repeat(n, 1), peaked.repeat(n, 1)])
     out, _ = sample(logits, [p] * (2 * n), generator=torch.Generator().manual_seed(5))
@@ -141,8 +150,8 @@ def test_distribution_top_p_flat_rows_full_vocab_fallback():
 
 def test_distribution_mixed_batch_paths():
     """A top-k row batched with a row without top-k (general path) keeps its distribution."""
-    pk = SamplingParams(temperature=0.9, top_k=4)
-    pt = SamplingParams(temperature=0.9)
+    pk = SP(temperature=0.9, top_k=4)
+    pt = SP(temperature=0.9)
     n = N_DRAWS // 2
     logits = BASE_LOGITS.repeat(2 * n, 1)
     out, _ = sample(logits, [pk, pt] * n, generator=torch.Generator().manual_seed(7))
@@ -152,7 +161,7 @@ def test_distribution_mixed_batch_paths():
 
 def test_seeded_requests_distribution():
     """Seeded draws (one per seed) follow the distribution too."""
-    p_list = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(N_DRAWS)]
+    p_list = [SP(temperature=1.0, top_k=8, seed=s) for s in range(N_DRAWS)]
     out, _ = sample(BASE_LOGITS.repeat(N_DRAWS, 1), p_list)
     chi2_check(out.sampled_token_ids, ref_distribution(BASE_LOGITS.numpy(), p_list[0]))
 
@@ -170,7 +179,7 @@ def test_seeded_uniform_is_uniform():
 def test_greedy_is_argmax_fast_path():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(64, 1000, generator=g)
-    params = [SamplingParams(temperature=0.0)] * 64
+    params = [SP(temperature=0.0)] * 64
     meta = build(params, V=1000)
     assert meta.fast_greedy
     out = Sampler()(logits, meta)
@@ -183,7 +192,7 @@ def test_greedy_rows_in_mixed_batch_use_processed_logits():
     V = 500
     logits = torch.randn(16, V, generator=g)
     outputs = [[int(logits[i].argmax())] for i in range(16)]  # the argmax was already generated
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, repetition_penalty=5.0,
+    params = [SP(temperature=0.0 if i % 2 == 0 else 1.0, repetition_penalty=5.0,
                              top_k=5 if i % 4 == 1 else 0) for i in range(16)]
     out, meta = sample(logits.clone(), params, outputs=outputs, prompts=[[]] * 16)
     assert not meta.fast_greedy
@@ -200,16 +209,16 @@ def test_input_not_modified_and_bf16_and_padded_vocab():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 130, generator=g).to(torch.bfloat16)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0})] * 4
+    params = [SP(temperature=0.0, logit_bias={7: 100.0})] * 4
     out, _ = sample(logits, params)  # V = 130
     assert torch.equal(logits, before)
     assert out.sampled_token_ids == [7] * 4
     # padded vocabulary: columns beyond vocab_size are never chosen
     logits = torch.zeros(3, 140)
     logits[:, 130:] = 50.0
-    meta = build([SamplingParams(temperature=0.0)] * 3, V=130)
+    meta = build([SP(temperature=0.0)] * 3, V=130)
     assert all(t < 130 for t in Sampler()(logits, meta).sampled_token_ids)
-    meta = build([SamplingParams(temperature=1.0)] * 3, V=130)
+    meta = build([SP(temperature=1.0)] * 3, V=130)
     assert all(t < 130 for t in Sampler()(logits, meta).sampled_token_ids)
 
 
@@ -241,7 +250,7 @@ def _generate(batch_specs, steps: int, V: int = 300, gen_seed: int = 0):
                                 dict(temperature=1.2, top_p=0.9), dict(min_p=0.05)])
 def test_seed_independent_of_batch_and_slot(kw):
     V = 300
-    target = SamplingParams(seed=1234, **kw)
+    target = SP(seed=1234, **kw)
     steps = 12
 
     def run(batch, slot, gen_seed):
@@ -261,20 +270,20 @@ def test_seed_independent_of_batch_and_slot(kw):
         return outputs[slot]
 
     alone = run([], 0, 0)
-    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.7, top_p=0.5, seed=5), SamplingParams(top_k=3),
-              SamplingParams(temperature=1.0, logprobs=3, repetition_penalty=1.2)]
+    others = [SP(temperature=0.0), SP(temperature=1.0),
+              SP(temperature=0.7, top_p=0.5, seed=5), SP(top_k=3),
+              SP(temperature=1.0, logprobs=3, repetition_penalty=1.2)]
     assert run(others, 2, 1) == alone
     assert run(others[::-1], 5, 2) == alone
     assert run(others[:1], 1, 3) == alone
     # a different seed gives a different sequence
-    other = SamplingParams(seed=4321, **kw)
+    other = SP(seed=4321, **kw)
     _, outs = _generate([other], steps, V)
     assert outs[0] != alone
 
 
 def test_unseeded_rows_follow_generator():
-    params = [SamplingParams(temperature=1.0)] * 8
+    params = [SP(temperature=1.0)] * 8
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
     a = Sampler()(logits, build(params, V=300, generator=torch.Generator().manual_seed(11)))
     b = Sampler()(logits, build(params, V=300, generator=torch.Generator().manual_seed(11)))
@@ -300,7 +309,7 @@ def test_repetition_penalty_matches_transformers():
     prompts = [[1, 2, 3, 3, 40], [5, 6], [7]]
     outputs = [[2, 10, 10, 11], [], [0, 49, 7]]
     for penalty in (1.3, 0.7):
-        params = [SamplingParams(repetition_penalty=penalty)] * 3
+        params = [SP(repetition_penalty=penalty)] * 3
         got = _processed(logits, params, prompts=prompts, outputs=outputs)
         for i in range(3):
             ids = torch.tensor([prompts[i] + outputs[i]])
@@ -314,8 +323,8 @@ def test_presence_frequency_penalties_openai_formula():
     logits = torch.randn(2, V, generator=g)
     prompts = [[1, 1, 1, 2], [3]]  # prompt tokens are NOT penalized by presence/frequency
     outputs = [[5, 5, 5, 7, 9, 9], [3, 3]]
-    params = [SamplingParams(presence_penalty=0.6, frequency_penalty=0.35),
-              SamplingParams(presence_penalty=-0.5, frequency_penalty=1.1)]
+    params = [SP(presence_penalty=0.6, frequency_penalty=0.35),
+              SP(presence_penalty=-0.5, frequency_penalty=1.1)]
     got = _processed(logits, params, prompts=prompts, outputs=outputs)
     for i, p in enumerate(params):
         counts = torch.bincount(torch.tensor(outputs[i]), minlength=V).float()
@@ -328,7 +337,7 @@ def test_all_penalties_compose():
     V = 30
     logits = torch.randn(1, V, generator=g) * 2
     prompt, output = [1, 2, 4], [4, 4, 6]
-    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.2, frequency_penalty=0.1)
+    p = SP(repetition_penalty=1.5, presence_penalty=0.2, frequency_penalty=0.1)
     got = _processed(logits, [p], prompts=[prompt], outputs=[output])[0]
     want = logits[0].clone()
     for t in set(prompt + output):
@@ -343,11 +352,11 @@ def test_logit_bias_allowed_bad_words_min_tokens():
     logits = torch.zeros(5, V)
     logits[:, 3] = 5.0
     params = [
-        SamplingParams(temperature=0.0, logit_bias={11: 10.0, 3: -1.0, 999: 5.0}),
-        SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 12]),
-        SamplingParams(temperature=0.0),  # bad words: [3] (always), [7, 8] (after 7)
-        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[17]),
-        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[17]),
+        SP(temperature=0.0, logit_bias={11: 10.0, 3: -1.0, 999: 5.0}),
+        SP(temperature=0.0, allowed_token_ids=[4, 9, 12]),
+        SP(temperature=0.0),  # bad words: [3] (always), [7, 8] (after 7)
+        SP(temperature=0.0, min_tokens=3, stop_token_ids=[17]),
+        SP(temperature=0.0, min_tokens=2, stop_token_ids=[17]),
     ]
     logits[1, 9] = 1.0
     logits[2, 8] = 4.0
@@ -380,23 +389,23 @@ def test_min_tokens_ignores_ignore_eos_and_random_rows_respect_bans():
     V = 10
     logits = torch.zeros(4000, V)
     logits[:, 0] = 3.0  # EOS very likely
-    p = SamplingParams(temperature=1.0, min_tokens=5, ignore_eos=True)
+    p = SP(temperature=1.0, min_tokens=5, ignore_eos=True)
     out, _ = sample(logits, [p] * 4000, outputs=[[1, 2]] * 4000,
                     generator=torch.Generator().manual_seed(1))
     assert 0 not in out.sampled_token_ids
-    p = SamplingParams(temperature=1.0, allowed_token_ids=[2, 5])
+    p = SP(temperature=1.0, allowed_token_ids=[2, 5])
     out, _ = sample(logits, [p] * 4000, generator=torch.Generator().manual_seed(1))
     assert set(out.sampled_token_ids) == {2, 5}
 
 
 def test_validate_token_ids():
-    validate_token_ids(SamplingParams(logit_bias={3: 1.0}, allowed_token_ids=[1]), 10)
+    validate_token_ids(SP(logit_bias={3: 1.0}, allowed_token_ids=[1]), 10)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
-        validate_token_ids(SamplingParams(logit_bias={10: 1.0}), 10)
+        validate_token_ids(SP(logit_bias={10: 1.0}), 10)
     with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
-        validate_token_ids(SamplingParams(allowed_token_ids=[-1]), 10)
+        validate_token_ids(SP(allowed_token_ids=[-1]), 10)
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
-        validate_token_ids(SamplingParams(stop_token_ids=[12]), 10)
+        validate_token_ids(SP(stop_token_ids=[12]), 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,11 +416,11 @@ def test_logprobs_are_raw_log_softmax():
     V = 64
     logits = torch.randn(5, V, generator=g) * 2
     params = [
-        SamplingParams(temperature=0.5, top_k=3, logprobs=4, repetition_penalty=2.0),
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.0, logprobs=0, logit_bias={1: 50.0}),
-        SamplingParams(temperature=1.3, top_p=0.5, logprobs=2, seed=3),
-        SamplingParams(temperature=1.0, logprobs=V + 10),
+        SP(temperature=0.5, top_k=3, logprobs=4, repetition_penalty=2.0),
+        SP(temperature=0.0),
+        SP(temperature=0.0, logprobs=0, logit_bias={1: 50.0}),
+        SP(temperature=1.3, top_p=0.5, logprobs=2, seed=3),
+        SP(temperature=1.0, logprobs=V + 10),
     ]
     out, _ = sample(logits, params, outputs=[[1, 2]] * 5,
                     generator=torch.Generator().manual_seed(0))
