@@ -43,7 +43,7 @@ def _params(engine, args):
 
     # the flags given; the engine fills the others from the model's defaults (resolved here, once,
     # because the cut note reads max_tokens)
-    return engine.processor.resolve(sampling_params_of(args))
+    return engine.check_sampling_params(sampling_params_of(args))
 
 
 def _cut_note(args, params, reason: str | None, n: int, looped: bool) -> str:

@@ -260,10 +260,11 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
             raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
 
     def check_sampling_params(self, params: SamplingParams) -> SamplingParams:
-        """``params`` checked against this engine's limits and vocabulary (what generate() will do
-        anyway), for front ends that want to refuse a request before tokenizing its prompt."""
-        return validation.check_sampling_params(check_params(params), self.limits, self.processor.vocab_size,
-                                                self.processor.eos_token_ids)
+        """``params`` with its unset fields resolved (the model's defaults) and checked against this
+        engine's limits and vocabulary (what generate() will do anyway), for front ends that want to
+        refuse a request before tokenizing its prompt, or to know what it will decode with."""
+        return validation.check_sampling_params(self.processor.resolve(check_params(params)), self.limits,
+                                                self.processor.vocab_size, self.processor.eos_token_ids)
 
     async def encode(self, prompt) -> tuple[str | None, list[int]]:
         """Check and tokenize a prompt the way generate() will (text, token ids or chat messages):

@@ -15,7 +15,7 @@ from asyncengine.structured import StructuredOutputsParams as SO  # noqa: E402
 from asyncengine.structured import worker_pipe  # noqa: E402
 from asyncengine.structured.backend import compiler_for  # noqa: E402
 from asyncengine.structured.compile_service import CompileService  # noqa: E402
-from asyncengine.structured.limits import GrammarLimits  # noqa: E402
+from asyncengine.config.grammar_limits import GrammarLimits  # noqa: E402
 
 
 @pytest.fixture
