@@ -57,7 +57,7 @@ async def _body(request: Request, kind: type):
 
 def _state(engine) -> Response:
     st = TrainingState(weights_version=engine.weights_version, is_paused=engine.is_paused,
-                       is_sleeping=getattr(engine, "is_sleeping", False))
+                       is_sleeping=engine.is_sleeping)
     return Response(msgspec.json.encode(st), media_type="application/json")
 
 
@@ -74,47 +74,35 @@ def allowed_path(root: str | None, path: str) -> str:
     return real
 
 
+async def _answer(engine, call) -> Response:
+    """Run one control call; a value it refuses (a bad mode, level, tag or update) is the client's 400."""
+    try:
+        await call
+    except (ValueError, WeightUpdateError) as e:
+        raise APIError(400, str(e)) from None
+    return _state(engine)
+
+
 def training_routes(engine, weights_dir: str | None) -> list[Route]:
     async def pause(request: Request) -> Response:
-        body = await _body(request, PauseBody)
-        try:
-            await engine.pause_generation(body.mode)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return _state(engine)
+        return await _answer(engine, engine.pause_generation((await _body(request, PauseBody)).mode))
 
     async def resume(request: Request) -> Response:
-        await engine.resume_generation()
-        return _state(engine)
+        return await _answer(engine, engine.resume_generation())
 
     async def sleep(request: Request) -> Response:
-        body = await _body(request, SleepBody)
-        try:
-            await engine.sleep(body.level)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return _state(engine)
+        return await _answer(engine, engine.sleep((await _body(request, SleepBody)).level))
 
     async def wake_up(request: Request) -> Response:
-        body = await _body(request, WakeBody)
-        try:
-            await engine.wake_up(body.tags)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return _state(engine)
+        return await _answer(engine, engine.wake_up((await _body(request, WakeBody)).tags))
 
     async def reset_prefix_cache(request: Request) -> Response:
-        await engine.reset_prefix_cache()
-        return _state(engine)
+        return await _answer(engine, engine.reset_prefix_cache())
 
     async def update_weights(request: Request) -> Response:
         body = await _body(request, UpdateBody)
         path = allowed_path(weights_dir, body.path)
-        try:
-            await engine.update_weights(path, partial=body.partial)
-        except WeightUpdateError as e:
-            raise APIError(400, str(e)) from None
-        return _state(engine)
+        return await _answer(engine, engine.update_weights(path, partial=body.partial))
 
     return [Route(f"/{fn.__name__}", fn, methods=["POST"])
             for fn in (pause, resume, sleep, wake_up, reset_prefix_cache, update_weights)]
