@@ -61,6 +61,7 @@ class MessagesRequest(Conversation, kw_only=True):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra, as on chat (e.g. {"regex": ...})
 
 
 def _texts(blocks: list[Block] | list[dict] | str | None, where: str) -> str:
@@ -199,7 +200,8 @@ async def create_message(request: Request) -> Response:
     tools = chat_tools(st, req)
     fields = SamplingFields(model=req.model, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k if req.top_k else None, stop=req.stop_sequences or None,
-                            response_format=_output_format(req.output_config))
+                            response_format=_output_format(req.output_config),
+                            structured_outputs=req.structured_outputs)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     turn = await start_turn(request, st, fields, chat_messages(req), tools, req.max_tokens, bool(req.stream), rid)
     head = {"id": rid, "type": "message", "role": "assistant", "model": st.model_name}
