@@ -16,7 +16,6 @@ here from a model name are shared by every chat model with the same model and ``
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -287,7 +286,10 @@ class ChatAsyncEngine(BaseChatModel):
         if out is None or not out.finished:
             raise RuntimeError("the engine stream ended without a final output")
         c = out.outputs[0]
-        calls = state.plan.calls(state.text) if state.plan.mode != "none" else None
+        # the servers' parser of the JSON-array format (chat_parsers), read once the answer is whole
+        parser = state.plan.output_parser()
+        parser.feed(state.text)
+        calls = parser.result().tool_calls
         n_in, n_out = len(out.prompt_token_ids or []), state.num_tokens
         usage = UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
         finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
@@ -295,9 +297,8 @@ class ChatAsyncEngine(BaseChatModel):
         if c.stop_reason is not None:
             meta["stop_reason"] = c.stop_reason
         content = "" if calls else "".join(state.held)
-        tool_call_chunks = [{"name": k["name"], "args": json.dumps(k["arguments"], ensure_ascii=False),
-                             "id": k["id"], "index": i, "type": "tool_call_chunk"}
-                            for i, k in enumerate(calls or [])]
+        tool_call_chunks = [{"name": k.name, "args": k.arguments, "id": k.id, "index": i, "type": "tool_call_chunk"}
+                            for i, k in enumerate(calls)]
         msg = AIMessageChunk(content=content, tool_call_chunks=tool_call_chunks, usage_metadata=usage,
                              response_metadata=meta, chunk_position="last")
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": finish})

@@ -11,15 +11,17 @@ message (:func:`tools_prompt`) and answers a call as the JSON array
 * "auto": unconstrained; an output that happens to be such an array of valid calls is a call;
 * "none": no tools.
 
+Answers are read by ``chat_parsers`` (:meth:`ToolPlan.output_parser`), as the servers read them.
 Errors are :class:`RequestLimitError` naming the field (a 400 at the server, a ValueError elsewhere).
 """
 from __future__ import annotations
 
 import json
-import uuid
 
 from asyncengine.config.request_limits import RequestLimitError
 from asyncengine.structured import StructuredOutputsParams
+
+from .chat_parsers import OutputParser, tool_format
 
 
 def response_format_params(fmt: dict | None) -> StructuredOutputsParams | None:
@@ -115,37 +117,17 @@ class ToolPlan:
             return None
         return tools_prompt(self.specs, self.named)
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The output as calls ``[{"id", "name", "arguments": dict}]``, or None (plain content)."""
-        if self.mode == "none":
-            return None
-        try:
-            data = json.loads(text)
-        except ValueError:
-            return None
+    def output_parser(self, tool_parser: str = "json_array", reasoning=None) -> OutputParser:
+        """A parser of one answer (``chat_parsers``, the one every front end reads with): a named
+        tool's output is its arguments, "required" is the call array the grammar forces, "auto"
+        is read in ``tool_parser``'s format (calls only of known tools in the JSON array)."""
         if self.mode == "named":
-            if not isinstance(data, dict):
-                return None
-            found = [{"name": self.named, "arguments": data}]
-        else:
-            if isinstance(data, dict):
-                data = [data]
-            if not isinstance(data, list) or not data or not all(
-                    isinstance(c, dict) and c.get("name") in self.tools and isinstance(c.get("arguments"), dict)
-                    for c in data):
-                return None
-            found = data
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"], "arguments": c["arguments"]}
-                for c in found]
-
-    def tool_calls(self, text: str) -> list[dict] | None:
-        """The output as OpenAI ``tool_calls`` (arguments as a JSON string), or None."""
-        calls = self.calls(text)
-        if calls is None:
-            return None
-        return [{"id": c["id"], "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                for c in calls]
+            return OutputParser(None, reasoning, named=self.named)
+        if self.mode == "required":
+            return OutputParser(tool_format("json_array", set(self.tools)), reasoning)
+        if self.mode == "auto":
+            return OutputParser(tool_format(tool_parser, set(self.tools)), reasoning)
+        return OutputParser(None, reasoning)
 
 
 def tools_prompt(tools: list[dict], named: str | None = None) -> str:

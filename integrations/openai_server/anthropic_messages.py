@@ -2,7 +2,9 @@
 
 A request is one chat turn (chat_turn.py): ``system`` becomes the system message, ``tool_use``
 blocks an assistant turn's calls and ``tool_result`` blocks tool turns; tools and ``tool_choice``
-go through the tool seam (tool_adapter.py). Errors have Anthropic's shape (errors.py picks it by
+go through the tool seam (tool_adapter.py: chat's template rendering and parsers; with
+``--reasoning-parser`` the reasoning comes as a ``thinking`` block, and ``thinking`` switches it off
+or sets its budget). Errors have Anthropic's shape (errors.py picks it by
 path) and the key may come as ``x-api-key`` (security.py).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .errors import APIError, anthropic_body
 from .protocol import SamplingFields
 from .sse import ClientGone, SSEResponse
 from .state import json_response as _json, server_state as _state
-from .tool_adapter import CallArgs, CallBegin, CallEnd, TextDelta, ToolEvent, ToolSession
+from .tool_adapter import CallArgs, CallBegin, CallEnd, ReasoningDelta, TextDelta, ToolEvent, ToolSession
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -47,6 +49,7 @@ class Conversation(msgspec.Struct, kw_only=True):
     system: str | list[Block] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # {"type": "enabled", "budget_tokens"} | {"type": "disabled"}
 
 
 class MessagesRequest(Conversation, kw_only=True):
@@ -58,6 +61,7 @@ class MessagesRequest(Conversation, kw_only=True):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra, as on chat (e.g. {"regex": ...})
 
 
 def _texts(blocks: list[Block] | list[dict] | str | None, where: str) -> str:
@@ -106,7 +110,27 @@ def chat_messages(req: Conversation) -> list[dict]:
     return out
 
 
-def chat_tools(req: Conversation) -> ToolSession:
+def _thinking(st, config: dict | None) -> tuple[dict | None, int | None]:
+    """``thinking`` as chat's (chat_template_kwargs, max_reasoning_tokens): "disabled" switches a
+    template's thinking off, "enabled" holds the span to ``budget_tokens``. Without
+    ``--reasoning-parser`` the server reads no reasoning, and the field changes nothing."""
+    if config is None or st.chat_config.reasoning_parser is None:
+        return None, None
+    kind = config.get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False}, None
+    if kind == "enabled":
+        budget = config.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise APIError(400, "thinking.budget_tokens must be a non-negative integer",
+                           param="thinking.budget_tokens")
+        return None, budget
+    if kind == "adaptive":
+        return None, None
+    raise APIError(400, "thinking.type must be enabled, disabled or adaptive", param="thinking.type")
+
+
+def chat_tools(st, req: Conversation) -> ToolSession:
     tools = []
     for i, t in enumerate(req.tools or ()):
         if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
@@ -124,7 +148,9 @@ def chat_tools(req: Conversation) -> ToolSession:
         choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
     else:
         raise APIError(400, "tool_choice.type must be auto, any, tool or none", param="tool_choice")
-    return ToolSession(tools, choice, not tc.get("disable_parallel_tool_use", False), param="tool_choice")
+    kwargs, budget = _thinking(st, req.thinking)
+    return ToolSession(st, tools, choice, not tc.get("disable_parallel_tool_use", False), param="tool_choice",
+                       chat_template_kwargs=kwargs, max_reasoning_tokens=budget)
 
 
 def _output_format(config: dict | None) -> dict | None:
@@ -171,10 +197,11 @@ async def create_message(request: Request) -> Response:
     st = _state(request)
     req: MessagesRequest = await st.read_json(request, MessagesRequest)
     st.check_model(req.model)
-    tools = chat_tools(req)
+    tools = chat_tools(st, req)
     fields = SamplingFields(model=req.model, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k if req.top_k else None, stop=req.stop_sequences or None,
-                            response_format=_output_format(req.output_config))
+                            response_format=_output_format(req.output_config),
+                            structured_outputs=req.structured_outputs)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     turn = await start_turn(request, st, fields, chat_messages(req), tools, req.max_tokens, bool(req.stream), rid)
     head = {"id": rid, "type": "message", "role": "assistant", "model": st.model_name}
@@ -198,7 +225,7 @@ async def count_tokens(request: Request) -> Response:
     st = _state(request)
     req: Conversation = await st.read_json(request, Conversation)
     st.check_model(req.model)
-    ids = await chat_tools(req).prompt_ids(st, chat_messages(req))
+    ids = await chat_tools(st, req).prompt_ids(st, chat_messages(req))
     return _json({"input_tokens": len(ids)})
 
 
@@ -215,13 +242,17 @@ class ContentBuilder:
         return bool(self.calls)
 
     def on(self, ev: ToolEvent) -> list[dict]:
-        if isinstance(ev, TextDelta):
+        if isinstance(ev, (TextDelta, ReasoningDelta)):
+            # reasoning (--reasoning-parser) is a thinking block, without a signature: nothing signs it
+            kind, field = ("text", "text") if isinstance(ev, TextDelta) else ("thinking", "thinking")
             out = []
-            if self.open is None or self.blocks[self.open]["type"] != "text":
-                out = self.stop() + self._start({"type": "text", "text": ""})
-            self.blocks[self.open]["text"] += ev.text
+            if self.open is None or self.blocks[self.open]["type"] != kind:
+                block = {"type": "text", "text": ""} if kind == "text" else \
+                    {"type": "thinking", "thinking": "", "signature": ""}
+                out = self.stop() + self._start(block)
+            self.blocks[self.open][field] += ev.text
             return out + [{"type": "content_block_delta", "index": self.open,
-                           "delta": {"type": "text_delta", "text": ev.text}}]
+                           "delta": {"type": f"{kind}_delta", field: ev.text}}]
         if isinstance(ev, CallBegin):
             out = self.stop() + self._start({"type": "tool_use", "id": _tool_id(), "name": ev.name, "input": {}})
             self.calls[ev.index] = self.open

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from asyncengine.engine.validation import RequestLimitError
 from asyncengine.structured import StructuredOutputsParams
 
-from ..chat_parsers import MessageDelta, OutputParser, ParsedMessage, reasoning_format, tool_format
+from ..chat_parsers import MessageDelta, OutputParser, ParsedMessage, reasoning_format
 from . import guided
 from .chat_render import template_kwargs
 from .completions import sse_events, whole_response
@@ -74,14 +74,7 @@ class ChatPlan:
     def parser(self) -> OutputParser:
         """A fresh parser for one choice."""
         rsn = reasoning_format(self.reasoning, self.kwargs) if self.reasoning else None
-        names = set(self.tools.tools)
-        if self.tools.mode == "named":
-            return OutputParser(None, rsn, named=self.tools.named)
-        if self.tools.mode == "required":
-            return OutputParser(tool_format("json_array", names), rsn)
-        if self.tools.mode == "auto":
-            return OutputParser(tool_format(self.tool_parser, names), rsn)
-        return OutputParser(None, rsn)
+        return self.tools.output_parser(self.tool_parser, rsn)
 
 
 def delta_json(d: MessageDelta) -> dict:

@@ -1,6 +1,7 @@
 """One assistant turn for the endpoints built on chat (the Responses and Messages APIs): the same
 steps as /v1/chat/completions (sampling defaults, the engine's checks, the tools' prompt and
-grammar, structured outputs, submission) for one sample, and its outputs with the server's metrics."""
+grammar, structured outputs after the reasoning span, submission) for one sample, and its outputs
+with the server's metrics."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -31,12 +32,14 @@ async def start_turn(request: Request, st, fields: SamplingFields, messages: lis
     sampling knobs and structured-output fields, as chat's). ``what`` names the input in errors."""
     params = sampling_params(fields, max_tokens=max_tokens, logprobs=None, stream=stream, limits=st.limits)
     st.check_params(params, 1)  # before the messages are rendered
+    tools.check_generation()
     ids = await tools.prompt_ids(st, messages)
     st.check_length(len(ids), max_tokens, what)
     so, field = guided.requested(fields)
     # compiled while watching the client: one that leaves cancels its compile; a forced tool call
     # streams too (the endpoints hold what they must parse whole: tool_adapter.py)
     params = await run_until_disconnect(request, st.constrain(params, tools.structured(), so, param=field))
+    params = tools.gate(st, params)  # a grammar starts after the reasoning span
     streams = await st.submit([(None, ids)], params, 1, request_id)
     return Turn(streams, len(ids))
 

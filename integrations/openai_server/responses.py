@@ -3,8 +3,10 @@
 
 A response is one chat turn (chat_turn.py): ``instructions`` become the system message, the input
 items chat messages (function calls and their outputs included), function tools and
-``tool_choice`` go through the tool seam (tool_adapter.py), ``text.format`` through structured
-outputs. Its usage reports the prompt tokens the prefix cache served as ``cached_tokens``.
+``tool_choice`` go through the tool seam (tool_adapter.py: chat's template rendering and parsers;
+with ``--reasoning-parser`` the reasoning comes first as a ``reasoning`` item), ``text.format``
+through structured outputs (after the reasoning span). Its usage reports the prompt tokens the
+prefix cache served as ``cached_tokens``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     metadata: dict[str, str] | None = None
     truncation: str | None = None
     background: bool | None = None
+    reasoning: dict[str, Any] | None = None  # OpenAI's effort/summary: the template and parser decide
+    # vLLM's extras, as on chat: template options, and serve --reasoning-parser's budget
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_reasoning_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -94,7 +100,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return out
 
 
-def chat_tools(req: ResponsesRequest) -> ToolSession:
+def chat_tools(st, req: ResponsesRequest) -> ToolSession:
     """Responses' flat function tools and tool_choice, in chat's shapes."""
     tools = []
     for i, t in enumerate(req.tools or ()):
@@ -110,7 +116,8 @@ def chat_tools(req: ResponsesRequest) -> ToolSession:
                                 "'name': ...}", param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
-    return ToolSession(tools, choice, parallel)
+    return ToolSession(st, tools, choice, parallel, chat_template_kwargs=req.chat_template_kwargs,
+                       max_reasoning_tokens=req.max_reasoning_tokens)
 
 
 def _text_format(req: ResponsesRequest) -> None:
@@ -189,7 +196,7 @@ async def create_response(request: Request) -> Response:
         history = prev.messages
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    tools = chat_tools(req)
+    tools = chat_tools(st, req)
     rid = f"resp_{uuid.uuid4().hex}"
     turn = await start_turn(request, st, req, system + conversation, tools, req.max_output_tokens,
                             bool(req.stream), rid, what="input")

@@ -1,22 +1,28 @@
-"""The one seam between the Responses / Messages endpoints and tool calling: how a request's tools
-reach the prompt and the grammar, and how the model's text becomes calls, as a stream of events.
+"""The one seam between the Responses / Messages endpoints and chat's tools and reasoning: how a
+request's tools reach the prompt and the grammar, and how the model's text becomes reasoning, text
+and calls, as a stream of events.
 
-Today this wraps ``integrations/tool_calls.py`` (the tools described in a system message, calls
-written as one JSON array). Swapping in per-model parsers (``--tool-call-parser``) changes this
-module only: the endpoints see :class:`ToolSession` and the events below, never a format.
+It is chat's own path (chat.py's :class:`ChatPlan`: the tools rendered through the model's chat
+template, the output read by the server's ``--tool-call-parser`` and ``--reasoning-parser``, the
+JSON-array format when no parser is configured), so every front end reads a model the same way; the
+endpoints see :class:`ToolSession` and the events below, never a format.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-from asyncengine.engine.validation import RequestLimitError
-
-from ..tool_calls import ToolPlan
+from ..chat_parsers import MessageDelta, OutputParser
+from .chat import ChatPlan
 from .errors import APIError
 from .protocol import ChatMessage
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,7 @@ class TextDelta:
 class CallBegin:
     index: int
     name: str
+    id: str = ""  # the parser's call id (its format's style: Mistral's templates want 9 alphanumerics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,30 +46,54 @@ class CallArgs:
 @dataclass(frozen=True, slots=True)
 class CallEnd:
     index: int
-    arguments: str  # the whole arguments JSON
+    arguments: str  # the whole arguments JSON (the call's argument pieces joined)
 
 
-ToolEvent = TextDelta | CallBegin | CallArgs | CallEnd
+ToolEvent = ReasoningDelta | TextDelta | CallBegin | CallArgs | CallEnd
+
+
+@dataclass(slots=True)
+class _Request:
+    """What :class:`ChatPlan` reads of a request, in chat's shapes."""
+
+    tools: list[dict] | None
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+    chat_template_kwargs: dict | None = None
+    max_reasoning_tokens: int | None = None
 
 
 class ToolSession:
-    """One request's tools. ``tools``: OpenAI chat-format tools; ``tool_choice``: "none", "auto",
-    "required" or ``{"type": "function", "function": {"name": ...}}``; bad shapes are a 400
-    naming ``param`` (the field of the calling API)."""
+    """One request's tools and template options. ``tools``: OpenAI chat-format tools;
+    ``tool_choice``: "none", "auto", "required" or ``{"type": "function", "function": {"name": ...}}``;
+    bad shapes are a 400 naming the field (``param`` when the check names none)."""
 
-    def __init__(self, tools: list[dict] | None, tool_choice, parallel: bool | None, param: str = "tools") -> None:
+    def __init__(self, st, tools: list[dict] | None, tool_choice, parallel: bool | None, param: str = "tools",
+                 chat_template_kwargs: dict | None = None, max_reasoning_tokens: int | None = None) -> None:
         try:
-            self.plan = ToolPlan(tools, tool_choice, parallel)
-        except RequestLimitError as e:
-            raise APIError(400, str(e), param=e.param or param) from None
+            self.plan = ChatPlan(st, _Request(tools, tool_choice, parallel, chat_template_kwargs,
+                                              max_reasoning_tokens))
+        except APIError as e:
+            if e.param is None:
+                e.param = param
+            raise
 
     @property
     def active(self) -> bool:
-        return self.plan.mode != "none"
+        return self.plan.tools.mode != "none"
+
+    def check_generation(self) -> None:
+        """Chat's rule for generating with these tools ("auto" needs --enable-auto-tool-choice
+        where the server reads a model's own format)."""
+        self.plan.check_generation()
 
     def structured(self):
         """The grammar a forced call (required, named) is sampled under, or None."""
-        return self.plan.structured()
+        return self.plan.tools.structured()
+
+    def gate(self, st, params):
+        """``params`` with its grammar held back until the reasoning span ends (chat's rule)."""
+        return self.plan.reasoning_gate(st, params)
 
     async def prompt_ids(self, st, messages: list[dict]) -> list[int]:
         """The chat prompt's token ids: ``messages`` are OpenAI chat messages (``tool_calls`` on
@@ -71,65 +102,39 @@ class ToolSession:
             structs = msgspec.convert(messages, list[ChatMessage])
         except msgspec.ValidationError as e:
             raise APIError(400, f"invalid message: {e}", param="messages") from None
-        return await st.chat_prompt(structs, self.plan.prompt())
+        return await self.plan.prompt(st, structs)
 
-    def parser(self) -> "CallStream":
-        return CallStream(self.plan)
+    def parser(self) -> "EventStream":
+        return EventStream(self.plan.parser())
 
 
-class CallStream:
-    """The model's text, fed as it comes, as :data:`ToolEvent` s. Plain text streams at once;
-    text that may be a call (it opens with ``[`` or ``{`` under "auto", or any forced output) is
-    held until the end and parsed whole, except a named tool's output, which is that tool's
-    arguments by construction and streams as argument fragments."""
+class EventStream:
+    """The model's text, fed as it comes, as :data:`ToolEvent` s: chat's parser's deltas (reasoning,
+    text, a call's name then its argument pieces), and at the end one :class:`CallEnd` per call."""
 
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.buf = ""
-        self.held: bool | None = None  # None: undecided (only whitespace so far)
-        self.began = False
+    def __init__(self, parser: OutputParser) -> None:
+        self.parser = parser
+        self.args: dict[int, str] = {}  # call index -> its argument pieces so far
 
     def feed(self, text: str) -> list[ToolEvent]:
-        if not text:
-            return []
-        mode = self.plan.mode
-        if mode == "none":
-            return [TextDelta(text)]
-        if mode == "named":
-            self.buf += text
-            out: list[ToolEvent] = [] if self.began else [CallBegin(0, self.plan.named)]
-            self.began = True
-            return out + [CallArgs(0, text)]
-        self.buf += text
-        if self.held is None:
-            head = self.buf.lstrip()
-            if not head:
-                return []
-            self.held = mode == "required" or head[0] in "[{"
-            if not self.held:
-                text, self.buf = self.buf, ""
-                return [TextDelta(text)]
-            return []
-        if self.held:
-            return []
-        self.buf = ""
-        return [TextDelta(text)]
+        return self._events(self.parser.feed(text)) if text else []
 
     def finish(self) -> list[ToolEvent]:
-        """The events the end of the output releases (held text parsed as calls, or as text)."""
-        mode = self.plan.mode
-        if mode == "named":
-            if not self.began:
-                return []
-            return [CallEnd(0, self.buf)]
-        if not self.buf:
-            return []
-        text, self.buf = self.buf, ""
-        calls = self.plan.calls(text) if mode != "none" else None
-        if not calls:
-            return [TextDelta(text)]
+        """The events the end of the output releases (held text, then every call's end)."""
+        out = self._events(self.parser.finish())
+        return out + [CallEnd(i, self.args[i]) for i in sorted(self.args)]
+
+    def _events(self, d: MessageDelta) -> list[ToolEvent]:
         out: list[ToolEvent] = []
-        for i, c in enumerate(calls):
-            args = json.dumps(c["arguments"], ensure_ascii=False)
-            out += [CallBegin(i, c["name"]), CallArgs(i, args), CallEnd(i, args)]
+        if d.reasoning:
+            out.append(ReasoningDelta(d.reasoning))
+        if d.content:
+            out.append(TextDelta(d.content))
+        for tc in d.tool_calls:
+            if tc.name is not None:
+                self.args[tc.index] = ""
+                out.append(CallBegin(tc.index, tc.name, tc.id or ""))
+            if tc.arguments:
+                self.args[tc.index] += tc.arguments
+                out.append(CallArgs(tc.index, tc.arguments))
         return out

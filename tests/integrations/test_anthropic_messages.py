@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import pytest
 
+from conftest import literal_regex, openai_client
 from live_server import API_KEY, HANG_GUARD_S, MODEL
 
 NO_EOS = {"ignore_eos": True}
@@ -123,6 +124,64 @@ def test_output_config_json_schema_constrains_the_text(ac):
     m = ac.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": "Pick a city."}],
                            output_config={"format": {"type": "json_schema", "schema": CITY}})
     assert json.loads(m.content[0].text)["city"] in ("Paris", "Oslo")
+
+
+# ---------------------------------------------------------------- the model's own format, thinking
+
+BUDGET = 5
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                                 "parameters": CITY}}
+# what the grammar forces after the reasoning span: a call in Qwen's (hermes) format
+FORCED_CALL = {"structured_outputs": {"regex": literal_regex(
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')}}
+
+
+@pytest.fixture(scope="module")
+def native_ac(native_server):
+    with client_for(native_server) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_then_tool_use_in_the_models_format(native_ac, native_server, stream):
+    """hermes + qwen3 (native_server): thinking.budget_tokens closes the reasoning span, which comes
+    as a thinking block holding what chat's reasoning_content holds; the call after it, written in
+    Qwen's <tool_call> format, is a tool_use block, as chat's parsers read it."""
+    with openai_client(native_server) as oc:
+        chat = oc.chat.completions.create(model=MODEL, messages=ASK, tools=[CHAT_WEATHER], temperature=0,
+                                          max_tokens=300, extra_body={**FORCED_CALL, "max_reasoning_tokens": BUDGET})
+    thought = chat.choices[0].message.reasoning_content
+    kw = dict(model=MODEL, max_tokens=300, messages=ASK, tools=[WEATHER], extra_body={**GREEDY, **FORCED_CALL},
+              thinking={"type": "enabled", "budget_tokens": BUDGET})
+    if stream:
+        with native_ac.messages.stream(**kw) as s:
+            events = list(s)
+            m = s.get_final_message()
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking", "tool_use"]
+        assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == thought
+        assert {d.type for d in deltas} == {"thinking_delta", "input_json_delta"}
+    else:
+        m = native_ac.messages.create(**kw)
+    think, use = m.content
+    assert think.type == "thinking" and think.thinking == thought and thought
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert m.stop_reason == "tool_use"
+
+
+def test_thinking_disabled_is_all_answer(native_ac, ac):
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], thinking={"type": "disabled"})
+    m = native_ac.messages.create(max_tokens=300, extra_body={**GREEDY, **FORCED_CALL}, **kw)
+    [use] = m.content
+    assert use.type == "tool_use" and use.input == {"city": "Paris"} and m.stop_reason == "tool_use"
+    assert native_ac.messages.count_tokens(**kw).input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="thinking.type"):
+        native_ac.messages.create(max_tokens=2, **{**kw, "thinking": {"type": "bogus"}})
+    # a server without --reasoning-parser reads no reasoning: the field changes nothing there
+    plain = ac.messages.create(model=MODEL, max_tokens=2, messages=HELLO, thinking={"type": "enabled",
+                                                                                   "budget_tokens": 1024})
+    assert plain.type == "message" and {b.type for b in plain.content} <= {"text"}
 
 
 # ---------------------------------------------------------------- errors and keys

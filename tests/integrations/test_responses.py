@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import literal_regex, openai_client
 from live_server import HANG_GUARD_S, MODEL
 
 NO_EOS = {"ignore_eos": True}
@@ -147,6 +148,77 @@ def test_message_list_input_with_roles(client):
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
+# ---------------------------------------------------------------- the model's own format, reasoning
+
+BUDGET = 5
+CHAT_WEATHER = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+ASK = "Weather in Paris?"
+# what the grammar forces after the reasoning span: a call in Qwen's (hermes) format
+FORCED_CALL = {"structured_outputs": {"regex": literal_regex(
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')}}
+
+
+@pytest.fixture(scope="module")
+def native(native_server):
+    with openai_client(native_server) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_item_then_a_call_in_the_models_format(native, stream):
+    """hermes + qwen3 (native_server): the reasoning span, closed by max_reasoning_tokens, is a
+    reasoning item holding what chat's reasoning_content holds; the call after it, written in Qwen's
+    <tool_call> format, is a function_call, as chat's parsers read it."""
+    extra = {**FORCED_CALL, "max_reasoning_tokens": BUDGET}
+    chat = native.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                          tools=[CHAT_WEATHER], temperature=0, max_tokens=300,
+                                          extra_body=extra).choices[0].message
+    kw = dict(model=MODEL, input=ASK, tools=[WEATHER], temperature=0, max_output_tokens=300, extra_body=extra)
+    if stream:
+        events = list(native.responses.create(stream=True, **kw))
+        types = [e.type for e in events]
+        n = types.count("response.reasoning_text.delta")
+        assert n >= 1 and types[2:4 + n + 4] == (
+            ["response.output_item.added", "response.content_part.added"] + ["response.reasoning_text.delta"] * n
+            + ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+               "response.output_item.added"])
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert events[4 + n].text == thought and events[4 + n].item_id == events[2].item.id
+        assert "response.function_call_arguments.done" in types and "response.output_text.delta" not in types
+        r = events[-1].response
+    else:
+        r = native.responses.create(**kw)
+    rs, call = r.output
+    assert rs.type == "reasoning" and rs.status == "completed" and [c.type for c in rs.content] == ["reasoning_text"]
+    assert rs.content[0].text == chat.reasoning_content and rs.content[0].text
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert json.loads(call.arguments) == {"city": "Paris"} and r.status == "completed"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in chat.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+
+def test_thinking_off_and_the_calls_output_through_the_template(native, native_server):
+    """chat_template_kwargs enable_thinking false: all answer, no reasoning item; the call and its
+    output come back in the next turn's prompt as chat renders the same conversation."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = native.responses.create(model=MODEL, input=ASK, tools=[WEATHER], temperature=0, max_output_tokens=300,
+                                extra_body={**FORCED_CALL, **off})
+    [call] = r.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+    follow = native.responses.create(
+        model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=2, extra_body=off,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    messages = [{"role": "user", "content": ASK},
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    rendered = post(native_server, "/tokenize", {"model": MODEL, "messages": messages, "tools": [CHAT_WEATHER],
+                                                 "chat_template_kwargs": off["chat_template_kwargs"]}).json()
+    assert follow.usage.input_tokens == rendered["count"] > r.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
 # ---------------------------------------------------------------- hostile input
 
 
@@ -170,6 +242,7 @@ def test_message_list_input_with_roles(client):
      "input[0].content[0].text"),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"model": "other-model", "input": "x"}, 404, "model"),
+    ({"model": MODEL, "input": "x", "max_reasoning_tokens": 3}, 400, "max_reasoning_tokens"),
 ])
 def test_bad_requests_are_clear_4xx(server, body, status, param):
     r = post(server, "/v1/responses", body)

@@ -6,18 +6,14 @@ first, argument pieces that join into the JSON); ``required`` and a named tool s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
-import transformers
 
 from asyncengine.integrations.openai_server.chat_render import ChatConfig
-from conftest import openai_client
-from model_utils import make_tiny_checkpoint
+from conftest import literal_regex, openai_client, templated_model_dir
 from live_server import MODEL, LiveServer, make_engine
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
@@ -40,21 +36,11 @@ FORMATS = {
 }
 
 
-def literal_regex(text: str) -> str:
-    return "".join("\\n" if ch == "\n" else ("\\" + ch if ch in "\\.^$*+?{}[]|()/" else ch) for ch in text)
-
-
 @pytest.fixture(scope="module", params=list(FORMATS))
 def tool_server(request, tmp_path_factory):
     parser = request.param
-    template = (TEMPLATES / FORMATS[parser][0]).read_text()
-    d = tmp_path_factory.mktemp(f"tools-{parser}")
-    # room for a real template's tool prompt in the tiny byte-level tokenizer's many tokens
-    make_tiny_checkpoint(str(d), "llama", tokenizer=True, max_position_embeddings=4096)
-    tok = transformers.AutoTokenizer.from_pretrained(d)
-    tok.chat_template = template
-    tok.save_pretrained(d)
-    s = LiveServer(make_engine(str(d), max_model_len=2048), own_engine=True,
+    d, tok = templated_model_dir(tmp_path_factory, FORMATS[parser][0])
+    s = LiveServer(make_engine(d, max_model_len=2048), own_engine=True,
                    chat_config=ChatConfig(tool_call_parser=parser, enable_auto_tool_choice=True)).start()
     with openai_client(s) as client:
         yield parser, tok, client
