@@ -30,6 +30,8 @@ class OutputKind(enum.IntEnum):
 # the fields a caller may leave unset, filled from the model's defaults (models/sampling_defaults.py)
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "max_tokens")
+# the sampling knobs a caller picks (max_tokens is not a knob: it bounds the answer)
+SAMPLING_KNOBS = tuple(f for f in DEFAULTED_FIELDS if f != "max_tokens")
 
 # The engine's default of each of them, for a model whose generation config names no sampling.
 # Why: the small chat models this engine targets (SmolLM2-135M by default) ramble at temperature
@@ -172,6 +174,10 @@ def check_sampling_ranges(p: SamplingParams) -> None:
 
 def resolve_unset(params: SamplingParams, defaults: dict = ENGINE_DEFAULTS) -> SamplingParams:
     """``params`` with each unset field taken from ``defaults`` (every key of DEFAULTED_FIELDS,
-    range-checked already); the same object when nothing is unset."""
+    range-checked already); the same object when nothing is unset. The one coupling: a presence
+    penalty the caller did not set comes only with the default sampling; a caller who picks any
+    knob (``temperature=0`` for plain greedy, say) gets no penalty it did not ask for."""
     missing = {f: defaults[f] for f in DEFAULTED_FIELDS if getattr(params, f) is UNSET}
+    if "presence_penalty" in missing and any(getattr(params, f) is not UNSET for f in SAMPLING_KNOBS):
+        missing["presence_penalty"] = 0.0
     return msgspec.structs.replace(params, **missing) if missing else params

@@ -33,9 +33,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, PrivateAttr, model_validator
 
-from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, sampling_params_from
+from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.errors import EngineOverloaded
-from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
 from .engine_thread import EngineBridge, close_shared_engines, shared_engine
 from .tool_calls import ToolPlan, assistant_turn, response_format_params, with_tools_prompt

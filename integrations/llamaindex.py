@@ -22,9 +22,9 @@ from llama_index.core.llms import LLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from pydantic import Field, PrivateAttr
 
-from asyncengine.models.sampling_defaults import SAMPLING_KNOBS, sampling_params_from
+from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.outputs import RequestOutput
-from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
 from .engine_thread import EngineBridge, shared_engine
 

@@ -20,9 +20,6 @@ from asyncengine.sampling_params import DEFAULTED_FIELDS, ENGINE_DEFAULTS, Sampl
 _GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                              "repetition_penalty": "repetition_penalty"}
 
-# the sampling knobs a caller picks (max_tokens and stop are not knobs: they bound the answer)
-SAMPLING_KNOBS = tuple(f for f in DEFAULTED_FIELDS if f != "max_tokens")
-
 
 def model_defaults(generation_config: dict | None) -> dict[str, Any]:
     """Every defaulted field's value for a model whose generation config is ``generation_config``

@@ -8,7 +8,7 @@ import pytest
 from asyncengine.errors import InvalidRequestError
 from asyncengine.models.sampling_defaults import (default_sampling_params, gguf_generation_config, model_defaults,
                                                   resolve, sampling_params_from)
-from asyncengine.sampling_params import DEFAULTED_FIELDS, ENGINE_DEFAULTS, SamplingParams
+from asyncengine.sampling_params import DEFAULTED_FIELDS, ENGINE_DEFAULTS, SamplingParams, resolve_unset
 
 
 def test_unset_fields_are_distinguishable_and_survive_the_wire():
@@ -33,6 +33,17 @@ def test_a_field_the_caller_sets_is_used_as_given_and_the_rest_are_filled_one_by
     assert (r.temperature, r.top_p, r.top_k, r.presence_penalty, r.max_tokens) == (1.0, 0.8, 20, 0.0, None)
     r = resolve(SamplingParams(temperature=0.0), d)
     assert (r.temperature, r.top_p) == (0.0, 0.8)  # temperature 0 is a value, not "unset"
+
+
+def test_the_loop_penalty_comes_only_with_the_default_sampling():
+    """A caller who picks a knob (temperature=0: plain greedy, as the parity tests ask for) gets
+    no presence penalty it did not ask for; one who picks none gets the engine's greedy + 0.3."""
+    d = model_defaults(None)
+    assert resolve(SamplingParams(max_tokens=8), d).presence_penalty == ENGINE_DEFAULTS["presence_penalty"] > 0
+    assert resolve(SamplingParams(temperature=0.0), d).presence_penalty == 0.0
+    assert resolve(SamplingParams(top_k=5), d).presence_penalty == 0.0
+    assert resolve(SamplingParams(temperature=0.0, presence_penalty=0.5), d).presence_penalty == 0.5
+    assert resolve_unset(SamplingParams(temperature=0.0)).presence_penalty == 0.0  # the core's own fill too
 
 
 def test_a_models_own_sampling_replaces_the_engines_loop_penalty():
