@@ -373,8 +373,9 @@ def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
     from asyncengine import cli
 
     seen = {}
+    model = "smollm2-135m-instruct"  # a model the CLI accepts before loading (serve never loads it here)
     monkeypatch.setattr(server_pkg, "serve", lambda **kw: seen.update(kw) or 0)
-    assert cli.main(["serve", "some-model", "--max-num-seqs", "8", "--max-queued-requests", "3",
+    assert cli.main(["serve", model, "--max-num-seqs", "8", "--max-queued-requests", "3",
                      "--max-queued-tokens", "500", "--max-request-bytes", "1000", "--max-prompt-chars", "900",
                      "--max-stop-strings", "2", "--max-stop-string-chars", "10", "--max-n", "2",
                      "--allowed-hosts", "llm.internal, other", "--allowed-origins", "https://app.example",
@@ -387,12 +388,12 @@ def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
     # flags not given are not passed: EngineConfig's own defaults apply
     assert "tp_vocab_parallel" not in seen and "ray_placement_strategy" not in seen
     seen.clear()
-    assert cli.main(["serve", "m", "--no-tp-vocab-parallel", "--ray-placement-strategy", "STRICT_SPREAD"]) == 0
+    assert cli.main(["serve", model, "--no-tp-vocab-parallel", "--ray-placement-strategy", "STRICT_SPREAD"]) == 0
     assert seen["tp_vocab_parallel"] is False and seen["ray_placement_strategy"] == "STRICT_SPREAD"
     seen.clear()
-    assert cli.main(["serve", "m"]) == 0
+    assert cli.main(["serve", model]) == 0
     assert "max_queued_requests" not in seen and seen["limits"] == RequestLimits()
-    assert cli.main(["serve", "m", "--max-n", "0"]) == 2  # a bad limit is a clear error, not a traceback
+    assert cli.main(["serve", model, "--max-n", "0"]) == 2  # a bad limit is a clear error, not a traceback
 
 
 def test_413_closes_the_connection(limited):
