@@ -32,7 +32,6 @@ import sys
 import time
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.engine.pd_client import PDEngine
 
 
 def cpu_model() -> str:
@@ -62,7 +61,7 @@ async def run(variant: str, args, short_tokens: int) -> dict:
                 max_model_len=args.long_tokens + 64, num_threads=args.num_threads)
     if variant in ("pd", "pdskip"):
         skip = (args.skip_hop_below or args.long_tokens) if variant == "pdskip" else 0
-        eng = PDEngine.from_config(EngineConfig(**base, prefill_cores=1, decode_cores=1), skip_hop_below=skip)
+        eng = AsyncLLMEngine.from_config(EngineConfig(**base, prefill_cores=1, decode_cores=1, pd_skip_hop_below=skip))
     elif variant == "dp2":
         eng = AsyncLLMEngine(EngineConfig(**base, data_parallel_size=2))
     else:

@@ -78,9 +78,9 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         """The front end a config asks for: this class for one core (in this process, in its own,
         data-parallel cores, Ray actors), a ``PDEngine`` for ``prefill_cores``/``decode_cores``."""
         if config.prefill_cores or config.decode_cores:
-            from asyncengine.engine.pd_client import PDEngine  # lazy: PDEngine is built of AsyncLLMEngines
+            from asyncengine.engine.pd_client import PDEngine  # lazy: only P/D configs need it
 
-            return PDEngine(config)
+            return PDEngine(config, core_engine=cls)
         return cls(config)
 
     # ------------------------------------------------------------------ lifecycle

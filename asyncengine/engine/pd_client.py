@@ -34,10 +34,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import validation
-from asyncengine.engine.async_engine import AsyncLLMEngine
 from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.pd_stream import PDStream
 from asyncengine.engine.protocol import EngineClient
@@ -45,6 +46,9 @@ from asyncengine.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.transport import make_transport
 from asyncengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.engine.async_engine import AsyncLLMEngine
 
 # when to look again for the transfer file of a request that left during its prefill
 ORPHAN_RECHECK_S = (0.05, 0.5, 2.0, 10.0)
@@ -54,11 +58,14 @@ _FRONT_END_KEYS = ("cores", "data_parallel_size", "dp_prefix_affinity_routed", "
 
 
 class PDEngine(EngineClient):
-    def __init__(self, config: EngineConfig, skip_hop_below: int | None = None) -> None:
-        """``skip_hop_below`` (default ``config.pd_skip_hop_below``): prompts of fewer tokens (token
-        ids or text; chat messages always take the hop) go straight to a decode core, which computes
-        them itself: a short prompt's prefill stalls the decodes little, and the hop costs it a
-        queue and a step."""
+    def __init__(self, config: EngineConfig, skip_hop_below: int | None = None, *,
+                 core_engine: Callable[[EngineConfig], AsyncLLMEngine]) -> None:
+        """Built by ``AsyncLLMEngine.from_config`` (the one factory), which hands itself over as
+        ``core_engine``: the front end of each prefill and decode core (so this module, built of
+        them, need not import the module that builds it). ``skip_hop_below`` (default
+        ``config.pd_skip_hop_below``): prompts of fewer tokens (token ids or text; chat messages
+        always take the hop) go straight to a decode core, which computes them itself: a short
+        prompt's prefill stalls the decodes little, and the hop costs it a queue and a step."""
         if config.prefill_cores < 1 or config.decode_cores < 1:
             raise ValueError("PDEngine needs prefill_cores >= 1 and decode_cores >= 1")
         self.config = config
@@ -83,7 +90,7 @@ class PDEngine(EngineClient):
             # on every address of its node), reported when it is ready; decode cores are told where
             serve = role == "prefill" and self.tcp
             bind = ("0.0.0.0:0" if ray else "127.0.0.1:0") if serve else None
-            e = AsyncLLMEngine(dataclasses.replace(
+            e = core_engine(dataclasses.replace(
                 config, prefill_cores=0, decode_cores=0, kv_role=role, kv_transfer_dir=self.transfer_dir,
                 kv_transfer_address=bind, engine_core_process=True, data_parallel_size=1, num_threads=threads,
                 speculative_config=config.speculative_config if role == "decode" else None))
@@ -104,10 +111,6 @@ class PDEngine(EngineClient):
         self._closing = False
         self._closed = False
         self._started_at = time.monotonic()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, skip_hop_below: int | None = None) -> "PDEngine":
-        return cls(config, skip_hop_below)
 
     def _stop_cores(self) -> None:
         for e in self.engines:

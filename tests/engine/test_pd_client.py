@@ -4,13 +4,15 @@ weights' tokens (those of a colocated engine on them); a refused update changes 
 pause/resume reach both sides. (No sleep: a P/D core's KV connector holds its cache.)"""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
 from safetensors.torch import load_file
 
 from asyncengine import LLM, EngineConfig, SamplingParams
-from asyncengine.engine.pd_client import PDEngine
+from asyncengine.engine.async_engine import AsyncLLMEngine
 from asyncengine.errors import WeightUpdateError
 
 PROMPT = list(range(20, 60))  # long enough to take the hop
@@ -34,7 +36,7 @@ async def test_pd_update_pause_sleep(tiny_model_dir, tmp_path):
         out = await asyncio.wait_for(pd.complete({"prompt_token_ids": PROMPT}, greedy()), GUARD_S)
         return out.outputs[0].token_ids
 
-    async with PDEngine.from_config(config, skip_hop_below=8) as pd:
+    async with AsyncLLMEngine.from_config(dataclasses.replace(config, pd_skip_hop_below=8)) as pd:
         assert await run(pd) == refs[0]
         sd = load_file(f"{b}/model.safetensors")
         with pytest.raises(WeightUpdateError):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from asyncengine import EngineConfig
-from asyncengine.engine.pd_client import PDEngine
+from asyncengine.engine.async_engine import AsyncLLMEngine
 from asyncengine.engine.warmup import warm_up
 from live_server import HANG_GUARD_S, MODEL, LiveServer, make_engine
 
@@ -22,7 +22,7 @@ ENGINE_KW = dict(num_kv_blocks=64, block_size=8, max_model_len=256)
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir, tmp_path_factory):
     colo = LiveServer(make_engine(tiny_llama_dir, **ENGINE_KW), own_engine=True).start()
-    pd = PDEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", prefill_cores=1, decode_cores=1,
+    pd = AsyncLLMEngine.from_config(EngineConfig(model=tiny_llama_dir, dtype="float32", prefill_cores=1, decode_cores=1,
                                kv_transfer_dir=str(tmp_path_factory.mktemp("pd")), **ENGINE_KW))
     pds = LiveServer(pd, own_engine=True).start()
     yield colo, pds

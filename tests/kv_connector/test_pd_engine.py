@@ -3,6 +3,8 @@ the same tokens, the transfer really used, aborts leave both cores' pools whole 
 killed core fails its request promptly with EngineDeadError."""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import os
 import random
@@ -46,7 +48,7 @@ def test_pd_engine_matches_colocated_and_cleans_up(tiny_llama_dir, tmp_path):
         async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
             want = await asyncio.wait_for(asyncio.gather(*(collect(colo, p, f"r{i}") for i, p in enumerate(prompts()))),
                                           HANG_GUARD_S)
-        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+        async with AsyncLLMEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
             got = await asyncio.wait_for(asyncio.gather(*(collect(pd, p, f"r{i}") for i, p in enumerate(prompts()))),
                                          HANG_GUARD_S)
             assert got == want
@@ -83,7 +85,7 @@ def test_short_prompts_skip_the_hop(tiny_llama_dir, tmp_path):
             want = [await collect(colo, p, f"r{i}") for i, p in enumerate(prompts())]
         config = cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)
         cut = sorted(len(p) for p in prompts())[2]  # the two shortest skip
-        async with PDEngine.from_config(config, skip_hop_below=cut) as pd:
+        async with AsyncLLMEngine.from_config(dataclasses.replace(config, pd_skip_hop_below=cut)) as pd:
             got = [await asyncio.wait_for(collect(pd, p, f"r{i}"), HANG_GUARD_S) for i, p in enumerate(prompts())]
             s = pd.stats()
         assert got == want
@@ -102,7 +104,7 @@ def test_speculation_on_the_decode_core(tiny_llama_dir, tmp_path):
     async def main():
         async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
             want = [await collect(colo, p, f"r{i}", 12) for i, p in enumerate(prompts())]
-        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1,
+        async with AsyncLLMEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1,
                                             speculative_config=spec)) as pd:
             got = [await asyncio.wait_for(collect(pd, p, f"r{i}", 12), HANG_GUARD_S) for i, p in enumerate(prompts())]
             s = pd.stats()
@@ -117,7 +119,7 @@ def test_speculation_on_the_decode_core(tiny_llama_dir, tmp_path):
 
 def test_a_killed_decode_core_fails_its_request(tiny_llama_dir, tmp_path):
     async def main():
-        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+        async with AsyncLLMEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
             stream = pd.generate({"prompt_token_ids": prompts()[0]}, greedy(400), request_id="k")
             await asyncio.wait_for(stream.__anext__(), HANG_GUARD_S)
             os.kill(pd.decode[0].client.clients[0].proc.pid, signal.SIGKILL)
@@ -172,7 +174,7 @@ def test_abort_in_every_phase_and_errors_at_once(tiny_llama_dir, tmp_path):
     from asyncengine import InvalidRequestError
 
     async def main():
-        async with PDEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
+        async with AsyncLLMEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1)) as pd:
             async def drain(stream):
                 return [o async for o in stream]
 

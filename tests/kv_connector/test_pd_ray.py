@@ -14,7 +14,6 @@ import pytest
 from test_pd_engine import idle
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.engine.pd_client import PDEngine
 from asyncengine.errors import ConfigError
 
 HANG_GUARD_S = 240.0  # only a guard against a hang
@@ -44,7 +43,7 @@ def test_pd_on_ray_over_tcp(ray_cluster, tiny_llama_dir, tmp_path):
     async def main():
         async with AsyncLLMEngine(cfg(tiny_llama_dir, tmp_path)) as colo:
             want = [await collect(colo, p, f"r{i}") for i, p in enumerate(ps)]
-        pd = PDEngine(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1,
+        pd = AsyncLLMEngine.from_config(cfg(tiny_llama_dir, tmp_path, prefill_cores=1, decode_cores=1,
                           distributed_executor_backend="ray", kv_transfer_transport="tcp"))
         nodes = {e.client.clients[0].node_id for e in pd.engines}
         assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # one core on each node

@@ -17,7 +17,6 @@ from test_pd_connector import req as pd_req
 from test_pd_engine import idle
 
 from asyncengine import AsyncLLMEngine, EngineConfig, SamplingParams
-from asyncengine.engine.pd_client import PDEngine
 from asyncengine.kv_connector.pd import tcp_server
 from asyncengine.kv_connector.pd import transfer_file as tf
 from asyncengine.kv_connector.pd.transport import TcpTransport
@@ -275,7 +274,7 @@ def test_pd_engine_over_tcp(tiny_llama_dir, tmp_path):
         ps = prompts(seed=9, k=4)
         async with AsyncLLMEngine(cfg()) as colo:
             want = [await collect(colo, p, f"r{i}") for i, p in enumerate(ps)]
-        async with PDEngine(cfg(prefill_cores=1, decode_cores=1, kv_transfer_transport="tcp")) as pd:
+        async with AsyncLLMEngine.from_config(cfg(prefill_cores=1, decode_cores=1, kv_transfer_transport="tcp")) as pd:
             got = await asyncio.wait_for(asyncio.gather(*(collect(pd, p, f"r{i}") for i, p in enumerate(ps))),
                                          HANG_GUARD_S)
             assert got == want

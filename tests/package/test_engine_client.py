@@ -80,13 +80,13 @@ def test_complete_is_written_once():
 def test_the_factory_picks_pd_for_prefill_cores_and_one_engine_otherwise(monkeypatch):
     """``AsyncLLMEngine.from_config``: P/D is reached as data parallel is, through the one factory."""
     built = []
-    monkeypatch.setattr(PDEngine, "__init__", lambda self, config: built.append(("pd", config)))
+    monkeypatch.setattr(PDEngine, "__init__", lambda self, config, core_engine: built.append(("pd", config, core_engine)))
     monkeypatch.setattr(AsyncLLMEngine, "__init__", lambda self, config, core=None: built.append(("one", config)))
     pd = EngineConfig(model="m", prefill_cores=1, decode_cores=1)
     dp = EngineConfig(model="m", data_parallel_size=2)
     assert isinstance(AsyncLLMEngine.from_config(pd), PDEngine)
     assert isinstance(AsyncLLMEngine.from_config(dp), AsyncLLMEngine)
-    assert built == [("pd", pd), ("one", dp)]
+    assert built == [("pd", pd, AsyncLLMEngine), ("one", dp)]  # P/D cores are AsyncLLMEngines
 
 
 def _engine_attributes(path: Path) -> set[str]:
