@@ -17,7 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .chat_turn import Turn, final_output, finish_kind, outputs, start_turn
+from .chat_turn import Tally, Turn, final_output, finish_kind, start_turn, tool_events
 from .errors import APIError, anthropic_body
 from .protocol import SamplingFields
 from .sse import ClientGone, SSEResponse
@@ -284,20 +284,17 @@ async def _events(st, turn: Turn, tools: ToolSession, head: dict):
         **head, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
     yield _event({"type": "ping"})
-    blocks, parser = ContentBuilder(), tools.parser()
-    last, count = None, 0
+    blocks, tally = ContentBuilder(), Tally()
     try:
-        async for out in outputs(st, turn):
-            last = out
-            count += len(out.outputs[0].token_ids)
-            for ev in parser.feed(out.outputs[0].text) + (parser.finish() if out.finished else []):
-                for e in blocks.on(ev):
-                    yield _event(e)
+        async for ev in tool_events(st, turn, tools, tally):
+            for e in blocks.on(ev):
+                yield _event(e)
     except APIError as e:
         yield _event(anthropic_body(e))
         return
     for e in blocks.stop():
         yield _event(e)
+    last, count = tally.last, tally.tokens
     reason, seq = _stop(last, blocks.has_calls)
     usage = _usage(turn, last, count)
     yield _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},

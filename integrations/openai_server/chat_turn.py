@@ -63,6 +63,24 @@ async def outputs(st, turn: Turn) -> AsyncIterator[RequestOutput]:
             st.metrics.finished.labels("abort").inc()
 
 
+@dataclass
+class Tally:
+    """What a streamed turn's end needs: its last output and the tokens counted."""
+    last: RequestOutput | None = None
+    tokens: int = 0
+
+
+async def tool_events(st, turn: Turn, tools: ToolSession, tally: Tally) -> AsyncIterator:
+    """The tool seam's events (tool_adapter.py) of a streamed turn, read off its outputs as they
+    come; ``tally`` keeps the last output and the token count for the closing events."""
+    parser = tools.parser()
+    async for out in outputs(st, turn):
+        tally.last = out
+        tally.tokens += len(out.outputs[0].token_ids)
+        for ev in parser.feed(out.outputs[0].text) + (parser.finish() if out.finished else []):
+            yield ev
+
+
 async def final_output(request: Request, st, turn: Turn) -> tuple[RequestOutput, int]:
     """(the final output, its number of tokens); ClientGone if the client leaves first (the
     request is aborted)."""

@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .chat_turn import Turn, final_output, outputs, start_turn
+from .chat_turn import Tally, Turn, final_output, start_turn, tool_events
 from .errors import APIError
 from .protocol import SamplingFields
 from .responses_output import OutputBuilder, assistant_message
@@ -238,21 +238,17 @@ async def _events(st, turn: Turn, tools: ToolSession, resp: _Response, keep):
 
     yield send({"type": "response.created", "response": resp.snapshot()})
     yield send({"type": "response.in_progress", "response": resp.snapshot()})
-    builder, parser = OutputBuilder(), tools.parser()
-    last, count = None, 0
+    builder, tally = OutputBuilder(), Tally()
     try:
-        async for out in outputs(st, turn):
-            last = out
-            count += len(out.outputs[0].token_ids)
-            for ev in parser.feed(out.outputs[0].text) + (parser.finish() if out.finished else []):
-                for e in builder.on(ev):
-                    yield send(e)
+        async for ev in tool_events(st, turn, tools, tally):
+            for e in builder.on(ev):
+                yield send(e)
     except APIError as e:
         yield send({"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param})
         return
     for e in builder.close():
         yield send(e)
-    obj = resp.finish(builder.items, last, _usage(turn, last, count))
+    obj = resp.finish(builder.items, tally.last, _usage(turn, tally.last, tally.tokens))
     keep(obj, builder.items)
     # response.completed also when the status is "incomplete" (as vLLM): the openai client's stream
     # helper knows no other end
