@@ -733,18 +733,7 @@ def test_engine_greedy_matches_transformers_on_same_gguf(qtype, models, tokenize
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
                         [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
                         use_tqdm=False)
-    near_ties = 0
-    with torch.inference_mode():
-        for (p, m), o in zip(reqs, outs):
-            r = ref_model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0, output_logits=True,
-                                   return_dict_in_generate=True)
-            ref, got = r.sequences[0, len(p):].tolist(), o.outputs[0].token_ids
-            if got != ref:
-                j = next(k for k in range(m) if got[k] != ref[k])
-                top2 = torch.topk(r.logits[j][0].float(), 2).values
-                assert float(top2[0] - top2[1]) < 1e-4, f"diverges at token {j}, not a near-tie"
-                near_ties += 1
+    near_ties = assert_greedy_parity(ref_model, reqs, outs)
     print(f"GGUF {qtype} engine parity: {len(reqs) - near_ties}/{len(reqs)} exact, {near_ties} near-tie excuses")
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
@@ -768,3 +757,21 @@ def test_structured_output_with_the_gguf_tokenizer(llama_f32):
     params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
     for out in llm.generate(["hi", "Numbers 2024"], params):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def assert_greedy_parity(ref_model, reqs, outs) -> int:
+    """Each engine output equals transformers' greedy tokens for its (prompt ids, max tokens), or
+    diverges first where the reference's top-2 logit margin is below 1e-4; returns how many did."""
+    near_ties = 0
+    with torch.inference_mode():
+        for (p, m), o in zip(reqs, outs):
+            r = ref_model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0, output_logits=True,
+                                   return_dict_in_generate=True)
+            ref, got = r.sequences[0, len(p):].tolist(), o.outputs[0].token_ids
+            if got != ref:
+                j = next(k for k in range(m) if got[k] != ref[k])
+                top2 = torch.topk(r.logits[j][0].float(), 2).values
+                assert float(top2[0] - top2[1]) < 1e-4, f"diverges at token {j}, not a near-tie"
+                near_ties += 1
+    return near_ties

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from gguf_utils import tiny_hf_model, tiny_tokenizer, write_tiny_gguf
-from test_gguf import _transformers_gguf_model
+from test_gguf import _transformers_gguf_model, assert_greedy_parity
 from test_llama_native import REQUESTS, run
 
 from asyncengine import LLM, SamplingParams
@@ -48,16 +48,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(files):
                             use_tqdm=False)
     finally:
         llm.shutdown()
-    with torch.inference_mode():
-        for (p, m), o in zip(reqs, outs):
-            r = ref_model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0, output_logits=True,
-                                   return_dict_in_generate=True)
-            ref, got = r.sequences[0, len(p):].tolist(), o.outputs[0].token_ids
-            if got != ref:
-                j = next(k for k in range(m) if got[k] != ref[k])
-                top2 = torch.topk(r.logits[j][0].float(), 2).values
-                assert float(top2[0] - top2[1]) < 1e-4, f"diverges at token {j}, not a near-tie"
+    assert_greedy_parity(ref_model, reqs, outs)
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
