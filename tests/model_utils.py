@@ -17,6 +17,14 @@ ARCHS = {
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
+    # Gemma: a sliding (window 16) then a global layer, each with its rope; a score scale that is not
+    # head_dim ** -0.5; Gemma 2 soft-caps scores and logits (caps small enough to bite)
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=16, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": (transformers.Gemma2Config, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0, layer_types=["sliding_attention", "full_attention"])),
 }
 
 # hybrid (Mamba2 + attention) architectures: complete tiny configs (their field names differ from

@@ -51,6 +51,8 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_sliding_window: bool = False  # layers with a window refuse a backend without (at start)
+    # Gemma 2's tanh soft-capping of the scores (forward's ``softcap``); models with it refuse a backend without
+    supports_softcap: bool = False
     # batch-invariant mode (EngineConfig.batch_invariant): a backend that supports it computes each
     # query row over its keys in one order, whatever the batch, chunking or cache hits; the runner
     # sets batch_invariant after asking
