@@ -25,6 +25,12 @@ ARCHS = {
     "gemma2": (transformers.Gemma2Config, dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
         final_logit_softcapping=8.0, layer_types=["sliding_attention", "full_attention"])),
+    # Phi-3 with Phi-4-mini's partial rotary (3/4 of each head) and LongRoPE: short factors below 128
+    # positions (the parity workload's), long ones from there (test_phi3 crosses it with a smaller one)
+    "phi3": (transformers.Phi3Config, dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=128, max_position_embeddings=1024,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
 }
 
 # hybrid (Mamba2 + attention) architectures: complete tiny configs (their field names differ from
