@@ -23,7 +23,8 @@ dense mask over all requests' keys is ever built: attention cost is the sum over
 
 Sliding-window attention (Mistral; Qwen2's sliding layers): a layer built with ``sliding_window=W``
 lets the query at position i see keys j with i - W < j <= i (transformers' rule). Keys that fell
-out of the window are masked, not freed: the cache still holds every position. Soft-capping
+out of the window are not freed: the cache still holds every position. Prefill skips the keys
+before a query block's window; decode masks them. Soft-capping
 (Gemma 2): ``softcap=c`` maps the scaled scores to ``c * tanh(s / c)`` before the masks.
 """
 from __future__ import annotations
@@ -217,21 +218,24 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for i0 in range(0, n, qb):
             i1 = min(n, i0 + qb)
-            b, seen = i1 - i0, ctx + i1  # this block's queries see keys [0, ctx + i1)
+            b, seen = i1 - i0, ctx + i1  # this block's queries see keys [lo, ctx + i1)
+            w = self.sliding_window
+            # keys before the block's first query's window are skipped, not masked
+            lo = 0 if w is None else max(0, ctx + i0 - w + 1)
+            span = seen - lo
             qg = q[i0:i1].permute(1, 0, 2).reshape(hk, g * b, d)  # a kv head's query heads as rows
-            scores = torch.matmul(qg, keys[:, :seen].transpose(1, 2)).float()  # [Hkv, g*b, seen]
+            scores = torch.matmul(qg, keys[:, lo:seen].transpose(1, 2)).float()  # [Hkv, g*b, span]
             scores.mul_(self.scale)
             self._cap(scores)
-            diagonal = scores.view(hk, g, b, seen)[..., ctx + i0:]  # [.., b, b]: mask above it
+            diagonal = scores.view(hk, g, b, span)[..., ctx + i0 - lo:]  # [.., b, b]: mask above it
             diagonal.masked_fill_(_upper_triangle(b, q.device), float("-inf"))
-            w = self.sliding_window
-            if w is not None and seen > w:
-                # the query at position p = ctx + i0 + r sees keys (p - w, p]
+            if w is not None and span > w:
+                # the query at position p = ctx + i0 + r sees keys (p - w, p]; later rows' windows start later
                 pos = torch.arange(ctx + i0, ctx + i1, device=q.device)
-                old = torch.arange(seen, device=q.device)[None, :] <= (pos[:, None] - w)  # [b, seen]
-                scores.view(hk, g, b, seen).masked_fill_(old, float("-inf"))
+                old = torch.arange(lo, seen, device=q.device)[None, :] <= (pos[:, None] - w)  # [b, span]
+                scores.view(hk, g, b, span).masked_fill_(old, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-            out[i0:i1] = torch.matmul(probs, vals[:, :seen]).view(hk * g, b, d).transpose(0, 1)
+            out[i0:i1] = torch.matmul(probs, vals[:, lo:seen]).view(hk * g, b, d).transpose(0, 1)
         return out
 
 
