@@ -76,16 +76,21 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
     cfg = cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    scale_weights(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        save_tiny_tokenizer(out_dir, kw["vocab_size"])
+    return out_dir
+
+
+def scale_weights(model) -> None:
+    """2-D weights (but embeddings) to N(0, 1/fan_in); norms near 1, biases near 0."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in n:
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
             elif p.dim() == 1 and ("bias" in n or "norm" in n):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer:
-        save_tiny_tokenizer(out_dir, kw["vocab_size"])
-    return out_dir
 
 
 def save_tiny_tokenizer(out_dir: str, vocab_size: int) -> None:

@@ -149,3 +149,26 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
     native_step_unsupported = "Gemma's layers (four norms, q/k norms, GeGLU) are not in the native step"
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 vision checkpoint (4B and larger): the vision tower and the
+    projector are skipped; the language model's tensors are renamed to Gemma3ForCausalLM's
+    (``language_model.model.X`` as saved, or ``model.language_model.X`` as transformers 5 names it
+    in memory)."""
+
+    def weight_targets(self, weights):
+        return super().weight_targets(_text_weights(weights))
+
+
+def _text_weights(weights):
+    for name, tensor in weights:
+        if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                            "model.multi_modal_projector.")):
+            continue
+        for old, new in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                         ("model.language_model.", "model.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor

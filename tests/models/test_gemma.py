@@ -74,3 +74,34 @@ def test_prefix_hits_and_n(arch, tiny_model_dir, hf_reference):
         for c in out.outputs:
             assert compare([list(c.token_ids)], [ref])["total"] == 1
     check_no_leak(llm)
+
+
+def tiny_gemma3_vision_checkpoint(out_dir) -> str:
+    """A Gemma3ForConditionalGeneration (a one-layer vision tower beside the tiny text model)."""
+    import torch
+    import transformers
+
+    from model_utils import ARCHS, scale_weights
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                bos_token_id=0, eos_token_id=1, pad_token_id=2, **ARCHS["gemma3"][1])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=500, boi_token_index=498, eoi_token_index=499)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    scale_weights(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return str(out_dir)
+
+
+def test_gemma3_vision_checkpoint_serves_its_text_model(tmp_path, hf_reference):
+    d = tiny_gemma3_vision_checkpoint(tmp_path)
+    rng = random.Random(11)
+    requests = [([rng.randrange(3, 498) for _ in range(rng.randint(5, 50))], rng.randint(4, 16)) for _ in range(6)]
+    refs = hf_reference(d, requests)
+    llm = LLM(d, dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched_tokens=16)
+    counts = record("gemma3-vision/text", compare(run(llm, requests), refs))
+    assert counts["exact"] + counts["near_tie"] == len(requests)
