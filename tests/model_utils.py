@@ -17,6 +17,20 @@ ARCHS = {
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
+    # Gemma: a sliding (window 16) then a global layer, each with its rope; a score scale that is not
+    # head_dim ** -0.5; Gemma 2 soft-caps scores and logits (caps small enough to bite)
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=16, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": (transformers.Gemma2Config, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0, layer_types=["sliding_attention", "full_attention"])),
+    # Phi-3 with Phi-4-mini's partial rotary (3/4 of each head) and LongRoPE: short factors below 128
+    # positions (the parity workload's), long ones from there (test_phi3 crosses it with a smaller one)
+    "phi3": (transformers.Phi3Config, dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=128, max_position_embeddings=1024,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
 }
 
 # hybrid (Mamba2 + attention) architectures: complete tiny configs (their field names differ from
@@ -62,16 +76,21 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
     cfg = cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    scale_weights(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        save_tiny_tokenizer(out_dir, kw["vocab_size"])
+    return out_dir
+
+
+def scale_weights(model) -> None:
+    """2-D weights (but embeddings) to N(0, 1/fan_in); norms near 1, biases near 0."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in n:
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
             elif p.dim() == 1 and ("bias" in n or "norm" in n):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer:
-        save_tiny_tokenizer(out_dir, kw["vocab_size"])
-    return out_dir
 
 
 def save_tiny_tokenizer(out_dir: str, vocab_size: int) -> None:

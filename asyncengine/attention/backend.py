@@ -86,6 +86,14 @@ class AttentionBackend(ABC):
         return [(alloc(shape, self.dtype, self.device), alloc(shape, self.dtype, self.device))
                 for _ in range(num_layers)]
 
+    def prepare_softcap(self, cap: float) -> None:
+        """Called at start for a model that soft-caps its attention scores (Gemma 2): set up for it
+        (forward then gets ``softcap``), or refuse with a ConfigError saying why."""
+        from asyncengine.errors import ConfigError  # lazy: only the refusal needs it
+
+        raise ConfigError(f"attention_backend={self.name!r} has no attention soft-capping (this model caps "
+                          f"its scores at {cap}): use attention_backend='torch' or 'cpu'")
+
     @abstractmethod
     def build_metadata(self, batch: StepBatch) -> Any:
         """Once per step, before the model runs; every layer shares the result. The result has a

@@ -56,6 +56,14 @@ class CpuBackend(AttentionBackend):
             log.warning("attention_backend='cpu': the C kernels are unavailable for this engine (%s); "
                         "running the torch backend's attention", self._why_not())
 
+    def prepare_softcap(self, cap: float) -> None:
+        """The C kernel does not soft-cap: a soft-capping model (Gemma 2) runs the torch backend's
+        attention, whose metadata then routes every layer there."""
+        if self.kernels:
+            log.info("attention_backend='cpu': the C kernel has no soft-capping (cap %s); running the torch "
+                     "backend's attention", cap)
+        self.kernels = self.supports_batch_invariant = False
+
     def _why_not(self) -> str:
         if self.device.type != "cpu":
             return f"device {self.device}"

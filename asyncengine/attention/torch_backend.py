@@ -20,11 +20,12 @@ class TorchAttentionMetadata(AttentionMetadata):
 class TorchBackend(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.impl = TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
-        self._by_window: dict[int, TorchPagedAttention] = {}
+        self._by_window: dict[tuple[int | None, float | None], TorchPagedAttention] = {}
         # scratch for the decode attention's gathered keys, reused by every layer and step
         self.workspace = torch.empty(0, dtype=self.dtype, device=self.device)
 
@@ -60,15 +61,20 @@ class TorchBackend(AttentionBackend):
             self.workspace = torch.empty(need, dtype=self.dtype, device=self.device)
         return self.workspace
 
-    def forward(self, q, k, v, kv_cache, meta, sliding_window: int | None = None) -> torch.Tensor:
-        impl = self.impl if sliding_window is None else self._windowed(sliding_window)
+    def forward(self, q, k, v, kv_cache, meta, sliding_window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        impl = self.impl if sliding_window is None and softcap is None else self._windowed(sliding_window, softcap)
         return impl.forward(q, k, v, kv_cache, meta)
 
-    def _windowed(self, window: int) -> TorchPagedAttention:
+    def prepare_softcap(self, cap: float) -> None:
+        pass  # forward takes softcap
+
+    def _windowed(self, window: int | None, softcap: float | None = None) -> TorchPagedAttention:
         """The same attention limited to the last ``window`` positions (Mistral, Qwen2's sliding
-        layers), one per distinct window size."""
-        impl = self._by_window.get(window)
+        layers) and/or soft-capped (Gemma 2), one per distinct (window, cap)."""
+        impl = self._by_window.get((window, softcap))
         if impl is None:
-            impl = self._by_window[window] = TorchPagedAttention(
-                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, sliding_window=window)
+            impl = self._by_window[(window, softcap)] = TorchPagedAttention(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, sliding_window=window,
+                softcap=softcap)
         return impl

@@ -23,7 +23,9 @@ dense mask over all requests' keys is ever built: attention cost is the sum over
 
 Sliding-window attention (Mistral; Qwen2's sliding layers): a layer built with ``sliding_window=W``
 lets the query at position i see keys j with i - W < j <= i (transformers' rule). Keys that fell
-out of the window are masked, not freed: the cache still holds every position.
+out of the window are not freed: the cache still holds every position. Prefill skips the keys
+before a query block's window; decode masks them. Soft-capping
+(Gemma 2): ``softcap=c`` maps the scaled scores to ``c * tanh(s / c)`` before the masks.
 """
 from __future__ import annotations
 
@@ -135,13 +137,14 @@ class TorchPagedAttention:
     """Paged attention in plain torch; the CPU backend."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # Gemma 2: scaled scores -> cap * tanh(scores / cap), before the masks
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -181,6 +184,7 @@ class TorchPagedAttention:
         qg = q.view(n, hk, g, d).transpose(0, 1)  # [Hkv, n, g, d]: a kv head's query heads as rows
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, n, g, L]
         scores.mul_(self.scale)
+        self._cap(scores)
         if grp.key_bias is not None:
             scores.add_(grp.key_bias)
         w = self.sliding_window
@@ -214,21 +218,31 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for i0 in range(0, n, qb):
             i1 = min(n, i0 + qb)
-            b, seen = i1 - i0, ctx + i1  # this block's queries see keys [0, ctx + i1)
-            qg = q[i0:i1].permute(1, 0, 2).reshape(hk, g * b, d)  # a kv head's query heads as rows
-            scores = torch.matmul(qg, keys[:, :seen].transpose(1, 2)).float()  # [Hkv, g*b, seen]
-            scores.mul_(self.scale)
-            diagonal = scores.view(hk, g, b, seen)[..., ctx + i0:]  # [.., b, b]: mask above it
-            diagonal.masked_fill_(_upper_triangle(b, q.device), float("-inf"))
+            b, seen = i1 - i0, ctx + i1  # this block's queries see keys [lo, ctx + i1)
             w = self.sliding_window
-            if w is not None and seen > w:
-                # the query at position p = ctx + i0 + r sees keys (p - w, p]
+            # keys before the block's first query's window are skipped, not masked
+            lo = 0 if w is None else max(0, ctx + i0 - w + 1)
+            span = seen - lo
+            qg = q[i0:i1].permute(1, 0, 2).reshape(hk, g * b, d)  # a kv head's query heads as rows
+            scores = torch.matmul(qg, keys[:, lo:seen].transpose(1, 2)).float()  # [Hkv, g*b, span]
+            scores.mul_(self.scale)
+            self._cap(scores)
+            diagonal = scores.view(hk, g, b, span)[..., ctx + i0 - lo:]  # [.., b, b]: mask above it
+            diagonal.masked_fill_(_upper_triangle(b, q.device), float("-inf"))
+            if w is not None and span > w:
+                # the query at position p = ctx + i0 + r sees keys (p - w, p]; later rows' windows start later
                 pos = torch.arange(ctx + i0, ctx + i1, device=q.device)
-                old = torch.arange(seen, device=q.device)[None, :] <= (pos[:, None] - w)  # [b, seen]
-                scores.view(hk, g, b, seen).masked_fill_(old, float("-inf"))
+                old = torch.arange(lo, seen, device=q.device)[None, :] <= (pos[:, None] - w)  # [b, span]
+                scores.view(hk, g, b, span).masked_fill_(old, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-            out[i0:i1] = torch.matmul(probs, vals[:, :seen]).view(hk * g, b, d).transpose(0, 1)
+            out[i0:i1] = torch.matmul(probs, vals[:, lo:seen]).view(hk * g, b, d).transpose(0, 1)
         return out
+
+
+    def _cap(self, scores: torch.Tensor) -> None:
+        """Soft-cap the scaled scores in place, as the reference does (divide, tanh, multiply)."""
+        if self.softcap is not None:
+            scores.div_(self.softcap).tanh_().mul_(self.softcap)
 
 
 _TRIANGLES: dict[torch.device, torch.Tensor] = {}

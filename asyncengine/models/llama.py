@@ -92,6 +92,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
         self.sliding_window = sliding_window  # None: full attention; the backend applies it
+        self.softcap: float | None = None  # Gemma 2: the backend caps the scores (cap * tanh(s / cap))
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta):
         """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`; meta: the
@@ -108,7 +109,9 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.tp.all_reduce(self.o_proj(meta.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)))
+        extra = {} if self.softcap is None else {"softcap": self.softcap}  # refused at start by backends without
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.sliding_window, **extra)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -208,13 +211,8 @@ class LlamaForCausalLM(nn.Module):
         next, which gets them as ``intermediate``). ``kv_caches``: this stage's layers' only."""
         if intermediate is not None:
             x, residual = intermediate
-        elif not self.tp.vocab_sharded:
-            x, residual = self.embed_tokens(input_ids), None
-        else:  # rows outside this rank's vocabulary slice contribute zeros to the all-reduce
-            local = input_ids - self.vocab_start
-            outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
-            x = self.embed_tokens(local.masked_fill(outside, 0))
-            x, residual = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0)), None
+        else:
+            x, residual = self.embed(input_ids), None
         rope = self.rotary.lookup(positions, x.dtype)
         if self.native_step is not None and intermediate is None and self.native_step.accepts(x.shape[0], meta):
             return self.native_step(x, rope, kv_caches, meta)
@@ -223,6 +221,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.pp.is_last:
             return x, residual
         return self.norm(x) if residual is None else self.norm(x, residual=residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows (a collective under a vocab-sharded tensor parallel group)."""
+        if not self.tp.vocab_sharded:
+            return self.embed_tokens(input_ids)
+        # rows outside this rank's vocabulary slice contribute zeros to the all-reduce
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0; None on the other ranks (a collective under

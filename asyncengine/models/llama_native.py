@@ -64,6 +64,10 @@ def native_step_reason(model) -> str | None:
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
+    if getattr(model, "native_step_unsupported", None):
+        return model.native_step_unsupported
+    if model.rotary.rotary_dim != model.args.head_dim:
+        return "partial rotary (Phi-4-mini) is not in the native step"
     if model.args.qk_norm:
         return "q/k norms (Qwen3) are not in the native step"
     if model.tp.size > 1:

@@ -153,8 +153,8 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             cache = weight_cache.cache_file(path, config.torch_dtype, cls, variant=json.dumps(storage))
             cached = weight_cache.load(model, cache)
     materialize(model, config.torch_device, config.torch_dtype)  # all of it, or what the cache left
-    if getattr(model, "rotary", None) is not None:  # models without rope (Mamba2, NemotronH) have none
-        model.rotary.build(config.torch_device)
+    for rope in _ropes(model):  # models without rope (Mamba2, NemotronH) have none; Gemma has two
+        rope.build(config.torch_device)
     if not cached and read_weights:
         if gguf is not None:
             say(f"decoding {os.path.basename(path)} (once; later starts map a cached copy)" if cache
@@ -255,3 +255,12 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
         log.info("weights: %s", ", ".join([f"{n} layers in {q}" for q, n in sorted(counts.items())]
                                           + ([f"{dense} dense"] if dense else [])))
     return frozenset(keep)
+
+
+def _ropes(model) -> list:
+    """The model's rotary tables (each once): ``model.rotary``, and Gemma's per-layer-kind ``model.ropes``."""
+    out = list(getattr(model, "ropes", None) or ())
+    rotary = getattr(model, "rotary", None)
+    if rotary is not None and all(rotary is not r for r in out):
+        out.append(rotary)
+    return out

@@ -128,6 +128,22 @@ def read_hf_config(path: str):
         raise ModelLoadError(f"{path}: no config.json (is this a Hugging Face checkpoint folder?)")
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot read config.json ({e})") from None
+    return text_part(config)
+
+
+# multimodal checkpoints whose text model we serve alone: the config's text part stands for it
+TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def text_part(config):
+    """A multimodal config's ``text_config`` (still naming the multimodal architecture, so the
+    registry picks the class that skips the vision weights); any other config as it is."""
+    archs = list(getattr(config, "architectures", None) or ())
+    text = getattr(config, "text_config", None)
+    if text is None or not TEXT_PART_ARCHITECTURES.intersection(archs):
+        return config
+    text.architectures = archs
+    return text

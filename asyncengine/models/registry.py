@@ -14,6 +14,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "asyncengine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "asyncengine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "asyncengine.models.llama:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "asyncengine.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "asyncengine.models.gemma:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "asyncengine.models.gemma:Gemma3ForConditionalGeneration",  # text only
+    "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
     # hybrids: Mamba2 state-space layers (a state slot per request) beside attention
     "Mamba2ForCausalLM": "asyncengine.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",

@@ -79,7 +79,10 @@ class ModelRunner:
             config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=a.head_dim, block_size=self.block_size, num_blocks=num_blocks, dtype=self.dtype,
             device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)))
+            max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)),
+            scale=getattr(a, "attn_scale", None))  # Gemma: query_pre_attn_scalar ** -0.5
+        if getattr(a, "attn_softcap", None):  # Gemma 2: the backend soft-caps, falls back, or refuses
+            self.attn_backend.prepare_softcap(a.attn_softcap)
         if not self.attn_backend.supports_sliding_window and any(w is not None for w in a.layer_windows):
             raise ConfigError(f"attention_backend={self.attn_backend.name!r} has no sliding-window attention "
                               f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "

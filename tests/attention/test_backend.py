@@ -1,0 +1,47 @@
+"""The backend seam's soft-capping contract (Gemma 2): torch caps, cpu falls back to the torch
+path (its C kernel has none), a backend without it refuses at start with a ConfigError; and the
+torch path's capped, windowed prefill equals a dense reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.attention.backend import SeqChunk, StepBatch
+from asyncengine.attention.cpu_backend import CpuBackend
+from asyncengine.attention.torch_backend import TorchBackend
+from asyncengine.attention.triton_backend import TritonBackend
+from asyncengine.errors import ConfigError
+
+SHAPES = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=16, dtype=torch.float32,
+              device=torch.device("cpu"))
+
+
+def test_cpu_falls_back_to_torch_for_softcap():
+    b = CpuBackend(**SHAPES)
+    b.prepare_softcap(50.0)
+    assert not b.kernels and not b.supports_batch_invariant
+    meta = b.build_metadata(StepBatch([SeqChunk(0, 3, 0, [0])], [0, 1, 2]))
+    assert isinstance(meta.backend, TorchBackend)  # every layer goes to the torch path
+
+
+def test_a_backend_without_softcap_refuses():
+    with pytest.raises(ConfigError, match="soft-capping"):
+        TritonBackend.prepare_softcap(object.__new__(TritonBackend), 50.0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_softcap_and_window_match_dense(window):
+    torch.manual_seed(0)
+    b = TorchBackend(**SHAPES)
+    n, cap = 11, 2.0
+    q, k, v = torch.randn(n, 4, 16) * 3, torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    caches = b.allocate_kv_caches(1)[0]
+    meta = b.build_metadata(StepBatch([SeqChunk(0, n, 0, [0, 1, 2])], list(range(n))))
+    out = b.forward(q, k, v, caches, meta, window, softcap=cap).view(n, 4, 16)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * b.scale
+    s = torch.tanh(s / cap) * cap
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= i) & ((j > i - window) if window else True)
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~allowed, float("-inf")), -1), vv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
