@@ -131,6 +131,16 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         return {"sliding_window": self.sliding_window}
 
 
+def max_request_len(kv: KVCacheManager, config, num_blocks: int, model_len: int) -> int:
+    """The longest request the cache serves: the whole cache's tokens, or for a sliding-window
+    cache under chunked prefill the model's own length, when one chunk plus its window fits."""
+    cache_len = num_blocks * config.block_size
+    if not isinstance(kv, SlidingWindowKVCacheManager) or not config.enable_chunked_prefill:
+        return min(model_len, cache_len)
+    step_blocks = -(-(config.max_num_batched_tokens + kv.sliding_window) // config.block_size) + 2
+    return model_len if step_blocks <= num_blocks else min(model_len, cache_len)
+
+
 def check_sliding_config(config) -> None:
     """Refuse what freeing out-of-window blocks would break, before any worker starts."""
     if config.speculative is not None:
