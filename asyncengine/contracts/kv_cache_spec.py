@@ -21,6 +21,8 @@ class KVCacheSpec(msgspec.Struct, kw_only=True):
     # the target model's share of bytes_per_block (a draft model's cache adds its own to a block):
     # what a KV connector moves per block (0: all of bytes_per_block)
     target_bytes_per_block: int = 0
+    # per attention layer: its sliding window in tokens (None: full attention); empty: unknown / none
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def connector_bytes_per_block(self) -> int:
@@ -32,3 +34,21 @@ class KVCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     num_blocks: int
     block_size: int
+
+
+class KVCacheGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Layers that share one block table: every attention layer with the same window (vLLM's
+    kv_cache_interface.py groups by spec the same way)."""
+
+    sliding_window: int | None  # None: full attention (every block stays while the request runs)
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(layer_windows) -> list[KVCacheGroup]:
+    """One group per attention kind, full first, then the windows in ascending order. A model
+    declares each layer's ``sliding_window`` (None = full); this is the only place they are grouped."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(layer_windows):
+        kinds.setdefault(w, []).append(i)
+    order = sorted(kinds, key=lambda w: -1 if w is None else w)
+    return [KVCacheGroup(sliding_window=w, layers=tuple(kinds[w])) for w in order]

@@ -19,7 +19,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
-from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.sliding_window_kv_cache_manager import make_kv_cache_manager, max_request_len
 from asyncengine.contracts.kv_sizing import plan_kv_blocks
 from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
@@ -70,17 +70,17 @@ class EngineCore:
             spec = self.executor.determine_kv_cache_spec()
             num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)
             self.executor.initialize_cache(KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size))
+            if not hybrid:  # by attention kind: full, or sliding (core/sliding_window_kv_cache_manager.py)
+                self.kv = make_kv_cache_manager(config, spec.layer_windows, num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
-        # a request can never hold more tokens than the whole cache
-        self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
         self.num_blocks = num_blocks
         if hybrid:  # attention blocks + a state slot per request (core/hybrid_kv_cache_manager.py)
             self.kv = make_hybrid_kv_cache_manager(config, self.model_info.hf_config, num_blocks,
                                                    spec.state_bytes_per_seq)
-        else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a request can never hold more tokens than the whole cache (a sliding-window one: its window)
+        self.max_model_len = max_request_len(self.kv, config, num_blocks, self.model_info.max_model_len)
         kv_connector = make_scheduler_connector(config, self.kv, spec.connector_bytes_per_block)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

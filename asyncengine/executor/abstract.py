@@ -54,7 +54,8 @@ class Executor(ABC):
                            available_bytes=min(avail) if avail else None,
                            kv_budget_bytes=min(budgets) if budgets else None,
                            state_bytes_per_seq=max(s.state_bytes_per_seq for s in specs),
-                           target_bytes_per_block=max(s.target_bytes_per_block for s in specs))
+                           target_bytes_per_block=max(s.target_bytes_per_block for s in specs),
+                           layer_windows=specs[0].layer_windows)
 
     def initialize_cache(self, kv: KVCacheConfig) -> None:
         self.collective_rpc("initialize_cache", (kv,))

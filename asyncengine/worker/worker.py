@@ -152,7 +152,8 @@ class Worker:
         state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0
         return KVCacheSpec(block_size=c.block_size, bytes_per_block=per_block,
                            available_bytes=_available_memory(c.torch_device), kv_budget_bytes=budget,
-                           state_bytes_per_seq=state, target_bytes_per_block=target)
+                           state_bytes_per_seq=state, target_bytes_per_block=target,
+                           layer_windows=tuple(getattr(self.model.args, "layer_windows", ())))
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> int:

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.core.sliding_window_kv_cache_manager import SlidingWindowKVCacheManager
 from model_utils import check_entry, compare, ref_logprobs
 from test_parity import REGIMES, check_no_leak, run
 
@@ -92,6 +93,9 @@ def test_sliding_window_shorter_than_the_sequence(arch, regime, tiny_model_dir, 
 
     windows = llm.engine.collective_rpc(attention_windows)[0]
     assert windows == ([16, 16] if arch == "mistral" else [None, 16])
+    # every layer slides: out-of-window blocks go back to the pool; mixed: one table keeps them all
+    sliding = isinstance(llm.engine.kv, SlidingWindowKVCacheManager)
+    assert sliding == (arch == "mistral")
     got = run(llm, requests)
     counts = compare(got, refs)
     assert counts["exact"] + counts["near_tie"] == len(requests)

@@ -1,0 +1,167 @@
+"""The KV-cache manager of a model whose attention layers all slide over one window (Mistral,
+Qwen2 with ``use_sliding_window``): a block whose every position has left the window of the
+next query goes back to the pool *while the request runs* (vLLM:
+single_type_kv_cache_manager.py, SlidingWindowManager.remove_skipped_blocks).
+
+The request's table keeps one entry per logical block; a freed entry becomes :data:`NULL_BLOCK`,
+so the worker's append-only table (and each block's position) is unchanged: block ``i`` still
+holds positions ``[i*bs, (i+1)*bs)``. The attention layers mask every key outside the window, and
+the cache is zeroed at start, so what a freed slot holds later (another request's KV) is read
+with weight zero. A query at position ``p`` sees keys ``(p - w, p]``: before a step that starts
+at position ``c``, blocks wholly below ``c - w + 1`` are freed. A decoding request then holds at
+most ``w / bs + 2`` blocks.
+
+Prefix hits: the hash chain of a block still names its whole prefix, so a hit of ``L`` blocks
+needs only the blocks of the window before position ``L * bs`` to be cached; those before it
+enter the table as :data:`NULL_BLOCK`.
+
+Models mixing full and sliding layers (Qwen2 with ``max_window_layers``, Gemma 2/3) need one
+table per group on the worker; until the worker takes per-group tables they keep every block in
+one table (:func:`make_kv_cache_manager` logs it).
+"""
+from __future__ import annotations
+
+import logging
+
+from asyncengine.contracts.kv_cache_spec import kv_cache_groups
+from asyncengine.core.block_pool import KVBlock
+from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.request import Request
+from asyncengine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# the table entry of a block that left the window: id 0 (a real block; read only under the mask)
+NULL_BLOCK = KVBlock(0)
+
+
+class SlidingWindowKVCacheManager(KVCacheManager):
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_caching)
+        if sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def first_kept_block(self, position: int) -> int:
+        """The first block a query at ``position`` (or later) may still read."""
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def held_blocks(self, request_id: str) -> int:
+        """Pool blocks the request references (its freed, out-of-window entries not counted)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b is not NULL_BLOCK)
+
+    def remove_skipped_blocks(self, req: Request, position: int) -> None:
+        """Free the request's blocks that no query at ``position`` or later reads."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        if not blocks:
+            return
+        end = min(self.first_kept_block(position), len(blocks))
+        gone = [b for b in blocks[:end] if b is not NULL_BLOCK]
+        if gone:
+            blocks[:end] = [NULL_BLOCK] * end
+            self.pool.free_blocks(reversed(gone))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest hit of ``L`` blocks whose window blocks (those a query at ``L * bs`` reads)
+        are all cached; the blocks before that window enter as NULL_BLOCK."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        n = req.num_tokens
+        self._extend_hashes(req, n)
+        max_blocks = (n - 1) // self.block_size
+        found = [self.pool.get_cached_block(h) for h in req.block_hashes[:max_blocks]]
+        run = 0  # cached blocks in a row ending at block i
+        runs = []
+        for b in found:
+            run = run + 1 if b is not None else 0
+            runs.append(run)
+        for hit in range(max_blocks, 0, -1):
+            first = self.first_kept_block(hit * self.block_size)
+            if runs[hit - 1] >= hit - first:
+                return [NULL_BLOCK] * first + found[first:hit], hit * self.block_size
+        return [], 0
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """As the base, after freeing what left the window before this step's first position
+        (so this step's new blocks may reuse them); hit entries that are NULL_BLOCK take nothing."""
+        bs = self.block_size
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * bs
+        self.remove_skipped_blocks(req, num_computed)
+        total = num_computed + num_new_tokens
+        need = -(-total // bs) - len(blocks) - len(computed)
+        real = [b for b in computed if b is not NULL_BLOCK]
+        reclaimed = sum(1 for b in real if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_to_blocks[req.request_id]
+            return None
+        if computed:
+            self.pool.touch(real)
+            blocks.extend(computed)
+            self._num_cached_blocks[req.request_id] = len(blocks)
+        new = self.pool.get_new_blocks(need) if need > 0 else []
+        blocks.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
+        return new
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Register the request's newly full blocks, skipping any already freed (async scheduling
+        may register a block one step late, after it left the window)."""
+        n_full = num_tokens // self.block_size
+        start = self._num_cached_blocks.get(req.request_id, 0)
+        if n_full <= start:
+            return
+        self._extend_hashes(req, n_full * self.block_size)
+        for i in range(start, n_full):
+            if blocks[i] is not NULL_BLOCK:
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self._num_cached_blocks[req.request_id] = n_full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_to_blocks.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed([b for b in blocks if b is not NULL_BLOCK]))
+
+    def group_stats(self) -> dict:
+        return {"sliding_window": self.sliding_window}
+
+
+def max_request_len(kv: KVCacheManager, config, num_blocks: int, model_len: int) -> int:
+    """The longest request the cache serves: the whole cache's tokens, or for a sliding-window
+    cache under chunked prefill the model's own length, when one chunk plus its window fits."""
+    cache_len = num_blocks * config.block_size
+    if not isinstance(kv, SlidingWindowKVCacheManager) or not config.enable_chunked_prefill:
+        return min(model_len, cache_len)
+    step_blocks = -(-(config.max_num_batched_tokens + kv.sliding_window) // config.block_size) + 2
+    return model_len if step_blocks <= num_blocks else min(model_len, cache_len)
+
+
+def check_sliding_config(config) -> None:
+    """Refuse what freeing out-of-window blocks would break, before any worker starts."""
+    if config.speculative is not None:
+        raise ConfigError("speculative decoding is not supported with sliding-window KV blocks: the draft model "
+                          "reads the same block tables and may attend beyond the window to blocks already freed; "
+                          "leave speculative_config unset")
+    if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
+        raise ConfigError("KV offload and P/D disaggregation move whole block tables, and a sliding-window request's "
+                          "table has freed blocks: leave kv_offload_bytes, kv_offload_dir and kv_role unset")
+
+
+def make_kv_cache_manager(config, layer_windows, num_blocks: int) -> KVCacheManager:
+    """The manager for a model without state layers, by its attention kinds: all layers sliding over
+    one window -> :class:`SlidingWindowKVCacheManager`; otherwise the plain one (one table)."""
+    groups = kv_cache_groups(layer_windows)
+    caching = config.enable_prefix_caching
+    if len(groups) == 1 and groups[0].sliding_window is not None:
+        check_sliding_config(config)
+        return SlidingWindowKVCacheManager(num_blocks, config.block_size, groups[0].sliding_window, caching)
+    if any(g.sliding_window is not None for g in groups):
+        log.info("KV cache: %d groups (%s); a model mixing full and sliding layers keeps every block in one table "
+                 "(the worker takes one table per request; docs/sliding_window.md)", len(groups),
+                 ", ".join(f"window {g.sliding_window}: {len(g.layers)} layers" for g in groups))
+    return KVCacheManager(num_blocks, config.block_size, caching)
