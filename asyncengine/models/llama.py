@@ -149,6 +149,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral; Qwen2/Qwen3 are the subclasses below."""
 
+    lora_active = False  # a step with LoRA rows goes the torch path (lora/hooks.py adds their products)
+
     qkv_bias = False
     qk_norm = False
 
@@ -216,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(local.masked_fill(outside, 0))
             x, residual = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0)), None
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native_step is not None and intermediate is None and self.native_step.accepts(x.shape[0], meta):
+        if self.native_step is not None and intermediate is None and not self.lora_active \
+                and self.native_step.accepts(x.shape[0], meta):
             return self.native_step(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, rope, kv, meta, residual)
