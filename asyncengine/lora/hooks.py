@@ -26,6 +26,8 @@ class LoRAModel:
                  dtype: torch.dtype | None = None) -> None:
         if getattr(getattr(model, "tp", None), "size", 1) > 1 or not getattr(getattr(model, "pp", None), "is_last", True):
             raise ConfigError("LoRA adapters do not run under tensor or pipeline parallelism yet")
+        if not hasattr(model, "lora_active"):
+            raise ConfigError(f"LoRA adapters run on Llama-family models only, not {type(model).__name__}")
         self.model, self.max_lora_rank = model, max_lora_rank
         self.groups: list = []
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
@@ -55,6 +57,14 @@ class LoRAModel:
         adapter = load_peft_adapter(name, lora_id, path, self.shapes, self.max_lora_rank)
         self.slots.add(adapter)
         return adapter
+
+    def ensure(self, lora_request) -> int:
+        """A request's adapter id, its adapter loaded into host memory if it is not there (0: none)."""
+        if lora_request is None:
+            return 0
+        if lora_request.id not in self.slots.host:
+            self.load(lora_request.name, lora_request.id, lora_request.path)
+        return lora_request.id
 
     def unload(self, lora_id: int) -> None:
         self.slots.remove(lora_id)

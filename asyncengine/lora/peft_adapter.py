@@ -3,7 +3,6 @@ checked against the base model's layer shapes before it may touch a slot: a host
 adapter fails here with a ConfigError, never mid-step."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from asyncengine.config.lora import check_adapter_files
 from asyncengine.errors import ConfigError
 
 # PEFT's target module names on Llama/Qwen2 decoders, and the block each lives in
@@ -31,19 +31,6 @@ class LoRAAdapter:
 
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / "adapter_config.json"
-    if not path.is_file():
-        raise ConfigError(f"LoRA adapter {str(folder)!r} has no adapter_config.json")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"LoRA adapter {str(folder)!r}: adapter_config.json is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise ConfigError(f"LoRA adapter {str(folder)!r} is not a PEFT LoRA adapter (peft_type {cfg.get('peft_type')!r})")
-    return cfg
 
 
 def _scale(cfg: dict, rank: int) -> float:
@@ -81,13 +68,9 @@ def load_peft_adapter(name: str, lora_id: int, path: str, shapes: dict[tuple[int
     a tensor whose shape is not the base's (an adapter trained for another model)."""
     folder = Path(path)
     where = f"{name!r} ({path})"
-    if not folder.is_dir():
-        raise ConfigError(f"LoRA adapter {where}: no such folder")
-    cfg = _read_config(folder)
+    cfg = check_adapter_files(path, max_rank)
     _check_options(cfg, where)
-    rank = int(cfg.get("r", 0))
-    if not 1 <= rank <= max_rank:
-        raise ConfigError(f"LoRA adapter {where} has rank {rank}; this engine takes 1..{max_rank} (max_lora_rank)")
+    rank = cfg["r"]
     scale = _scale(cfg, rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(folder).items():
