@@ -120,10 +120,9 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     # priority policy: a waiting request's effective priority improves by 1 every this many seconds
     priority_aging_s: float = 10.0
-    # The cycle collector is paused while the engine loads (~0.2 s of a start), and AsyncLLMEngine
-    # gc.freeze()s what exists once the model is loaded (one full collection stalled the event loop
-    # ~185 ms mid-serving; docs/benchmarks.md). Objects alive then are never cycle-collected: turn it
-    # off if your app creates the engine late and cares (engine_core/gc_policy.py).
+    # gc paused while loading (~0.2 s of a start), then gc.freeze() of what exists (a full collection
+    # stalled the loop ~185 ms mid-serving; docs/benchmarks.md): objects alive then are never
+    # cycle-collected; turn it off if your app creates the engine late and cares (engine_core/gc_policy.py)
     freeze_gc_after_load: bool = True
     # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...):
     # config/request_limits.py; None = RequestLimits()'s documented defaults
