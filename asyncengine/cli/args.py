@@ -149,9 +149,6 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on everything but /health and the chat page "
                         "(default: $ASYNCENGINE_API_KEY, else none)")
     s.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    s.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
-                   help="PEFT LoRA adapters to load at start, each served under its NAME as a model "
-                        "(needs --enable-lora; docs/lora.md)")
     s.add_argument("--enable-training-endpoints", action="store_true",
                    help="serve /pause, /resume, /sleep, /wake_up, /reset_prefix_cache, /update_weights for an RL "
                         "trainer (docs/training.md; needs --api-key)")
