@@ -5,7 +5,7 @@ not pay for torch."""
 __all__ = ["LLM", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "OutputKind", "RequestOutput",
            "CompletionOutput", "AsyncEngineError", "ConfigError", "EngineDeadError", "EngineOverloaded",
            "InvalidRequestError", "ModelLoadError", "RequestFailedError", "RequestLimits", "RequestLimitError",
-           "AnyioEngine", "EngineCoreDied"]
+           "AnyioEngine", "EngineCoreDied", "LoRARequest"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -18,6 +18,7 @@ _WHERE = {
     "RequestOutput": "asyncengine.outputs",
     "CompletionOutput": "asyncengine.outputs",
     "RequestLimits": "asyncengine.config.request_limits",
+    "LoRARequest": "asyncengine.lora_request",
     "RequestLimitError": "asyncengine.config.request_limits",
     **{name: "asyncengine.errors" for name in ("AsyncEngineError", "ConfigError", "EngineDeadError",
                                                  "EngineOverloaded", "InvalidRequestError", "ModelLoadError",

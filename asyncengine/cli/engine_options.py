@@ -191,6 +191,14 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                                        "'{\"method\": \"draft_model\", \"model\": \"PATH\", "
                                        "\"num_speculative_tokens\": 3}' (docs/speculative_decoding.md)",
                  type=parse_json_object, metavar="JSON", default_text="off"),
+    EngineOption("enable_lora", "serve PEFT LoRA adapters over the base model (docs/lora.md)", type=FLAG,
+                 commands=("serve",)),
+    EngineOption("max_loras", "most distinct LoRA adapters in one model step", type=POSITIVE_INT,
+                 commands=("serve",)),
+    EngineOption("max_lora_rank", "largest LoRA rank accepted (the device slots are sized for it)",
+                 type=POSITIVE_INT, commands=("serve",)),
+    EngineOption("max_cpu_loras", "LoRA adapters kept loaded in host memory (least recently used out)",
+                 type=POSITIVE_INT, default_text="--max-loras", commands=("serve",)),
 )
 
 # EngineConfig fields deliberately not on the command line, and why

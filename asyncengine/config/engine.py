@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from asyncengine.config.attention import AttentionBackendName, backend_info, check_backend_name
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
+from asyncengine.config.lora import check_lora_limits
 
 if TYPE_CHECKING:
     import torch
@@ -110,8 +111,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     skip_tokenizer_init: bool = False
-    # torch intra-op threads. None = torch's default, lowered while other processes keep cores busy
-    # (one CPU worker only: worker/cpu_threads.py); a number pins it
+    # torch intra-op threads: None = torch's default, lowered while other processes keep cores busy
+    # (one CPU worker: worker/cpu_threads.py); a number pins it
     num_threads: int | None = None
     # async engine
     async_scheduling: bool = True  # schedule step N+1 while step N executes
@@ -119,15 +120,12 @@ class EngineConfig:
     max_queued_tokens: int | None = None
     # priority policy: a waiting request's effective priority improves by 1 every this many seconds
     priority_aging_s: float = 10.0
-    # The cycle collector is paused while the engine loads (its full collections walk torch's ~1M
-    # objects: ~0.2 s of a start), and AsyncLLMEngine gc.freeze()s what exists once the model is
-    # loaded, so that full collections no longer walk the objects of torch/transformers/the
-    # tokenizer (one stalled the event loop ~185 ms mid-serving; docs/benchmarks.md). Objects alive
-    # at that point are then never cycle-collected: turn it off if your app creates the engine late
-    # and cares (engine_core/gc_policy.py).
+    # gc paused while loading (~0.2 s of a start), then gc.freeze() of what exists (a full collection
+    # stalled the loop ~185 ms mid-serving; docs/benchmarks.md): objects alive then are never
+    # cycle-collected; turn it off if your app creates the engine late and cares (engine_core/gc_policy.py)
     freeze_gc_after_load: bool = True
-    # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...): see
-    # asyncengine/config/request_limits.py; None = RequestLimits()'s documented defaults
+    # what one request may cost (prompt characters, stop strings, n, logprobs, body bytes...):
+    # config/request_limits.py; None = RequestLimits()'s documented defaults
     limits: "RequestLimits | None" = None
     # what one structured output may cost (compile time, schema size, enum values, repetition
     # bounds, the compiled-grammar cache's bytes): asyncengine/config/grammar_limits.py; None =
@@ -218,6 +216,10 @@ class EngineConfig:
     # decode core pulls them, on any host
     kv_transfer_transport: Literal["shm", "tcp"] = "shm"
     kv_transfer_address: str | None = None
+    enable_lora: bool = False  # multi-LoRA (docs/lora.md, config/lora.py): the next three are its limits
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None = max_loras
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -291,6 +293,7 @@ class EngineConfig:
         if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
         self._check_kv_offload()
+        check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _check_kv_offload(self) -> None:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):

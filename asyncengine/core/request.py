@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from asyncengine.lora_request import LoRARequest
 from asyncengine.sampling_params import SamplingParams, resolve_unset
 
 _SEED_MOD = 2**63
@@ -53,6 +54,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    lora_request: LoRARequest | None = None  # its adapter (its id is part of cache_salt: processor)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -118,7 +120,7 @@ class Request:
                 sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
                 priority=self.priority, arrival_time=self.arrival_time, cache_salt=self.cache_salt,
                 bad_words_token_ids=self.bad_words_token_ids, parent_id=self.request_id,
-                kv_transfer_params=self.kv_transfer_params))
+                kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request))
         return children
 
     def token_id_at(self, pos: int) -> int:

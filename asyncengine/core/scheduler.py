@@ -1,13 +1,12 @@
 """The scheduler: continuous (iteration-level) batching under a token budget.
 
-There are no prefill and decode phases. Every request has ``num_computed_tokens`` catching up with
-its token count; each step gives running requests their next tokens first (a decode is one token, a
-long prompt a chunk of whatever budget is left), then admits waiting requests while budget, sequence
-slots and KV blocks last. When blocks run out, the policy's victim is preempted by recompute: its
-blocks are freed and it waits again at the front. Nothing is admitted in a step that preempted.
+No prefill and decode phases: each request's ``num_computed_tokens`` catches up with its tokens;
+a step gives running requests their next tokens first (a decode one, a long prompt a chunk of the
+budget left), then admits waiting ones while budget, slots and KV blocks last. Out of blocks, the
+policy's victim is preempted by recompute (blocks freed, it waits at the front; no admission then).
 
-Async scheduling: ``num_computed_tokens`` advances when a step is scheduled and each step that will
-sample adds an output placeholder, so step N+1 can be planned before step N's tokens are known.
+Async scheduling: ``num_computed_tokens`` advances when a step is scheduled and each sampling step
+adds an output placeholder: step N+1 is planned before step N's tokens are known.
 
 Speculative decoding (``num_spec_tokens`` = k > 0): a request whose next step is a single decode
 token is scheduled 1 + k tokens (budget and KV slots); the runner fills the k extra slots with draft
@@ -15,21 +14,18 @@ tokens and verifies them in the same forward pass, and returns the m (1..k+1) to
 Counts are *optimistic* while a step is in flight (all k drafts assumed accepted: k + 1
 placeholders, ``num_computed_tokens`` advanced by 1 + k), so KV blocks always cover what the runner
 may write, and ``update`` takes back the k + 1 - m that were not accepted. The runner keeps each
-request's true position itself (it executes steps in order); a rejected draft's KV slot is simply
-overwritten by the next step. Only accepted tokens reach stop checks, block hashes and max_tokens.
+request's true position; a rejected draft's KV slot is overwritten by the next step.
 
 Pipeline parallelism (``pipeline_parallel=True``): batches in flight are disjoint: a request in a
-batch that has not come back is not scheduled again (nor re-admitted), so the engine core can keep
-one batch per stage in flight with no placeholders; each request's step carries the tokens sampled
-since its last one (``CachedRequestData.new_token_ids``) for the stages that do not sample
-(core/pipeline_in_flight.py).
+batch that has not come back is not scheduled again, so the core keeps one batch per stage in flight
+with no placeholders; each request's step carries the tokens sampled since its last one
+(``CachedRequestData.new_token_ids``) for the stages that do not sample (core/pipeline_in_flight.py).
 
 Parallel samples (``n > 1``): ``add_request`` fans the request out into ``n`` single-sample
-requests; those that can share sample 0's prompt wait for it (core/parallel_samples.py).
-
-KV connector (``kv_connector/base.py``; None = none, and none of its calls): a waiting request's
-prompt tokens past its prefix-cache hit may come from outside, and a finished request's blocks may
-be held for a transfer out (core/kv_transfer_state.py).
+requests; those that can share sample 0's prompt wait for it (core/parallel_samples.py). KV
+connector (``kv_connector/base.py``; None = none): a waiting request's prompt tokens past its
+prefix-cache hit may come from outside, and a finished request's blocks may be held for a transfer
+out (core/kv_transfer_state.py). LoRA: at most ``max_loras`` adapters run (core/lora_admission.py).
 """
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ import time
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_transfer_state import KVTransferState
+from asyncengine.core.lora_admission import too_many_loras
 from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
@@ -62,6 +59,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras: int | None = None  # LoRA: most adapters running at once (set by the core)
         self.waiting = make_queue(policy, priority_aging_s)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -237,6 +235,8 @@ class Scheduler:
             req = self.waiting.peek()
             if req.num_output_placeholders or req.request_id in self.pp_in_flight:
                 break  # a step of it is still in flight from before its preemption
+            if too_many_loras(req, self.running, self.max_loras):
+                break  # its adapter would be one too many in a step: it waits, taking no slot
             if len(self.running) >= self.max_num_seqs:
                 if not (priority and self._preempt_lower(req, plan)):
                     break
@@ -299,7 +299,8 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
                     block_ids=self.kv.block_ids(rid), num_computed_tokens=req.num_computed_tokens,
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
-                    num_external_tokens=req.num_external_tokens, state_slot=self.kv.state_slot(rid)))
+                    num_external_tokens=req.num_external_tokens, state_slot=self.kv.state_slot(rid),
+                    lora_request=req.lora_request))
             else:
                 cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
                                                      num_computed_tokens=req.num_computed_tokens,

@@ -25,7 +25,7 @@ from asyncengine.engine.admission import Admission
 from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
 from asyncengine.engine.output_processor import OutputProcessor
-from asyncengine.engine.processor import InputProcessor
+from asyncengine.engine.processor import InputProcessor, check_lora_request
 from asyncengine.engine.protocol import EngineClient
 from asyncengine.engine.prompt_intake import PromptIntake, check_params
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
@@ -33,6 +33,7 @@ from asyncengine.engine.stream_router import StreamRouter
 from asyncengine.engine.trainer_api import TrainerControls
 from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.errors import EngineDeadError, InvalidRequestError
+from asyncengine.lora_request import LoRARequest
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -208,7 +209,8 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None, kv_transfer_params: dict[str, str] | None = None) -> RequestStream:
+                 cache_salt: str | None = None, kv_transfer_params: dict[str, str] | None = None,
+                 lora_request: LoRARequest | None = None) -> RequestStream:
         """Submit a request now; returns its async iterator of RequestOutputs (deltas in
         ``out.text_delta`` / ``out.token_ids_delta``; ``out.outputs[0]`` as output_kind says).
         With ``sampling_params.n > 1`` the one stream carries every sample: ``outputs[i]`` has
@@ -222,6 +224,7 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         prompt is tokenized on a worker thread; its errors surface at the first iteration.)
         ``kv_transfer_params``: for the P/D front end (engine/pd_client.py), where this request's
         prompt KV waits (``{"source": "host:port"}`` of the prefill core that computed it).
+        ``lora_request``: the PEFT adapter to run under (needs ``enable_lora``; docs/lora.md).
         """
         self._bind_loop()
         if self._busy_loop.closing:
@@ -236,16 +239,18 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         params = validation.check_sampling_params(params, self.limits, self.processor.vocab_size,
                                                   self.processor.eos_token_ids)
         self._check_id_free(request_id, params.n)  # after n is known to be within max_n
+        check_lora_request(lora_request, self.config)
         self.admission.check_admissible(params)
         kind, payload = self.intake.precheck(prompt, params)
         slot = RequestSlot(request_id, params.output_kind)
         self._slots[request_id] = slot
         if kind != "now":  # prepared on worker threads; errors surface at the first iteration
             self._loop.create_task(self._submit_later(slot, kind, payload, params, priority, cache_salt,
-                                                      kv_transfer_params))
+                                                      kv_transfer_params, lora_request))
             return RequestStream(slot, self._abort_slot)
         try:
-            self._submit(request_id, payload, params, priority, cache_salt, kv_transfer_params=kv_transfer_params)
+            self._submit(request_id, payload, params, priority, cache_salt, kv_transfer_params=kv_transfer_params,
+                         lora_request=lora_request)
         except BaseException:
             del self._slots[request_id]
             raise
@@ -275,7 +280,7 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         return await self.intake.encode(prompt)
 
     async def _submit_later(self, slot: RequestSlot, kind: str, payload, params, priority, cache_salt,
-                            kv_transfer_params=None) -> None:
+                            kv_transfer_params=None, lora_request=None) -> None:
         """Prepare on worker threads what ``intake.precheck`` left for later, then submit."""
         def still_wanted() -> bool:
             return self._slots.get(slot.request_id) is slot and not slot.finished
@@ -297,16 +302,16 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
             ready = await self.intake.prepare(kind, payload, params, still_wanted)
             if ready is not None and still_wanted():
                 self._submit(slot.request_id, ready[0], params, priority, cache_salt, ready[1],
-                             kv_transfer_params=kv_transfer_params)
+                             kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         except Exception as e:
             if self._slots.get(slot.request_id) is slot:
                 del self._slots[slot.request_id]
             slot.put_error(e)
 
     def _submit(self, request_id: str, prompt, params, priority, cache_salt, automaton=None,
-                kv_transfer_params=None) -> None:
+                kv_transfer_params=None, lora_request=None) -> None:
         req, text = self.processor.make_request(request_id, prompt, params, priority=priority,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, lora_request=lora_request)
         req.kv_transfer_params = kv_transfer_params
         # the scheduler counts each sample of an n > 1 request as one waiting request: so do we
         busy = self._busy_loop

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from asyncengine.config import EngineConfig
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
-from asyncengine.engine.processor import InputProcessor, PromptType
+from asyncengine.engine.processor import InputProcessor, PromptType, check_lora_request
 from asyncengine.errors import InvalidRequestError
+from asyncengine.lora_request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -67,14 +68,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order.
 
         ``n > 1`` gives ``outputs[i]`` (``index`` i) per sample; the samples share the prompt's KV
         blocks (one prefill with prefix caching on). ``output_kind`` is ignored: outputs are final.
 
         Every prompt is validated before any runs, so a bad one raises InvalidRequestError naming
-        it and nothing is left half-done in the engine."""
+        it and nothing is left half-done in the engine. ``lora_request``: one adapter for every
+        prompt, or one (or None: the base model) per prompt (needs ``enable_lora``; docs/lora.md)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         try:
@@ -90,6 +93,11 @@ class LLM:
             params = [sampling_params] * len(prompts)  # None: the model's defaults (processor.resolve)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        for lr in set(loras):
+            check_lora_request(lr, self.config)
         if self.engine.asleep:
             raise InvalidRequestError(f"the engine is asleep ({', '.join(sorted(self.engine.asleep))}): "
                                       "wake_up() first")
@@ -105,7 +113,7 @@ class LLM:
                     from asyncengine.structured.compile_service import prepare_blocking
                     sp = prepare_blocking(self.config, self.engine, sp)
                 req, text = self.processor.make_request(
-                    f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0)
+                    f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
             except InvalidRequestError as e:  # the same error (e.g. a RequestLimitError), naming the prompt
                 e.args = (f"prompt #{i}: {e}",)
                 raise e from None

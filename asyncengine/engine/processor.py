@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from asyncengine.core.request import Request
 from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
-from asyncengine.errors import InvalidRequestError
+from asyncengine.config.lora import check_adapter_files
+from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.models.sampling_defaults import model_defaults, resolve
 from asyncengine.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                      priority: int = 0, cache_salt: str | None = None,
-                     arrival_time: float | None = None) -> tuple[Request, str | None]:
+                     arrival_time: float | None = None, lora_request=None) -> tuple[Request, str | None]:
         params = self.resolve(params)  # a no-op when the async front end resolved them already
         # the cheap checks first: a request over a limit costs no tokenization
         params = validation.check_sampling_params(params, self.limits, self.vocab_size, self.eos_token_ids)
@@ -116,9 +117,31 @@ class InputProcessor:
             validation.check_allowed_tokens(params, self.eos_token_ids, bad_words)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, priority=priority,
-                      cache_salt=cache_salt, bad_words_token_ids=bad_words,
+                      cache_salt=lora_salt(cache_salt, lora_request), bad_words_token_ids=bad_words,
+                      lora_request=lora_request,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         return req, text
+
+
+def check_lora_request(lora_request, config) -> None:
+    """A LoRARequest needs enable_lora, and its adapter's files and rank must pass (config/lora.py),
+    before the request reaches a worker: a bad adapter is a 400, not a failed step."""
+    if lora_request is None:
+        return
+    if not config.enable_lora:
+        raise InvalidRequestError("a LoRA adapter was asked for, but the engine runs without enable_lora")
+    try:
+        check_adapter_files(lora_request.path, config.max_lora_rank)
+    except ConfigError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+def lora_salt(cache_salt: str | None, lora_request) -> str | None:
+    """The prefix cache keys blocks by salt: an adapter's id joins it, so the same prompt under two
+    adapters (or an adapter and the base model) shares no KV block, here, offloaded or in P/D."""
+    if lora_request is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_request.id}"
 
 
 def render_chat_checked(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

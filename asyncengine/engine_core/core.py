@@ -88,6 +88,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
             kv_connector=kv_connector, pipeline_parallel=config.pipeline_parallel_size > 1)
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)

@@ -152,6 +152,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral; Qwen2/Qwen3 are the subclasses below."""
 
+    lora_active = False  # a step with LoRA rows goes the torch path (lora/hooks.py adds their products)
+
     qkv_bias = False
     qk_norm = False
 
@@ -214,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = self.embed(input_ids), None
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native_step is not None and intermediate is None and self.native_step.accepts(x.shape[0], meta):
+        if self.native_step is not None and intermediate is None and not self.lora_active \
+                and self.native_step.accepts(x.shape[0], meta):
             return self.native_step(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, rope, kv, meta, residual)

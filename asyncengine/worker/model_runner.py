@@ -48,7 +48,7 @@ from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
-from asyncengine.worker.step_layout import StepLayout, classify, lay_out
+from asyncengine.worker.step_layout import StepLayout, classify, lay_out, row_lora_ids
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,11 @@ class ModelRunner:
                 and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None):
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
+        self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
+        if config.enable_lora:
+            from asyncengine.lora.hooks import LoRAModel  # lazy: only LoRA serving needs it
+
+            self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype)
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
         self._prompt_logprob_ids: set[str] = set()
         self.sampler = Sampler()
@@ -154,7 +159,8 @@ class ModelRunner:
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
-                bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot)
+                bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot,
+                lora_id=self.lora.ensure(nr.lora_request) if self.lora is not None else 0)
             if self.proposer is not None:
                 self.proposer.add(nr.req_id, nr.num_computed_tokens - nr.num_external_tokens)
             if nr.sampling_params.structured_outputs is not None:
@@ -235,7 +241,7 @@ class ModelRunner:
             st.num_computed_tokens += 1
         for st, n in prefills:
             st.num_computed_tokens += n
-        hidden = self._forward(lay, decodes)
+        hidden = self._forward(lay, decodes, prefills, specs)
         if hidden is None:  # a pipeline stage before the last: sent on, nothing to sample
             self.execute_time_s += time.perf_counter() - t0
             return None
@@ -253,11 +259,15 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
                                  num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
 
-    def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState]) -> torch.Tensor | None:
+    def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState], prefills=(),
+                 specs=()) -> torch.Tensor | None:
         """The model over the flat batch: the hidden states, or None on a pipeline stage that sent
         its own on to the next."""
         nd = lay.num_decodes
-        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(lay.seqs) else None
+        if self.lora is not None:
+            self.lora.set_rows(row_lora_ids(lay, decodes, prefills, specs))
+        graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(lay.seqs) \
+            and not getattr(self.model, "lora_active", False) else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
             return self.graphs.run(graph_size, lay.input_ids, lay.positions, lay.seqs, lay.slots)
         meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))

@@ -20,6 +20,7 @@ class RunnerRequestState:
     bad_words_token_ids: list[list[int]] | None
     matcher: object | None = None  # structured outputs: the grammar state after output_ids
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (worker/state_cache.py)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -89,3 +89,12 @@ def lay_out(decodes: list[RunnerRequestState], prefills: list[tuple[RunnerReques
         lay.sample_rows.extend(range(row, row + n))
         lay.sample_states.extend([st] * n)
     return lay
+
+
+def row_lora_ids(lay: StepLayout, decodes, prefills, specs) -> list[int]:
+    """Each flat row's LoRA adapter id (0: base), in the order ``lay_out`` placed the requests."""
+    states = [*decodes, *(st for st, _ in prefills), *(st for st, _ in specs)]
+    ids: list[int] = []
+    for st, seq in zip(states, lay.seqs):
+        ids.extend([st.lora_id] * seq.query_len)
+    return ids

@@ -37,6 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # models run over the attention backends (a model's native decode step reads the CPU backend's
     # metadata); the backends know no model
     ("models", ("asyncengine.models",)),
+    # LoRA adapters hook the models' linear layers by name; they know no model class, no engine
+    ("LoRA adapters", ("asyncengine.lora",)),
     ("attention backends", ("asyncengine.attention",)),
     ("layers", ("asyncengine.layers",)),
     ("scheduler and KV-cache manager", ("asyncengine.core",)),

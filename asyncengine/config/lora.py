@@ -1,0 +1,60 @@
+"""Multi-LoRA limits (docs/lora.md): checked here so that EngineConfig stays one screen of fields.
+
+``max_loras`` adapters may share one step (device slots), ``max_cpu_loras`` stay loaded in host
+memory (an LRU over them), and no adapter may have a rank above ``max_lora_rank``: the slots are
+sized for it once, so that a new adapter never reallocates them mid-serving.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncengine.errors import ConfigError
+
+# vLLM's accepted ranks are any positive int up to 512; larger ranks are not low-rank any more
+MAX_SUPPORTED_RANK = 512
+
+
+def check_lora_limits(enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
+    """Raise ConfigError for limits that cannot serve (checked even with LoRA off: a typo is a typo)."""
+    if max_loras < 1:
+        raise ConfigError(f"max_loras must be >= 1, got {max_loras}")
+    if not 1 <= max_lora_rank <= MAX_SUPPORTED_RANK:
+        raise ConfigError(f"max_lora_rank must be in [1, {MAX_SUPPORTED_RANK}], got {max_lora_rank}")
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise ConfigError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras}): every "
+                          "adapter in a device slot keeps its host copy")
+    if not isinstance(enable_lora, bool):
+        raise ConfigError(f"enable_lora must be a bool, got {enable_lora!r}")
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """``name=path`` (the --lora-modules flag, vLLM's spelling) -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ConfigError(f"--lora-modules takes name=path, got {spec!r}")
+    return name.strip(), path.strip()
+
+
+def check_adapter_files(path: str, max_rank: int) -> dict:
+    """The torch-free checks of a PEFT LoRA folder (the front end runs them before a request is
+    queued): both files there, a LoRA config, a rank within ``max_rank``. Returns the config.
+    The tensors' shapes are checked against the model where it lives (lora/peft_adapter.py)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"LoRA adapter {path!r}: no such folder")
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"LoRA adapter {path!r} has no adapter_config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"LoRA adapter {path!r}: adapter_config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"LoRA adapter {path!r} is not a PEFT LoRA adapter")
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise ConfigError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        raise ConfigError(f"LoRA adapter {path!r} has rank {rank}; this engine takes 1..{max_rank} (max_lora_rank)")
+    return cfg

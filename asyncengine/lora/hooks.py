@@ -1,0 +1,84 @@
+"""LoRA on a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3: ``model.layers[i].self_attn.qkv_proj``
+...): forward hooks on its four linear layers per decoder layer add each adapter's low-rank product
+to that adapter's rows, grouped (grouped.py). The model's own code is unchanged; a step with
+adapters goes the torch path (the native C decode step takes no adapters: ``lora_active``).
+
+Not yet: tensor or pipeline parallelism (the adapters would need the base weights' shards)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncengine.errors import ConfigError
+from asyncengine.lora.grouped import add_lora, row_groups
+from asyncengine.lora.peft_adapter import LoRAAdapter, load_peft_adapter
+from asyncengine.lora.slots import LinearSlots, LoRASlots
+
+# (block, fused layer, the PEFT modules fused into it, in their output order)
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
+         ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",)))
+
+
+class LoRAModel:
+    """The adapters of one model: load/unload (host LRU), and per step :meth:`set_rows`."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if getattr(getattr(model, "tp", None), "size", 1) > 1 or not getattr(getattr(model, "pp", None), "is_last", True):
+            raise ConfigError("LoRA adapters do not run under tensor or pipeline parallelism yet")
+        if not hasattr(model, "lora_active"):
+            raise ConfigError(f"LoRA adapters run on Llama-family models only, not {type(model).__name__}")
+        self.model, self.max_lora_rank = model, max_lora_rank
+        self.groups: list = []
+        self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        layers = []
+        for i, layer in enumerate(model.layers):
+            for block, name, modules in FUSED:
+                lin = getattr(getattr(layer, block), name)
+                if len(lin.parts) != len(modules):
+                    raise ConfigError(f"layer {i} {name} fuses {len(lin.parts)} parts, LoRA expects {len(modules)}")
+                for module, n in zip(modules, lin.parts):
+                    self.shapes[(i, module)] = (lin.in_features, n)
+                ls = LinearSlots(i, list(zip(modules, lin.parts)), lin.in_features, max_loras, max_lora_rank,
+                                 lin.weight.device, dtype or torch.float32)
+                lin.register_forward_hook(self._hook(ls))
+                layers.append(ls)
+        self.slots = LoRASlots(layers, max_loras, max_cpu_loras or max_loras)
+
+    def _hook(self, ls: LinearSlots):
+        def hook(module, inputs, out):
+            if self.groups:
+                add_lora(out, inputs[0], self.groups, ls.a, ls.b)
+            return out
+        return hook
+
+    def load(self, name: str, lora_id: int, path: str) -> LoRAAdapter:
+        """Read, check and keep an adapter in host memory (ConfigError if it does not fit this model)."""
+        adapter = load_peft_adapter(name, lora_id, path, self.shapes, self.max_lora_rank)
+        self.slots.add(adapter)
+        return adapter
+
+    def ensure(self, lora_request) -> int:
+        """A request's adapter id, its adapter loaded into host memory if it is not there (0: none)."""
+        if lora_request is None:
+            return 0
+        if lora_request.id not in self.slots.host:
+            self.load(lora_request.name, lora_request.id, lora_request.path)
+        return lora_request.id
+
+    def unload(self, lora_id: int) -> None:
+        self.slots.remove(lora_id)
+
+    def set_rows(self, row_lora_ids: list[int]) -> None:
+        """This step's adapter id per token row (0 = base); puts the adapters in slots and groups the
+        rows once for every layer. The native decode step is skipped while any row has an adapter."""
+        ids = set(row_lora_ids) - {0}
+        if not ids:
+            self.groups = []
+            self.model.lora_active = False
+            return
+        slot_of = self.slots.activate(ids)
+        device = self.slots.layers[0].a.device if self.slots.layers else None
+        row_slots = torch.tensor([slot_of.get(i, -1) for i in row_lora_ids], dtype=torch.long, device=device)
+        self.groups = row_groups(row_slots)
+        self.model.lora_active = True

@@ -1,0 +1,26 @@
+import torch
+
+from asyncengine.lora.grouped import add_lora, row_groups
+
+
+def test_groups_slices_and_indices():
+    g = row_groups(torch.tensor([-1, 0, 0, 1, -1, 1]))
+    assert g[0] == (0, slice(1, 3))
+    assert g[1][0] == 1 and g[1][1].tolist() == [3, 5]
+    assert row_groups(torch.tensor([-1, -1])) == []
+
+
+def test_grouped_equals_per_row_and_base_rows_untouched():
+    torch.manual_seed(0)
+    slots, rank, fin, fout, t = 3, 4, 16, 24, 10
+    a, b = torch.randn(slots, rank, fin), torch.randn(slots, fout, rank)
+    x, y = torch.randn(t, fin), torch.randn(t, fout)
+    row_slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0, 2, -1])
+    want = y.clone()
+    for i, s in enumerate(row_slots.tolist()):
+        if s >= 0:
+            want[i] += b[s] @ (a[s] @ x[i])
+    got = add_lora(y.clone(), x, row_groups(row_slots), a, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = row_slots == -1
+    assert torch.equal(got[base], y[base])
