@@ -102,3 +102,17 @@ def test_gemma3_vision_checkpoint_serves_its_text_model(tmp_path, hf_reference):
     llm = LLM(d, dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched_tokens=16)
     counts = record("gemma3-vision/text", compare(run(llm, requests), refs))
     assert counts["exact"] + counts["near_tie"] == len(requests)
+
+
+def test_gemma2_as_its_own_draft(tiny_model_dir, tiny_reference):
+    """A Gemma 2 draft model gets the target's attention scale and soft-capping too: drafting with
+    the target's own weights, every draft is accepted and the tokens are the reference's."""
+    d = tiny_model_dir("gemma2")
+    requests, refs = tiny_reference("gemma2")
+    requests, refs = requests[:6], refs[:6]
+    llm = LLM(d, dtype="float32", num_kv_blocks=256, block_size=8,
+              speculative_config={"method": "draft_model", "model": d, "num_speculative_tokens": 3})
+    counts = compare(run(llm, requests), refs)
+    assert counts["exact"] + counts["near_tie"] == len(requests)
+    s = llm.engine.stats()
+    assert s["spec_num_draft_tokens"] > 0 and s["spec_num_accepted_tokens"] >= 0.9 * s["spec_num_draft_tokens"], s
