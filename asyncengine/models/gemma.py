@@ -23,7 +23,7 @@ from torch import nn
 
 from asyncengine.errors import ConfigError
 from asyncengine.layers.norm import RMSNorm
-from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup, attention_shard, even_split
 from asyncengine.layers.rotary import RotaryEmbedding, rope_parameters
 from asyncengine.models.llama import MLP, Attention, LlamaArgs, LlamaForCausalLM, sliding_windows
 
@@ -114,9 +114,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_tensor_parallel(cls, hf_config, size: int) -> None:
+        """Raise ConfigError, before any worker starts, if the model cannot be split ``size`` ways."""
         a = GemmaArgs.from_gemma(hf_config, 1, cls.qk_norm)
-        from asyncengine.layers.parallel import attention_shard, even_split  # lazy: only at start-up
-
         tp = TPGroup(rank=0, size=size)
         attention_shard(a.num_heads, a.num_kv_heads, tp)
         even_split(a.intermediate_size, tp, "intermediate size")

@@ -33,7 +33,9 @@ class DraftModelProposer(Proposer):
         # the draft's own paged cache, laid out by the same attention backend as the target's
         self.backend = get_backend(backend_name, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                                    head_dim=a.head_dim, block_size=block_size, num_blocks=num_blocks,
-                                   dtype=dtype, device=device)
+                                   dtype=dtype, device=device, scale=getattr(a, "attn_scale", None))
+        if getattr(a, "attn_softcap", None):  # a Gemma 2 draft: the backend caps, falls back or refuses
+            self.backend.prepare_softcap(a.attn_softcap)
         self.kv_caches = self.backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
         self.computed: dict[str, int] = {}  # req_id -> positions [0, n) of valid draft KV
         self.num_tokens_processed = 0  # every position the draft ran on (tests: no recompute)

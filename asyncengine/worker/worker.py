@@ -174,7 +174,10 @@ class Worker:
         nb = -(-n // c.block_size)
         backend = get_backend(c.attention_backend_name, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                               head_dim=a.head_dim, block_size=c.block_size, num_blocks=nb, dtype=c.torch_dtype,
-                              device=dev, max_num_tokens=n, max_num_seqs=1, max_blocks_per_seq=nb)
+                              device=dev, max_num_tokens=n, max_num_seqs=1, max_blocks_per_seq=nb,
+                              scale=getattr(a, "attn_scale", None))
+        if getattr(a, "attn_softcap", None):
+            backend.prepare_softcap(a.attn_softcap)
         caches = backend.allocate_kv_caches(a.num_layers)
         meta = backend.build_metadata(StepBatch(seqs=[SeqChunk(0, n, 0, list(range(nb)))],
                                                 slot_mapping=list(range(n))))

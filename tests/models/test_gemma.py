@@ -12,18 +12,20 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+import transformers
 
 from asyncengine import LLM, SamplingParams
-from model_utils import compare
+from model_utils import ARCHS, compare, scale_weights
 from test_parity import REGIMES, check_no_leak, record, run
 
-ARCHS = ("gemma3", "gemma2")
+GEMMAS = ("gemma3", "gemma2")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("backend,regime", [("cpu", r) for r in REGIMES] + [("torch", "chunked")])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", GEMMAS)
 def test_parity(arch, backend, regime, tiny_model_dir, tiny_reference):
     requests, refs = tiny_reference(arch)
     llm = LLM(tiny_model_dir(arch), dtype="float32", attention_backend=backend, **REGIMES[regime])
@@ -36,7 +38,7 @@ def test_parity(arch, backend, regime, tiny_model_dir, tiny_reference):
         assert llm.engine.stats()["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", GEMMAS)
 def test_the_window_and_the_caps_matter(arch, tiny_model_dir, tiny_reference, hf_reference):
     """The same weights without the window (and, for Gemma 2, without the caps) give other tokens:
     the parity above would catch an engine that ignored them."""
@@ -48,7 +50,7 @@ def test_the_window_and_the_caps_matter(arch, tiny_model_dir, tiny_reference, hf
     assert sum(a.tokens != b.tokens for a, b in zip(refs, other)) >= len(requests) // 3
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", GEMMAS)
 def test_prefix_hits_and_n(arch, tiny_model_dir, hf_reference):
     """Prompts sharing a 37-token prefix (past the window) hit the cache the second time round and
     still match the reference; n = 3 greedy samples are each the reference."""
@@ -78,11 +80,6 @@ def test_prefix_hits_and_n(arch, tiny_model_dir, hf_reference):
 
 def tiny_gemma3_vision_checkpoint(out_dir) -> str:
     """A Gemma3ForConditionalGeneration (a one-layer vision tower beside the tiny text model)."""
-    import torch
-    import transformers
-
-    from model_utils import ARCHS, scale_weights
-
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 bos_token_id=0, eos_token_id=1, pad_token_id=2, **ARCHS["gemma3"][1])
@@ -105,3 +102,17 @@ def test_gemma3_vision_checkpoint_serves_its_text_model(tmp_path, hf_reference):
     llm = LLM(d, dtype="float32", num_kv_blocks=128, block_size=8, max_num_batched_tokens=16)
     counts = record("gemma3-vision/text", compare(run(llm, requests), refs))
     assert counts["exact"] + counts["near_tie"] == len(requests)
+
+
+def test_gemma2_as_its_own_draft(tiny_model_dir, tiny_reference):
+    """A Gemma 2 draft model gets the target's attention scale and soft-capping too: drafting with
+    the target's own weights, every draft is accepted and the tokens are the reference's."""
+    d = tiny_model_dir("gemma2")
+    requests, refs = tiny_reference("gemma2")
+    requests, refs = requests[:6], refs[:6]
+    llm = LLM(d, dtype="float32", num_kv_blocks=256, block_size=8,
+              speculative_config={"method": "draft_model", "model": d, "num_speculative_tokens": 3})
+    counts = compare(run(llm, requests), refs)
+    assert counts["exact"] + counts["near_tie"] == len(requests)
+    s = llm.engine.stats()
+    assert s["spec_num_draft_tokens"] > 0 and s["spec_num_accepted_tokens"] >= 0.9 * s["spec_num_draft_tokens"], s
