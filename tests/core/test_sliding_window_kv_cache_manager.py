@@ -228,3 +228,12 @@ def test_prefix_hits_and_preemption_give_the_same_tokens(tiny_model_dir, hf_refe
     kv = llm.engine.kv
     assert kv.num_free_blocks == 16 and not kv.req_to_blocks
     kv.pool.check_invariants()
+
+
+def test_speculative_decoding_is_refused_with_the_reason(tiny_model_dir):
+    from asyncengine import LLM
+
+    d = tiny_model_dir("mistral", sliding_window=ENGINE_WINDOW, max_position_embeddings=4096)
+    with pytest.raises(ConfigError, match="speculative decoding is not supported with sliding-window KV blocks"):
+        LLM(d, dtype="float32", block_size=ENGINE_BS, num_kv_blocks=ENGINE_BLOCKS,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
