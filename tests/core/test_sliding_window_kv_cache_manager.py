@@ -237,3 +237,19 @@ def test_speculative_decoding_is_refused_with_the_reason(tiny_model_dir):
     with pytest.raises(ConfigError, match="speculative decoding is not supported with sliding-window KV blocks"):
         LLM(d, dtype="float32", block_size=ENGINE_BS, num_kv_blocks=ENGINE_BLOCKS,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_batch_invariant_mode_keeps_a_row_alone_and_batched_equal(tiny_model_dir):
+    """Freed slots (read under the mask) must not leak another request's bits into a row."""
+    from asyncengine import LLM, SamplingParams as SP
+
+    d = tiny_model_dir("mistral", sliding_window=ENGINE_WINDOW, max_position_embeddings=4096)
+    llm = LLM(d, dtype="float32", block_size=ENGINE_BS, num_kv_blocks=ENGINE_BLOCKS, max_num_batched_tokens=32,
+              batch_invariant=True, enable_prefix_caching=False)
+    params = SP(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+    prompts = [tokens(20 + i, 40 + 7 * i) for i in range(3)]
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert isinstance(llm.engine.kv, SlidingWindowKVCacheManager)
+    assert batched.token_ids == alone.token_ids and batched.logprobs == alone.logprobs
