@@ -95,11 +95,13 @@ def test_prefix_hit_needs_only_the_window_blocks():
     kv.pool.check_invariants()
 
 
-def test_mixed_and_refused_configs():
+def test_mixed_and_refused_configs(caplog):
     from asyncengine.config import EngineConfig
 
     cfg = EngineConfig(model="unused", block_size=BS, enable_prefix_caching=True)
-    assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is KVCacheManager  # one table, logged
+    with caplog.at_level("INFO"):
+        assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is KVCacheManager  # one table, logged
+    assert "keeps every block in one table" in caplog.text
     assert type(make_kv_cache_manager(cfg, (None, None), NUM_BLOCKS)) is KVCacheManager
     assert make_kv_cache_manager(cfg, (16, 16), NUM_BLOCKS).sliding_window == 16
     with pytest.raises(ConfigError, match="KV offload"):
