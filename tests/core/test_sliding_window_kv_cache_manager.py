@@ -137,11 +137,10 @@ class SlidingMachine(RuleBasedStateMachine):
             return
         r = self.running[data.draw(st.sampled_from(sorted(self.running)))]
         n = max(1, min(chunk, r.num_tokens - r.num_computed_tokens))
-        if step(self.kv, r, n) and r.num_computed_tokens >= r.num_prompt_tokens:
-            self.decoding.add(r.request_id)
-        elif r.num_computed_tokens < r.num_prompt_tokens:
-            pass
-        else:  # no room for a decode: preempt it, as the scheduler would
+        if step(self.kv, r, n):
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                self.decoding.add(r.request_id)
+        elif r.request_id in self.decoding:  # no room for a decode: preempt it, as the scheduler would
             self.finish(r)
 
     @rule(data=st.data())
