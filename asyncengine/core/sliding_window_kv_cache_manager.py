@@ -144,9 +144,9 @@ def max_request_len(kv: KVCacheManager, config, num_blocks: int, model_len: int)
 def check_sliding_config(config) -> None:
     """Refuse what freeing out-of-window blocks would break, before any worker starts."""
     if config.speculative is not None:
-        raise ConfigError("speculative decoding is not supported with sliding-window KV blocks: the draft model "
-                          "reads the same block tables and may attend beyond the window to blocks already freed; "
-                          "leave speculative_config unset")
+        raise ConfigError("speculative decoding is not supported with sliding-window KV blocks yet: a draft model "
+                          "reads the same block tables with its own attention (maybe beyond the window, into freed "
+                          "blocks), and freeing under rejected drafts is untested; leave speculative_config unset")
     if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
         raise ConfigError("KV offload and P/D disaggregation move whole block tables, and a sliding-window request's "
                           "table has freed blocks: leave kv_offload_bytes, kv_offload_dir and kv_role unset")

@@ -95,11 +95,13 @@ def test_prefix_hit_needs_only_the_window_blocks():
     kv.pool.check_invariants()
 
 
-def test_mixed_and_refused_configs():
+def test_mixed_and_refused_configs(caplog):
     from asyncengine.config import EngineConfig
 
     cfg = EngineConfig(model="unused", block_size=BS, enable_prefix_caching=True)
-    assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is KVCacheManager  # one table, logged
+    with caplog.at_level("INFO"):
+        assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is KVCacheManager  # one table, logged
+    assert "keeps every block in one table" in caplog.text
     assert type(make_kv_cache_manager(cfg, (None, None), NUM_BLOCKS)) is KVCacheManager
     assert make_kv_cache_manager(cfg, (16, 16), NUM_BLOCKS).sliding_window == 16
     with pytest.raises(ConfigError, match="KV offload"):
@@ -135,11 +137,10 @@ class SlidingMachine(RuleBasedStateMachine):
             return
         r = self.running[data.draw(st.sampled_from(sorted(self.running)))]
         n = max(1, min(chunk, r.num_tokens - r.num_computed_tokens))
-        if step(self.kv, r, n) and r.num_computed_tokens >= r.num_prompt_tokens:
-            self.decoding.add(r.request_id)
-        elif r.num_computed_tokens < r.num_prompt_tokens:
-            pass
-        else:  # no room for a decode: preempt it, as the scheduler would
+        if step(self.kv, r, n):
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                self.decoding.add(r.request_id)
+        elif r.request_id in self.decoding:  # no room for a decode: preempt it, as the scheduler would
             self.finish(r)
 
     @rule(data=st.data())
@@ -228,3 +229,28 @@ def test_prefix_hits_and_preemption_give_the_same_tokens(tiny_model_dir, hf_refe
     kv = llm.engine.kv
     assert kv.num_free_blocks == 16 and not kv.req_to_blocks
     kv.pool.check_invariants()
+
+
+def test_speculative_decoding_is_refused_with_the_reason(tiny_model_dir):
+    from asyncengine import LLM
+
+    d = tiny_model_dir("mistral", sliding_window=ENGINE_WINDOW, max_position_embeddings=4096)
+    with pytest.raises(ConfigError, match="speculative decoding is not supported with sliding-window KV blocks"):
+        LLM(d, dtype="float32", block_size=ENGINE_BS, num_kv_blocks=ENGINE_BLOCKS,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_batch_invariant_mode_keeps_a_row_alone_and_batched_equal(tiny_model_dir):
+    """Freed slots (read under the mask) must not leak another request's bits into a row."""
+    from asyncengine import LLM, SamplingParams as SP
+
+    d = tiny_model_dir("mistral", sliding_window=ENGINE_WINDOW, max_position_embeddings=4096)
+    llm = LLM(d, dtype="float32", block_size=ENGINE_BS, num_kv_blocks=ENGINE_BLOCKS, max_num_batched_tokens=32,
+              batch_invariant=True, enable_prefix_caching=False)
+    params = SP(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+    prompts = [tokens(20 + i, 40 + 7 * i) for i in range(3)]
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert isinstance(llm.engine.kv, SlidingWindowKVCacheManager)
+    assert batched.token_ids == alone.token_ids and batched.logprobs == alone.logprobs
