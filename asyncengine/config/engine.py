@@ -218,6 +218,7 @@ class EngineConfig:
     # decode core pulls them, on any host
     kv_transfer_transport: Literal["shm", "tcp"] = "shm"
     kv_transfer_address: str | None = None
+    model_impl: Literal["auto", "native", "transformers"] = "auto"  # Transformers backend: docs/models.md
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -291,6 +292,8 @@ class EngineConfig:
         if str(self.device).startswith("cuda"):
             self._check_quantization_device("cuda")
         self._check_kv_offload()
+        if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
+            raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
 
     def _check_kv_offload(self) -> None:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):

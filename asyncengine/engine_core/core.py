@@ -57,7 +57,7 @@ class EngineCore:
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture
-            resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
+            resolve_architecture(self.model_info.hf_config, config.model_impl).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
