@@ -219,9 +219,11 @@ class TransformersForCausalLM(nn.Module):
         embedding. Anything missing or unexpected is an error (a wrong checkpoint fails loudly)."""
         params = dict(self.hf.named_parameters(remove_duplicate=False))
         loaded = set()
+        rename = _renamer(self.hf)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
+            name = rename(name)
             p = params.get(name)
             if p is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self.hf).__name__}")
@@ -237,3 +239,26 @@ class TransformersForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _renamer(hf_model):
+    """Checkpoint name -> the model's parameter name: transformers renames some legacy checkpoint
+    keys at load (GPT-NeoX's ``embed_out`` is ``lm_head``); its conversions that also reshape or
+    merge tensors (MoE expert stacking) are refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    transforms = get_model_conversion_mapping(hf_model)
+
+    def rename(name: str) -> str:
+        for t in transforms:
+            new, matched = t.rename_source_key(name)
+            if matched is None:
+                continue
+            if not isinstance(t, WeightRenaming):
+                raise ValueError(f"{name}: transformers converts this tensor at load ({type(t).__name__}), "
+                                 "which the Transformers backend does not do")
+            name = new
+        return name
+
+    return rename
