@@ -30,6 +30,7 @@ SAMPLE_VALUES = {
     "tp_vocab_parallel": (None, False), "ray_placement_strategy": ("SPREAD", "SPREAD"),
     "prefill_cores": ("1", 1), "decode_cores": ("2", 2), "pd_skip_hop_below": ("48", 48),
     "kv_transfer_transport": ("tcp", "tcp"),
+    "model_impl": ("transformers", "transformers"),
     "gpu_memory_utilization": ("0.5", 0.5), "enforce_eager": (None, True),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}',
                            {"method": "ngram", "num_speculative_tokens": 2}),
