@@ -91,13 +91,17 @@ def check_supported(hf_config, tp_size: int = 1, pp_size: int = 1) -> None:
     arch = cls.__name__
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ConfigError(f"{arch} is an encoder-decoder model: the engine runs decoder-only models")
-    if not arch.endswith("ForCausalLM"):
-        raise ConfigError(f"{arch} is not a causal language model (*ForCausalLM)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lms
+
+    if arch not in set(causal_lms.values()):
+        raise ConfigError(f"{arch} is not one of transformers' causal language models (AutoModelForCausalLM)")
     if not getattr(cls, "_supports_attention_backend", False):
         raise ConfigError(f"{arch}'s attention bypasses transformers' attention interface "
                           "(_supports_attention_backend is False): the Transformers backend cannot page its KV")
     if tp_size > 1:
-        raise ConfigError(f"{arch} through the Transformers backend: tensor_parallel_size > 1 is not supported")
+        from asyncengine.models.transformers_tp import tp_plan  # lazy: only tensor parallel needs it
+
+        tp_plan(hf_config, tp_size)
     if pp_size > 1:
         raise ConfigError(f"{arch} through the Transformers backend: pipeline_parallel_size > 1 is not supported")
 
@@ -167,6 +171,16 @@ class TransformersForCausalLM(nn.Module):
         cfg._attn_implementation = IMPL_NAME
         self.hf = model_class(cfg)(cfg)
         self.decoder = self.hf.base_model
+        self.plan = {}
+        if tp.size > 1:  # the model's own base_model_tp_plan (models/transformers_tp.py)
+            from asyncengine.models import transformers_tp  # lazy: only tensor parallel needs it
+
+            self.plan = transformers_tp.tp_plan(cfg, tp.size)
+            transformers_tp.shard_modules(self.decoder, self.plan, tp)
+            self.args.num_heads //= tp.size
+            self.args.num_kv_heads //= tp.size
+        self._rename = _renamer(self.hf)
+        self._shapes = {n: tuple(p.shape) for n, p in self.hf.named_parameters(remove_duplicate=False)}
         self.rotary = _Rotary(self)
         self._check_layers()
 
@@ -206,20 +220,29 @@ class TransformersForCausalLM(nn.Module):
             _step.current = None
         return out.last_hidden_state[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.tp.rank > 0:
+            return None  # a replicated head: rank 0 computes every logit alone
         logits = self.hf.get_output_embeddings()(hidden)
         scale = getattr(self.hf.config, "logits_scaling", None)  # Granite divides its logits
         return logits / scale if scale else logits
 
     def weight_shard(self, name: str):
-        return None
+        """The slice of checkpoint tensor ``name`` this rank reads (tensor parallel), or None."""
+        if not self.plan:
+            return None
+        from asyncengine.models.transformers_tp import weight_shard  # lazy: only tensor parallel needs it
+
+        name = self._rename(name)
+        shape = self._shapes.get(name)
+        return None if shape is None else weight_shard(self.plan, self.tp, name, shape)
 
     def load_weights(self, weights) -> None:
         """(HF name, tensor) pairs, named as transformers saves this model; a tied head is the
         embedding. Anything missing or unexpected is an error (a wrong checkpoint fails loudly)."""
         params = dict(self.hf.named_parameters(remove_duplicate=False))
         loaded = set()
-        rename = _renamer(self.hf)
+        rename = self._rename
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue

@@ -16,7 +16,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError, ModelLoadError
 from asyncengine.models.model_info import read_hf_config
 from asyncengine.models.registry import TRANSFORMERS_BACKEND, check_architecture
-from asyncengine.models.transformers_backend import as_transformers_config
+from asyncengine.models.transformers_backend import as_transformers_config, check_supported
 from model_utils import compare
 from test_parity import REGIMES, check_no_leak, record, run
 
@@ -89,8 +89,15 @@ def test_refusals(tiny_model_dir):
     assert check_architecture(olmo) == TRANSFORMERS_BACKEND
     with pytest.raises(ModelLoadError, match="not supported natively"):
         check_architecture(olmo, "native")
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+    # Olmo 2's plan gathers q/k/v outputs (its q/k norms span every head): a style we do not apply
+    with pytest.raises(ConfigError, match="colwise_gather_output"):
         LLM(tiny_model_dir("olmo2"), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp")
+    with pytest.raises(ConfigError, match="base_model_tp_plan"):
+        check_supported(transformers.BitNetConfig(architectures=["BitNetForCausalLM"]), tp_size=2)
+    with pytest.raises(ConfigError, match="causal language models"):
+        check_supported(transformers.BertConfig(architectures=["BertForMaskedLM"]))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        check_supported(olmo, pp_size=2)
     # StableLM's attention is not declared to go through the attention interface
     stablelm = transformers.StableLmConfig(architectures=["StableLmForCausalLM"])
     with pytest.raises(ConfigError, match="attention interface"):
@@ -104,3 +111,16 @@ def test_refusals(tiny_model_dir):
                                    model_type="llama")
     with pytest.raises(ConfigError, match="remote code"):
         check_architecture(remote, "transformers")
+
+
+def test_tensor_parallel_from_the_models_plan(tiny_model_dir, tiny_reference):
+    """TP=2 (worker processes, gloo) splits by the model's base_model_tp_plan: Granite's q/k/v and
+    gate/up by rows, o/down by columns with one all-reduce each; the tokens equal transformers'."""
+    requests, refs = tiny_reference("granite")
+    llm = LLM(tiny_model_dir("granite"), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+              num_threads=1, **REGIMES["chunked"])
+    try:
+        counts = compare(run(llm, requests), refs)
+        assert counts["exact"] + counts["near_tie"] == len(requests)
+    finally:
+        llm.shutdown()
