@@ -6,6 +6,7 @@ tiny Llama it gives the native model's tokens; what it cannot run is refused wit
 from __future__ import annotations
 
 import random
+import re
 import types
 
 import pytest
@@ -124,3 +125,18 @@ def test_tensor_parallel_from_the_models_plan(tiny_model_dir, tiny_reference):
         assert counts["exact"] + counts["near_tie"] == len(requests)
     finally:
         llm.shutdown()
+
+
+def test_structured_outputs(tiny_model_dir):
+    """Grammar masks apply to the Transformers backend's logits as to a native model's."""
+    from asyncengine.structured import StructuredOutputsParams as SO
+
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", model_impl="transformers", num_kv_blocks=64, block_size=8)
+    choices = ["yes", "no", "maybe"]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, structured_outputs=SO(choice=choices))
+              for s in range(3)]
+    params.append(SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=SO(regex=r"[0-9]{3}-[a-c]{2}")))
+    outs = llm.generate(["The answer is"] * 4, params, use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs[:3])
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", outs[3].outputs[0].text)
+    check_no_leak(llm)
