@@ -101,6 +101,9 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
+        if config.model_impl == "transformers":
+            raise ConfigError(f"{path}: GGUF files load into our native models only (model_impl='transformers' "
+                              "needs a safetensors checkpoint)")
         from asyncengine.models.sampling_defaults import gguf_generation_config
         from asyncengine.models.gguf import open_gguf
 

@@ -15,7 +15,7 @@ import transformers
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError, ModelLoadError
-from asyncengine.models.model_info import read_hf_config
+from asyncengine.models.model_info import load_model_info, read_hf_config
 from asyncengine.models.registry import TRANSFORMERS_BACKEND, check_architecture
 from asyncengine.models.transformers_backend import as_transformers_config, check_supported
 from model_utils import compare
@@ -83,9 +83,13 @@ def test_config_from_a_plain_namespace(tiny_model_dir):
         {k: v for k, v in cfg.to_dict().items() if k not in drop}
 
 
-def test_refusals(tiny_model_dir):
+def test_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="model_impl"):
         EngineConfig(model="x", model_impl="vllm")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match="GGUF files load into our native models only"):
+        load_model_info(EngineConfig(model=str(gguf), model_impl="transformers"))
     olmo = read_hf_config(tiny_model_dir("olmo2"))
     assert check_architecture(olmo) == TRANSFORMERS_BACKEND
     with pytest.raises(ModelLoadError, match="not supported natively"):
