@@ -159,8 +159,6 @@ class TransformersForCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` behind our model interface (``forward`` on a flat step,
     ``compute_logits``, ``load_weights``, ``args``/``num_heads``/``num_kv_heads``/``layers``)."""
 
-    runs_through = "transformers"  # the ready line names the backend (worker/kernel_info.py)
-
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
         super().__init__()
         cfg = as_transformers_config(hf_config)
