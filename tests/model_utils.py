@@ -58,13 +58,30 @@ HYBRID_ARCHS = {
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
 }
 
+# run through the Transformers backend (models/transformers_backend.py): complete tiny configs
+TRANSFORMERS_ARCHS = {
+    "olmo2": (transformers.Olmo2Config, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6)),
+    "stablelm": (transformers.StableLmConfig, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, partial_rotary_factor=0.25, use_qkv_bias=True)),
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, rotary_pct=0.25, use_parallel_residual=True)),
+    "granite": (transformers.GraniteConfig, dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, embedding_multiplier=2.0, attention_multiplier=0.2,
+        residual_multiplier=0.5, logits_scaling=2.0)),
+}
+
 TIE_MARGIN = 1e-4  # a first divergence is excused only where the reference's top-2 gap is below this
 
 
 def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer: bool = False,
                          **overrides) -> str:
-    if arch in HYBRID_ARCHS:
-        cls, extra = HYBRID_ARCHS[arch]
+    if arch in HYBRID_ARCHS or arch in TRANSFORMERS_ARCHS:
+        cls, extra = HYBRID_ARCHS.get(arch) or TRANSFORMERS_ARCHS[arch]
         kw = dict(_TINY_COMMON)
     else:
         cls, extra = ARCHS[arch]

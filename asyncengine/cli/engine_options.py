@@ -142,6 +142,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("attention_backend", "attention over the KV cache; auto = triton on a GPU, else cpu (C "
                                       "kernels, built once per machine) where a C compiler is found, else torch",
                  choices=BACKEND_CHOICES),
+    EngineOption("model_impl", "which implementation runs the model: native (ours), transformers (the "
+                               "Transformers backend: transformers' model code, our paged attention), auto = "
+                               "native where we have one", choices=("auto", "native", "transformers")),
     EngineOption("seed", "engine random seed", type=int),
     EngineOption("batch_invariant", "bitwise the same tokens and logprobs for a request alone or in any batch "
                                     "(CPU; docs/batch_invariance.md)", type=FLAG),

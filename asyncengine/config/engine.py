@@ -220,6 +220,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None = max_loras
+    model_impl: Literal["auto", "native", "transformers"] = "auto"  # Transformers backend: docs/models.md
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -294,6 +295,8 @@ class EngineConfig:
             self._check_quantization_device("cuda")
         self._check_kv_offload()
         check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
+            raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
 
     def _check_kv_offload(self) -> None:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):

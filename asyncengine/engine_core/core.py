@@ -30,6 +30,7 @@ from asyncengine.executor.selector import executor_class
 from asyncengine.kv_connector.factory import make_scheduler_connector
 from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
+from asyncengine.models.registry import TRANSFORMERS_BACKEND, check_architecture
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class EngineCore:
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture
-            resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
+            resolve_architecture(self.model_info.hf_config, config.model_impl).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
@@ -109,7 +110,9 @@ class EngineCore:
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
         from asyncengine.worker.kernel_info import describe
 
-        self.kernels = describe(config)  # the dtype and why, the kernels (the CLI's ready line)
+        impl = check_architecture(self.model_info.hf_config, config.model_impl)
+        # the dtype and why, the kernels (the CLI's ready line)
+        self.kernels = describe(config, via_transformers=impl == TRANSFORMERS_BACKEND)
         # a P/D prefill core's transfer server as bound (port 0: the OS's choice), for decode cores
         self.kv_transfer_address: str | None = (self.executor.collective_rpc("kv_transfer_address")[0]
                                                 if config.kv_role == "prefill" else None)

@@ -109,7 +109,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             from asyncengine.models.gguf import tensor_types
 
             hf_config = gguf_config(path)
-            cls = resolve_architecture(hf_config)
+            cls = resolve_architecture(hf_config, config.model_impl)
             max_len = resolve_max_model_len(hf_config, config)
             with torch.device("meta"):
                 shape_model = cls(hf_config, max_positions=max_len, tp=tp, **stage)
@@ -137,7 +137,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             hf_config = read_hf_config(path)
         eos = read_eos_ids(Path(path), hf_config)
         generation_config = read_generation_config(Path(path))
-    cls = resolve_architecture(hf_config)
+    cls = resolve_architecture(hf_config, config.model_impl)
     max_len = resolve_max_model_len(hf_config, config)
     with torch.device("meta"):
         model = cls(hf_config, max_positions=max_len, tp=tp, **stage)

@@ -101,6 +101,9 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
+        if config.model_impl == "transformers":
+            raise ConfigError(f"{path}: GGUF files load into our native models only (model_impl='transformers' "
+                              "needs a safetensors checkpoint)")
         from asyncengine.models.sampling_defaults import gguf_generation_config
         from asyncengine.models.gguf import open_gguf
 
@@ -114,7 +117,7 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         tokenizer = load_tokenizer(path, config)
         eos = read_eos_ids(Path(path), hf_config)
         generation_config = read_generation_config(Path(path))
-    check_architecture(hf_config)  # fail here, before any worker starts, on an unknown model
+    check_architecture(hf_config, config.model_impl)  # fail here, before any worker starts, on an unknown model
     return ModelInfo(hf_config=hf_config, tokenizer=tokenizer, eos_token_ids=eos,
                      max_model_len=resolve_max_model_len(hf_config, config), vocab_size=hf_config.vocab_size, path=path,
                      generation_config=generation_config)

@@ -1,12 +1,16 @@
 """Maps a checkpoint's ``architectures`` entry to our implementation.
 
 Names only until a class is asked for: a front end checks the architecture (and fails early on
-one we do not run) without importing the model code, which imports torch."""
+one we do not run) without importing the model code, which imports torch.
+
+``model_impl`` (EngineConfig): "native" = our own models only; "transformers" = every model
+through the Transformers backend (models/transformers_backend.py); "auto" = ours where we have
+one, else the Transformers backend when transformers ships the class."""
 from __future__ import annotations
 
 import importlib
 
-from asyncengine.errors import ModelLoadError
+from asyncengine.errors import ConfigError, ModelLoadError
 
 # architecture -> "module:class"
 MODEL_REGISTRY: dict[str, str] = {
@@ -24,20 +28,39 @@ MODEL_REGISTRY: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "asyncengine.models.bamba:GraniteMoeHybridForCausalLM",
     "NemotronHForCausalLM": "asyncengine.models.nemotron_h:NemotronHForCausalLM",
 }
+TRANSFORMERS_BACKEND = "asyncengine.models.transformers_backend:TransformersForCausalLM"
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
-def check_architecture(hf_config) -> str:
-    """The first of the config's ``architectures`` we run; ModelLoadError if none."""
+def _native(hf_config) -> str | None:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    for a in archs:
-        if a in MODEL_REGISTRY:
-            return a
-    raise ModelLoadError(
-        f"model architecture {archs or '(none given)'} is not supported; "
-        f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    return next((a for a in archs if a in MODEL_REGISTRY), None)
 
 
-def resolve_architecture(hf_config) -> type:
+def check_architecture(hf_config, model_impl: str = "auto") -> str:
+    """The implementation (``module:class``) that runs the config; ModelLoadError if none, a
+    ConfigError with the reason where the Transformers backend cannot run it."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    native = _native(hf_config) if model_impl != "transformers" else None
+    if native is not None:
+        return MODEL_REGISTRY[native]
+    if model_impl == "native":
+        raise ModelLoadError(
+            f"model architecture {archs or '(none given)'} is not supported natively; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))} (model_impl='auto' tries the Transformers backend)")
+    from asyncengine.models import transformers_backend  # lazy: imports torch and transformers
+
+    try:
+        transformers_backend.check_supported(transformers_backend.as_transformers_config(hf_config))
+    except ConfigError as e:
+        if model_impl == "transformers":
+            raise
+        raise ModelLoadError(f"model architecture {archs or '(none given)'} is not supported: not natively "
+                             f"(supported: {', '.join(sorted(MODEL_REGISTRY))}), and {e}") from None
+    return TRANSFORMERS_BACKEND
+
+
+def resolve_architecture(hf_config, model_impl: str = "auto") -> type:
     """The model class for the config (imports its module)."""
-    module, cls = MODEL_REGISTRY[check_architecture(hf_config)].split(":")
+    module, cls = check_architecture(hf_config, model_impl).split(":")
     return getattr(importlib.import_module(module), cls)

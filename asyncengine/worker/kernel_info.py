@@ -5,9 +5,11 @@ from __future__ import annotations
 from asyncengine.config import EngineConfig
 
 
-def describe(config: EngineConfig) -> str:
+def describe(config: EngineConfig, via_transformers: bool = False) -> str:
     """E.g. "float32 (auto: block-quantized weights run fp32/int8 kernels); int8 activations x
-    quantized weights on avx512_vnni; cpu attention"."""
+    quantized weights on avx512_vnni; cpu attention". ``via_transformers``: the model runs through
+    the Transformers backend (models/transformers_backend.py), which the line says: it is slower
+    than a native model (transformers' per-op code, no native decode step)."""
     dtype = str(config.torch_dtype).removeprefix("torch.")
     parts = [f"{dtype} ({config.dtype_reason})"]
     if config.torch_device.type == "cpu" and config.block_quantized_weights:
@@ -22,4 +24,6 @@ def describe(config: EngineConfig) -> str:
             parts.append(f"int8 activations x quantized weights on {isa}" if mode == "int8"
                          else "fp32 activations x quantized weights")
     parts.append(f"{config.attention_backend_name} attention")
+    if via_transformers:
+        parts.append("model code from transformers (Transformers backend; no native decode step)")
     return "; ".join(parts)

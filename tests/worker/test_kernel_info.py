@@ -55,3 +55,9 @@ def test_the_description_names_dtype_activations_isa_and_attention(monkeypatch):
     dense = EngineConfig(model="/models/hf", device="cpu", dtype="float32", attention_backend="cpu")
     assert describe(dense) == "float32 (asked for); cpu attention"
 
+
+
+def test_the_description_names_the_transformers_backend():
+    dense = EngineConfig(model="/models/hf", device="cpu", dtype="float32", attention_backend="cpu")
+    assert describe(dense, via_transformers=True) == ("float32 (asked for); cpu attention; model code from "
+                                                      "transformers (Transformers backend; no native decode step)")
