@@ -7,6 +7,8 @@ sized for it once, so that a new adapter never reallocates them mid-serving.
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 from asyncengine.errors import ConfigError
@@ -58,3 +60,49 @@ def check_adapter_files(path: str, max_rank: int) -> dict:
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ConfigError(f"LoRA adapter {path!r} has rank {rank}; this engine takes 1..{max_rank} (max_lora_rank)")
     return cfg
+
+
+# PEFT's target modules on Llama-family decoders, the block each lives in, and its tensors' key
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def model_shapes(hf_config) -> dict[tuple[int, str], tuple[int, int]]:
+    """(in, out) of each LoRA target of a Llama-family HF config, per (layer, module)."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    one = {"q_proj": (hidden, heads * hd), "k_proj": (hidden, kv * hd), "v_proj": (hidden, kv * hd),
+           "o_proj": (heads * hd, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+           "down_proj": (inter, hidden)}
+    return {(i, m): s for i in range(hf_config.num_hidden_layers) for m, s in one.items()}
+
+
+def check_adapter_shapes(path: str, rank: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> None:
+    """The tensors' names and shapes from the safetensors header (no tensor is read, no torch):
+    an adapter made for another base model is refused before it reaches a worker."""
+    file = Path(path) / "adapter_model.safetensors"
+    try:
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n)) if n < 1 << 27 else None
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError(f"LoRA adapter {path!r}: adapter_model.safetensors is unreadable")
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        m = LORA_KEY.search(key)
+        if m is None or TARGETS.get(m.group(3)) != m.group(2):
+            raise ConfigError(f"LoRA adapter {path!r}: tensor {key!r} targets no supported module ({', '.join(TARGETS)})")
+        where = (int(m.group(1)), m.group(3))
+        if where not in shapes:
+            raise ConfigError(f"LoRA adapter {path!r}: the base model has no layer {where[0]} {where[1]}")
+        fan_in, fan_out = shapes[where]
+        want = [rank, fan_in] if m.group(4) == "A" else [fan_out, rank]
+        if list(meta.get("shape", ())) != want:
+            raise ConfigError(f"LoRA adapter {path!r}: {key} has shape {meta.get('shape')}, the base model needs "
+                              f"{want} (an adapter for another base model?)")

@@ -239,7 +239,7 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         params = validation.check_sampling_params(params, self.limits, self.processor.vocab_size,
                                                   self.processor.eos_token_ids)
         self._check_id_free(request_id, params.n)  # after n is known to be within max_n
-        check_lora_request(lora_request, self.config)
+        check_lora_request(lora_request, self.config, self.client.model_info.hf_config)
         self.admission.check_admissible(params)
         kind, payload = self.intake.precheck(prompt, params)
         slot = RequestSlot(request_id, params.output_kind)

@@ -97,7 +97,7 @@ class LLM:
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         for lr in set(loras):
-            check_lora_request(lr, self.config)
+            check_lora_request(lr, self.config, self.engine.model_info.hf_config)
         if self.engine.asleep:
             raise InvalidRequestError(f"the engine is asleep ({', '.join(sorted(self.engine.asleep))}): "
                                       "wake_up() first")

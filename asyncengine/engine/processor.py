@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from asyncengine.core.request import Request
 from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
-from asyncengine.config.lora import check_adapter_files
+from asyncengine.config.lora import check_adapter_files, check_adapter_shapes, model_shapes
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.models.sampling_defaults import model_defaults, resolve
 from asyncengine.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ class InputProcessor:
         return req, text
 
 
-def check_lora_request(lora_request, config) -> None:
+def check_lora_request(lora_request, config, hf_config=None) -> None:
     """A LoRARequest needs enable_lora, and its adapter's files and rank must pass (config/lora.py),
     before the request reaches a worker: a bad adapter is a 400, not a failed step."""
     if lora_request is None:
@@ -131,7 +131,9 @@ def check_lora_request(lora_request, config) -> None:
     if not config.enable_lora:
         raise InvalidRequestError("a LoRA adapter was asked for, but the engine runs without enable_lora")
     try:
-        check_adapter_files(lora_request.path, config.max_lora_rank)
+        cfg = check_adapter_files(lora_request.path, config.max_lora_rank)
+        if hf_config is not None and hasattr(hf_config, "intermediate_size"):
+            check_adapter_shapes(lora_request.path, cfg["r"], model_shapes(hf_config))
     except ConfigError as e:
         raise InvalidRequestError(str(e)) from None
 

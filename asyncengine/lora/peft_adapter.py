@@ -4,20 +4,13 @@ adapter fails here with a ConfigError, never mid-step."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from asyncengine.config.lora import check_adapter_files
+from asyncengine.config.lora import LORA_KEY as _KEY, TARGETS, check_adapter_files
 from asyncengine.errors import ConfigError
-
-# PEFT's target module names on Llama/Qwen2 decoders, and the block each lives in
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
-
 
 @dataclass
 class LoRAAdapter:

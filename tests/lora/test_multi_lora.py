@@ -60,14 +60,17 @@ def test_mixed_batch_token_exact(setup, hf_reference):
     assert max(llm.engine.collective_rpc(_max_adapters_per_step)[0]) == 2  # never 3 in one step
 
 
-def test_bad_requests_refused_and_engine_serves(setup, tmp_path):
+def test_bad_requests_refused_and_engine_serves(setup, tmp_path, tiny_model_dir):
     base, adapters, _ = setup
+    other = make_adapter(tiny_model_dir("llama", num_key_value_heads=4), str(tmp_path / "other"), "a4")
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4)
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     with pytest.raises(InvalidRequestError, match="rank 8"):
         llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("a8", 2, adapters["a8"]))
     with pytest.raises(InvalidRequestError, match="no such folder"):
         llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("x", 3, str(tmp_path / "none")))
+    with pytest.raises(InvalidRequestError, match="another base model"):
+        llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("other", 4, other))
     ok = llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("a4", 1, adapters["a4"]))
     assert len(ok[0].outputs[0].token_ids) == 3
     plain = LLM(base, dtype="float32")
