@@ -2,9 +2,9 @@
 
 An encoder sees the whole prompt at once and keeps no KV cache: every token attends to every
 other token of its own sequence. The packed batch (sequences back to back, ``query_start_loc``)
-is scattered into a padded [n, L, H] block for the attention and gathered back, so one SDPA call
-serves the batch with a key-padding mask. Module names equal transformers' ``BertModel`` so a
-checkpoint's tensors load by name (``bert.`` prefix of the ForSequenceClassification head stripped)."""
+runs packed through every projection and MLP; only q/k/v are scattered into a padded [n, L, H]
+block, so one SDPA call with a key-padding mask serves the batch. Module names equal
+transformers' ``BertModel`` so a checkpoint's tensors load by name (``bert.`` prefix of the ForSequenceClassification head stripped)."""
 from __future__ import annotations
 
 import json
@@ -74,17 +74,23 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(h, c["intermediate_size"])
         self.output = _Dense(c["intermediate_size"], h, eps)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x [n, L, H]; key_mask [n, 1, 1, L] (True = a real token)."""
-        n, L, h = x.shape
+    def forward(self, x: torch.Tensor, where: tuple, key_mask: torch.Tensor) -> torch.Tensor:
+        """x packed [T, H]; ``where`` = (seq, pos, n, L) of each token; key_mask [n, 1, 1, L].
+
+        Only the attention sees padding: the projections and the MLP (most of the FLOPs) run on
+        the packed tokens, so a batch of uneven lengths does no work for its pad."""
+        seq, pos, n, L = where
+        h = x.shape[-1]
         sa = self.attention.self
 
         def split(t):
-            return t.view(n, L, self.heads, h // self.heads).transpose(1, 2)
+            padded = t.new_zeros(n, L, h)
+            padded[seq, pos] = t
+            return padded.view(n, L, self.heads, h // self.heads).transpose(1, 2)
 
         a = F.scaled_dot_product_attention(split(sa.query(x)), split(sa.key(x)), split(sa.value(x)),
                                            attn_mask=key_mask)
-        x = self.attention.output(a.transpose(1, 2).reshape(n, L, h), x)
+        x = self.attention.output(a.transpose(1, 2)[seq, pos].reshape(-1, h), x)
         return self.output(F.gelu(self.intermediate.dense(x)), x)
 
 
@@ -136,12 +142,10 @@ class BertEncoder(nn.Module):
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.embeddings(input_ids, pos, types)
         n, L = lens.numel(), int(lens.max())
-        padded = x.new_zeros(n, L, x.shape[-1])
-        padded[seq, pos] = x
         key_mask = (torch.arange(L, device=x.device)[None, :] < lens[:, None]).view(n, 1, 1, L)
         for layer in self.encoder.layer:
-            padded = layer(padded, key_mask)
-        return padded[seq, pos]
+            x = layer(x, (seq, pos, n, L), key_mask)
+        return x
 
     def classify(self, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         """The sequence-classification logits [n, num_labels] from the CLS token (tanh pooler)."""
