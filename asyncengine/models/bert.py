@@ -73,6 +73,7 @@ class _Layer(nn.Module):
         self.attention = _Attention(h, eps)
         self.intermediate = _Intermediate(h, c["intermediate_size"])
         self.output = _Dense(c["intermediate_size"], h, eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # not a parameter: not in the checkpoint
 
     def forward(self, x: torch.Tensor, where: tuple, key_mask: torch.Tensor) -> torch.Tensor:
         """x packed [T, H]; ``where`` = (seq, pos, n, L) of each token; key_mask [n, 1, 1, L].
@@ -88,8 +89,11 @@ class _Layer(nn.Module):
             padded[seq, pos] = t
             return padded.view(n, L, self.heads, h // self.heads).transpose(1, 2)
 
-        a = F.scaled_dot_product_attention(split(sa.query(x)), split(sa.key(x)), split(sa.value(x)),
-                                           attn_mask=key_mask)
+        if self.qkv is None:  # one GEMM for q, k and v; built once the weights are in
+            self.qkv = (torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]).detach(),
+                        torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]).detach())
+        q, k, v = F.linear(x, *self.qkv).split(h, dim=-1)
+        a = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=key_mask)
         x = self.attention.output(a.transpose(1, 2)[seq, pos].reshape(-1, h), x)
         return self.output(F.gelu(self.intermediate.dense(x)), x)
 
