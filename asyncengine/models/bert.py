@@ -73,7 +73,8 @@ class _Layer(nn.Module):
         self.attention = _Attention(h, eps)
         self.intermediate = _Intermediate(h, c["intermediate_size"])
         self.output = _Dense(c["intermediate_size"], h, eps)
-        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # not a parameter: not in the checkpoint
+        # q/k/v as one GEMM (fuse_qkv, once the weights are final); not a parameter: not in the checkpoint
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, where: tuple, key_mask: torch.Tensor) -> torch.Tensor:
         """x packed [T, H]; ``where`` = (seq, pos, n, L) of each token; key_mask [n, 1, 1, L].
@@ -89,10 +90,10 @@ class _Layer(nn.Module):
             padded[seq, pos] = t
             return padded.view(n, L, self.heads, h // self.heads).transpose(1, 2)
 
-        if self.qkv is None:  # one GEMM for q, k and v; built once the weights are in
-            self.qkv = (torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]).detach(),
-                        torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]).detach())
-        q, k, v = F.linear(x, *self.qkv).split(h, dim=-1)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split(h, dim=-1)
+        else:
+            q, k, v = sa.query(x), sa.key(x), sa.value(x)
         a = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=key_mask)
         x = self.attention.output(a.transpose(1, 2)[seq, pos].reshape(-1, h), x)
         return self.output(F.gelu(self.intermediate.dense(x)), x)
@@ -130,6 +131,13 @@ class BertEncoder(nn.Module):
         self.encoder = _Encoder(c)
         self.pooler = _Pooler(c["hidden_size"]) if with_pooler or num_labels else None
         self.classifier = nn.Linear(c["hidden_size"], num_labels) if num_labels else None
+
+    def fuse_qkv(self) -> None:
+        """Copy each layer's q, k, v weights into one matrix; call again after changing weights."""
+        for layer in self.encoder.layer:
+            sa = layer.attention.self
+            layer.qkv = (torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]).detach(),
+                         torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]).detach())
 
     @property
     def hidden_size(self) -> int:
@@ -190,7 +198,9 @@ def load_bert(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Bert
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
         raise ModelLoadError(f"{root}: checkpoint does not fit {archs[0]}: {e}") from None
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.fuse_qkv()
+    return model
 
 
 def _pack(token_lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
