@@ -228,3 +228,12 @@ def classify_token_ids(model: BertEncoder, token_lists: list[list[int]],
     types = None if type_lists is None else torch.tensor(
         [t for ts in type_lists for t in ts], dtype=torch.int64, device=dev)
     return model.classify(model(ids, qsl, types), qsl)
+
+
+def rerank_scores(model: BertEncoder, token_lists: list[list[int]], type_lists: list[list[int]]) -> torch.Tensor:
+    """Relevance in (0, 1) per (query, document) pair: the sigmoid of a one-label cross-encoder's
+    logit, as sentence-transformers' CrossEncoder and the Jina/Cohere rerank APIs report it."""
+    logits = classify_token_ids(model, token_lists, type_lists)
+    if logits.shape[-1] != 1:
+        raise ValueError(f"rerank needs a one-label cross-encoder; this head has {logits.shape[-1]} labels")
+    return torch.sigmoid(logits[:, 0].float())

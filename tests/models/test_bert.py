@@ -12,7 +12,7 @@ import transformers
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.pooler import PoolingSpec
-from asyncengine.models.bert import classify_token_ids, embed_token_ids, load_bert
+from asyncengine.models.bert import classify_token_ids, embed_token_ids, load_bert, rerank_scores
 from asyncengine.models.st_pooling import read_st_pooling
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "a", "blue", "sky", "is", "big"]
@@ -92,6 +92,17 @@ def test_rerank_logits_match_transformers_cross_encoder(tmp_path):
         for g, e in zip(got, enc):
             want = ref(input_ids=torch.tensor([e["input_ids"]]), token_type_ids=torch.tensor([e["token_type_ids"]])).logits[0]
             torch.testing.assert_close(g, want, rtol=0, atol=1e-4)
+
+
+def test_rerank_scores_match_sentence_transformers_cross_encoder(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    _tiny_bert(tmp_path, "BertForSequenceClassification", seed=1)
+    pairs = [("the cat", "the cat sat on the mat"), ("blue sky", "a dog ran far"), ("dog", "big dog")]
+    want = torch.as_tensor(st.CrossEncoder(str(tmp_path), device="cpu").predict(pairs)).float()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    enc = [tok(q, d) for q, d in pairs]
+    got = rerank_scores(load_bert(tmp_path), [e["input_ids"] for e in enc], [e["token_type_ids"] for e in enc])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
