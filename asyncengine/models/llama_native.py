@@ -64,6 +64,8 @@ def native_step_reason(model) -> str | None:
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
+    if getattr(model, "is_moe", False):
+        return "mixture-of-experts layers are not in the native step (the torch step runs them)"
     if model.args.qk_norm:
         return "q/k norms (Qwen3) are not in the native step"
     if model.tp.size > 1:

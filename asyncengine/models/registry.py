@@ -14,6 +14,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "asyncengine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "asyncengine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "asyncengine.models.llama:Qwen3ForCausalLM",
+    # mixture of experts (models/moe.py)
+    "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "asyncengine.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "asyncengine.models.moe:Qwen3MoeForCausalLM",
     # hybrids: Mamba2 state-space layers (a state slot per request) beside attention
     "Mamba2ForCausalLM": "asyncengine.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",
