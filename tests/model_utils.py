@@ -28,6 +28,8 @@ MOE_ARCHS = {
                                                 "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
     "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                                                 "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                         "clip_qkv": 3.0}),
 }
 ARCHS_ALL = {**ARCHS, **MOE_ARCHS}
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (whose
+q/k norms span all heads: :class:`OlmoeAttention`).
 
 Each is a Llama decoder (models/llama.py: attention, norms, embedding, head, tensor and pipeline
 parallel) whose MLP is, on its sparse layers, a :class:`~asyncengine.layers.moe.SparseMoE`. What
@@ -17,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from asyncengine.errors import ConfigError
 from asyncengine.layers.moe import SparseMoE
 from asyncengine.layers.moe_router import RouterSpec
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
-from asyncengine.models.llama import MLP, LlamaForCausalLM
+from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.rotary import apply_rotary
+from asyncengine.models.llama import MLP, Attention, LlamaForCausalLM
 from asyncengine.models.weight_loading import check_complete, load_tensor
 
 # (layer prefix, expert, projection) of an expert tensor, in our (renamed) naming
@@ -172,3 +176,41 @@ class Qwen2MoeForCausalLM(MoeLlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(MoeLlamaForCausalLM):
     qk_norm = True
+
+
+class OlmoeAttention(Attention):
+    """OLMoE: q and k are normalised over the whole projection (all heads at once, not per head)
+    before rope, and q/k/v are clipped to ±``clip_qkv`` where the config sets it."""
+
+    def __init__(self, a, rotary, tp: TPGroup, window, clip: float | None) -> None:
+        super().__init__(a, rotary, tp, window)
+        self.q_norm = RMSNorm(self.q_size, a.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, a.rms_norm_eps)
+        self.clip = clip
+
+    def forward(self, x, rope, kv_cache, meta):
+        t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q = self.q_norm(qkv[:, :self.q_size].contiguous())
+        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].contiguous())
+        v = qkv[:, self.q_size + self.kv_size:].contiguous()
+        if self.clip is not None:
+            q, k, v = (z.clamp_(-self.clip, self.clip) for z in (q, k, v))
+        q, k = apply_rotary(q.view(t, hq, d), *rope), apply_rotary(k.view(t, hk, d), *rope)
+        out = meta.backend.forward(q, k, v.view(t, hk, d), kv_cache, meta, self.sliding_window)
+        return self.tp.all_reduce(self.o_proj(out))
+
+
+class OlmoeForCausalLM(MoeLlamaForCausalLM):
+    def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
+        super().__init__(hf_config, max_positions, tp, pp)
+        clip = getattr(hf_config, "clip_qkv", None)
+        for layer in self.layers:
+            old = layer.self_attn
+            layer.self_attn = OlmoeAttention(self.args, self.rotary, tp, old.sliding_window, clip)
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config, size: int) -> None:
+        if size > 1:
+            raise ConfigError("OLMoE under tensor parallel is not supported: its q/k norms span every "
+                              "head, which a head-split rank does not hold")
