@@ -57,6 +57,9 @@ HYBRID_ARCHS = {
         mamba_chunk_size=16, mamba_expand=2, max_position_embeddings=1024, embedding_multiplier=2.0,
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
 }
+# Granite 4.0 hybrid with routed experts (8, top 2) beside its shared MLP
+HYBRID_ARCHS["granitemoehybrid_moe"] = (transformers.GraniteMoeHybridConfig, {
+    **HYBRID_ARCHS["granitemoehybrid"][1], "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32})
 
 TIE_MARGIN = 1e-4  # a first divergence is excused only where the reference's top-2 gap is below this
 

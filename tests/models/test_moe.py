@@ -1,8 +1,9 @@
 """Mixture-of-experts models (models/moe.py) against transformers: greedy, fp32, EOS ignored,
 token-exact except a first divergence at a reference near-tie (``model_utils.compare``).
 
-Tiny random Mixtral, Qwen2-MoE (gated shared expert, no renormalisation) and Qwen3-MoE (q/k norm,
-renormalised top 2), 8 experts, top 2, hidden 64, 2 layers, on the standard 18-request workload in
+Tiny random Mixtral, Qwen2-MoE (gated shared expert, no renormalisation), Qwen3-MoE (q/k norm,
+renormalised top 2), OLMoE (q/k norm over all heads, clip_qkv) and GraniteMoeHybrid with routed
+experts beside its shared MLP (top k of the logits, softmaxed), 8 experts, top 2, hidden 64, 2 layers, on the standard 18-request workload in
 the three regimes of test_parity (generous cache, 16-token chunked prefill, preemption) plus prefix
 hits (the workload twice, prefix caching on). After every run no KV block is held.
 """
@@ -32,7 +33,7 @@ def run(llm: LLM, requests) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", (*MOE_ARCHS, "granitemoehybrid_moe"))
 def test_moe_parity(arch, regime, tiny_model_dir, tiny_reference):
     requests, refs = tiny_reference(arch)
     llm = LLM(tiny_model_dir(arch), dtype="float32", **REGIMES[regime])
