@@ -57,8 +57,9 @@ class EngineCore:
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture
-            resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
-                self.model_info.hf_config, config.tensor_parallel_size)
+            cls = resolve_architecture(self.model_info.hf_config)
+            ep = {"expert_parallel": True} if config.enable_expert_parallel and getattr(cls, "is_moe", False) else {}
+            cls.check_tensor_parallel(self.model_info.hf_config, config.tensor_parallel_size, **ep)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
             check_hybrid_config(config, self.model_info.hf_config)

@@ -19,9 +19,9 @@ import dataclasses
 import re
 
 from asyncengine.errors import ConfigError
-from asyncengine.layers.moe import SparseMoE
+from asyncengine.layers.moe import ExpertShard, SparseMoE
 from asyncengine.layers.moe_router import RouterSpec
-from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
+from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup, even_split
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.rotary import apply_rotary
 from asyncengine.models.llama import MLP, Attention, LlamaForCausalLM
@@ -56,6 +56,7 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
     renames: dict[str, str] = {}
     num_experts_field = "num_experts"
     always_renormalize = False
+    shared_inter = 0  # Qwen2-MoE: the shared expert's intermediate size
 
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
         super().__init__(hf_config, max_positions, tp, pp)
@@ -80,16 +81,15 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
         return i not in (getattr(c, "mlp_only_layers", None) or ()) and (i + 1) % step == 0
 
     @classmethod
-    def check_tensor_parallel(cls, hf_config, size: int) -> None:
-        from asyncengine.layers.moe import ExpertShard
-
-        a = hf_config
-        heads = a.num_attention_heads
-        from asyncengine.layers.parallel import attention_shard
-
-        attention_shard(heads, getattr(a, "num_key_value_heads", None) or heads, TPGroup(rank=0, size=size))
+    def check_tensor_parallel(cls, hf_config, size: int, expert_parallel: bool = False) -> None:
+        """As Llama's, plus the experts: split whole over the ranks (``expert_parallel``) or by
+        columns; a shared expert or dense layer splits as the dense MLP."""
+        super().check_tensor_parallel(hf_config, size)
+        a, tp = hf_config, TPGroup(rank=0, size=size)
         inter = getattr(a, "moe_intermediate_size", None) or a.intermediate_size
-        ExpertShard.of(getattr(a, cls.num_experts_field), inter, TPGroup(rank=0, size=size), False)
+        ExpertShard.of(getattr(a, cls.num_experts_field), inter, tp, expert_parallel)
+        if getattr(a, "shared_expert_intermediate_size", 0):
+            even_split(a.shared_expert_intermediate_size, tp, "shared expert intermediate size")
 
     def moe_layers(self) -> list[SparseMoE]:
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
@@ -210,7 +210,7 @@ class OlmoeForCausalLM(MoeLlamaForCausalLM):
             layer.self_attn = OlmoeAttention(self.args, self.rotary, tp, old.sliding_window, clip)
 
     @classmethod
-    def check_tensor_parallel(cls, hf_config, size: int) -> None:
+    def check_tensor_parallel(cls, hf_config, size: int, expert_parallel: bool = False) -> None:
         if size > 1:
             raise ConfigError("OLMoE under tensor parallel is not supported: its q/k norms span every "
                               "head, which a head-split rank does not hold")

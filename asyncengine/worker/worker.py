@@ -98,7 +98,7 @@ class Worker:
                 self.pp = PPGroup(rank=stage, size=n_pp, prev_rank=self.rank - n_tp if stage > 0 else None,
                                   next_rank=self.rank + n_tp if stage < n_pp - 1 else None)
             self.tp = TPGroup(rank=tp_rank, size=n_tp, group=group, vocab_parallel=c.tp_vocab_parallel,
-                              fixed_order=c.batch_invariant)
+                              fixed_order=c.batch_invariant, expert_parallel=c.enable_expert_parallel)
 
     def load_model(self, read_weights: bool = True) -> None:
         """``read_weights=False``: storage only (waking from sleep level 2 into a full update)."""

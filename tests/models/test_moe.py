@@ -10,6 +10,7 @@ hits (the workload twice, prefix caching on). After every run no KV block is hel
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncengine import LLM, SamplingParams
 from model_utils import MOE_ARCHS, compare
@@ -64,3 +65,41 @@ def _native_reason(worker):
 
     assert worker.model.native_step is None
     return native_step_reason(worker.model)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_rank_loads_its_experts(tiny_model_dir, ep):
+    """Under TP each rank reads every expert's 1/N columns; under EP its 1/N of the experts whole."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.layers.parallel import TPGroup
+    from asyncengine.models.loader import load_model
+
+    config = EngineConfig(model=tiny_model_dir("qwen2_moe"), dtype="float32", skip_tokenizer_init=True)
+    full = load_model(config, tokenizer=False).model.layers[0].mlp
+    for rank in range(2):
+        tp = TPGroup(rank=rank, size=2, expert_parallel=ep)
+        part = load_model(config, tp=tp, tokenizer=False).model.layers[0].mlp
+        i = full.full_inter
+        if ep:
+            want = full.w13[rank * 4:(rank + 1) * 4]
+        else:
+            cols = slice(rank * i // 2, (rank + 1) * i // 2)
+            want = torch.cat([full.w13[:, :i][:, cols], full.w13[:, i:][:, cols]], dim=1)
+        assert torch.equal(part.w13, want)
+        torch.testing.assert_close(part.gate.weight, full.gate.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_tensor_and_expert_parallel_match_one_rank(tiny_model_dir, tiny_reference, ep):
+    requests, refs = tiny_reference("qwen2_moe")
+    requests, refs = requests[:8], refs[:8]
+    llm = LLM(tiny_model_dir("qwen2_moe"), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+              enable_expert_parallel=ep, num_threads=1, **REGIMES["chunked"])
+    try:
+        from worker_hooks import moe_local_experts
+
+        assert llm.engine.collective_rpc(moe_local_experts) == [[4 if ep else 8] * 2] * 2
+        counts = compare(run(llm, requests), refs)
+        print(f"[moe] qwen2_moe/tp2/ep={ep}: {counts}")
+    finally:
+        llm.shutdown()
