@@ -170,3 +170,14 @@ class SparseMoE(nn.Module):
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
         return out
+
+
+def take_expert_load(layers: list[SparseMoE]) -> list[int] | None:
+    """Tokens routed to each expert since the last call, summed over ``layers`` (each must have
+    ``record_load`` set); clears their counts. None when none of them ran."""
+    total = None
+    for m in layers:
+        if m.expert_load is not None:
+            total = m.expert_load if total is None else total + m.expert_load
+            m.expert_load = None
+    return None if total is None else total.tolist()

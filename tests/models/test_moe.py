@@ -103,3 +103,30 @@ def test_tensor_and_expert_parallel_match_one_rank(tiny_model_dir, tiny_referenc
         print(f"[moe] qwen2_moe/tp2/ep={ep}: {counts}")
     finally:
         llm.shutdown()
+
+
+def test_expert_load_in_stats(tiny_model_dir):
+    """Tokens per expert (summed over the layers) reach stats(): every token goes to top_k experts
+    in each of the 2 MoE layers."""
+    llm = LLM(tiny_model_dir("mixtral"), dtype="float32", **REGIMES["generous"])
+    assert "moe_expert_tokens" not in llm.engine.stats()
+    run(llm, [([5, 6, 7, 8], 3), ([9, 10], 2)])
+    s = llm.engine.stats()
+    computed = (4 + 3 - 1) + (2 + 2 - 1)  # per request: prompt + outputs - the last (never fed back)
+    assert len(s["moe_expert_tokens"]) == 8 and sum(s["moe_expert_tokens"]) == computed * 2 * 2
+    assert sum(s["moe_last_step_expert_tokens"]) == 1 * 2 * 2  # the last step: one decode
+    assert s["moe_expert_imbalance"] >= 1.0
+    from asyncengine.integrations.openai_server.metrics import EngineCollector
+
+    fams = {f.name: f for f in EngineCollector(llm.engine).collect()}
+    per_expert = {x.labels["expert"]: x.value for x in fams["asyncengine_moe_expert_tokens"].samples}
+    assert per_expert == {str(i): float(n) for i, n in enumerate(s["moe_expert_tokens"])}
+    assert fams["asyncengine_moe_expert_imbalance"].samples[0].value == s["moe_expert_imbalance"]
+
+
+def test_expert_load_combined_over_cores():
+    from asyncengine.engine_core.core_stats import combine
+
+    out = combine([{"moe_expert_tokens": [1, 3], "moe_last_step_expert_tokens": [1, 0]},
+                   {"moe_expert_tokens": [3, 1], "moe_last_step_expert_tokens": [0, 1]}])
+    assert out["moe_expert_tokens"] == [4, 4] and out["moe_expert_imbalance"] == 1.0
