@@ -1,5 +1,6 @@
-"""The grouped MoE layer against a plain per-token loop over the chosen experts, the router's three
-kinds against their definitions, and the expert-parallel / tensor-parallel splits of the weights."""
+"""layers/moe.py and layers/moe_router.py (this name, as test basenames are unique: tests/models
+has test_moe.py): the grouped MoE layer against a plain per-token loop over the chosen experts, the
+router's three kinds against their definitions, and the expert-parallel / tensor-parallel splits."""
 from __future__ import annotations
 
 import pytest
