@@ -139,9 +139,13 @@ class SparseMoE(nn.Module):
         ``ids`` [T, k]; pairs naming another rank's expert contribute nothing here."""
         t, k = ids.shape
         flat = ids.reshape(-1)
+        if t == 1 and not self.record_load:  # a lone decode: no count, sort, gather or scatter
+            return self._one_token(x, weights[0], flat)
         counts = torch.bincount(flat, minlength=self.spec.num_experts)
         if self.record_load:
             self.expert_load = counts if self.expert_load is None else self.expert_load + counts
+        if t == 1:
+            return self._one_token(x, weights[0], flat)
         order = torch.argsort(flat, stable=True)
         token = order // k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
@@ -160,6 +164,17 @@ class SparseMoE(nn.Module):
             y = torch.mm(h, self.w2[local].t()) * w[s:s + n]
             out.index_add_(0, token[s:s + n], y)
         return out
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The token's k experts, summed in expert-id order (the grouped path's order)."""
+        out = None
+        w = weights.to(x.dtype)
+        for j, e in sorted(enumerate(ids.tolist()), key=lambda p: p[1]):
+            if self.owns(e):
+                local = e - self.shard.expert_start
+                y = torch.mm(self.act_and_mul(torch.mm(x, self.w13[local].t())), self.w2[local].t()) * w[j]
+                out = y if out is None else out + y
+        return torch.zeros_like(x) if out is None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.spec, self.e_score_correction_bias)

@@ -41,9 +41,11 @@ def reference(x, w13, w2, weights, ids):
 def test_grouped_equals_per_token_loop(kind, renorm):
     spec = RouterSpec(E, 2, kind, renorm)
     moe, w13, w2, router = make_moe(spec)
-    x = torch.randn(33, H)
-    weights, ids = route(x @ router.t(), spec)
-    torch.testing.assert_close(moe(x), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    for rows, record in ((33, False), (1, False), (1, True)):  # one row: the lone-decode path
+        moe.record_load = record
+        x = torch.randn(rows, H)
+        weights, ids = route(x @ router.t(), spec)
+        torch.testing.assert_close(moe(x), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_router_definitions():
