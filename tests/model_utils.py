@@ -58,6 +58,12 @@ HYBRID_ARCHS = {
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
 }
 # Granite 4.0 hybrid with routed experts (8, top 2) beside its shared MLP
+# Nemotron-H with an E layer: 8 plain squared-ReLU experts in 2 groups (top 1 group), top 2, sigmoid
+# router with a selection bias, scaled weights, shared experts
+HYBRID_ARCHS["nemotron_h_moe"] = (transformers.NemotronHConfig, {
+    **HYBRID_ARCHS["nemotron_h"][1], "hybrid_override_pattern": "M*E-E", "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True})
 HYBRID_ARCHS["granitemoehybrid_moe"] = (transformers.GraniteMoeHybridConfig, {
     **HYBRID_ARCHS["granitemoehybrid"][1], "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32})
 
@@ -87,6 +93,9 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
                 p.normal_(0, 1.0 / p.shape[2] ** 0.5)
             elif p.dim() == 1 and ("bias" in n or "norm" in n):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # a router's selection bias (a buffer in transformers)
+                b.normal_(0.0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer:
         save_tiny_tokenizer(out_dir, kw["vocab_size"])

@@ -38,6 +38,10 @@ from asyncengine.layers.moe_router import RouterSpec, route
 from asyncengine.layers.parallel import SINGLE, TPGroup
 
 
+# activations of experts without a gate
+PLAIN_ACTIVATIONS = {"relu2": lambda h: torch.relu(h).square()}
+
+
 @dataclass(frozen=True)
 class ExpertShard:
     """Which experts, and which intermediate columns of each, this rank holds."""
@@ -76,7 +80,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, inter: int, spec: RouterSpec, act: str = "silu", tp: TPGroup = SINGLE,
                  expert_parallel: bool = False, router_bias: bool = False, shared: nn.Module | None = None,
-                 shared_gate: bool = False) -> None:
+                 shared_gate: bool = False, gated: bool = True) -> None:
         super().__init__()
         self.spec = spec
         self.hidden, self.full_inter = hidden, inter
@@ -85,9 +89,13 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden, spec.num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) \
             if router_bias else None
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden), requires_grad=False)
+        # gated experts: w13 holds [gate | up]; plain ones (Nemotron-H: down(act(up x))) only up
+        self.gated = gated
+        self.w13 = nn.Parameter(torch.empty(e, (2 if gated else 1) * i, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
-        self.act_and_mul = ActAndMul(act)
+        if not gated and act not in PLAIN_ACTIVATIONS:
+            raise ConfigError(f"expert activation {act!r} without a gate is not supported ({', '.join(PLAIN_ACTIVATIONS)})")
+        self.act_and_mul = ActAndMul(act) if gated else PLAIN_ACTIVATIONS[act]
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_gate else None
         self._filled: set[tuple[int, str]] = set()
@@ -113,7 +121,8 @@ class SparseMoE(nn.Module):
             dim, a, b = self.expert_slice(kind)
             tensor = tensor.narrow(dim, a, b - a)
         i, local = self.shard.inter, expert - self.shard.expert_start
-        dst = {"gate": self.w13[local, :i], "up": self.w13[local, i:], "down": self.w2[local]}[kind]
+        dst = {"gate": self.w13[local, :i], "up": self.w13[local, i:] if self.gated else self.w13[local],
+               "down": self.w2[local]}[kind]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"expert {expert} {kind}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
         with torch.no_grad():
@@ -129,7 +138,8 @@ class SparseMoE(nn.Module):
             self.load_expert(e, "down", w2[e], False)
 
     def missing(self) -> list[str]:
-        want = {(e, k) for e in range(self.shard.expert_start, self.shard.expert_stop) for k in ("gate", "up", "down")}
+        kinds = ("gate", "up", "down") if self.gated else ("up", "down")
+        want = {(e, k) for e in range(self.shard.expert_start, self.shard.expert_stop) for k in kinds}
         return [f"expert {e} {k}" for e, k in sorted(want - self._filled)]
 
     # ------------------------------------------------------------------ compute

@@ -100,3 +100,28 @@ def test_shard_errors_and_load_counts():
     assert int(moe.expert_load.sum()) == 2 * 17
     fresh = SparseMoE(H, I, RouterSpec(E, 2))
     assert len(fresh.missing()) == 3 * E
+
+
+def test_grouped_sigmoid_router_and_plain_experts():
+    """Nemotron-H's router: only experts of the best ``topk_groups`` groups (a group scores its best
+    two) are chosen, weights scaled; its experts have no gate: down(relu(up x)^2)."""
+    spec = RouterSpec(E, 2, "sigmoid", True, num_groups=4, topk_groups=1, scale=2.5)
+    logits = torch.randn(50, E)
+    w, ids = route(logits, spec)
+    groups = torch.sigmoid(logits).view(50, 4, 2).topk(2, -1).values.sum(-1).argmax(-1)
+    assert torch.equal(ids.sort(-1).values, torch.stack([groups * 2, groups * 2 + 1], -1))
+    torch.testing.assert_close(w.sum(-1), torch.full((50,), 2.5))
+    moe = SparseMoE(H, I, spec, "relu2", gated=False)
+    up, down = torch.randn(E, I, H), torch.randn(E, H, I)
+    for e in range(E):
+        moe.load_expert(e, "up", up[e], False)
+        moe.load_expert(e, "down", down[e], False)
+    assert moe.missing() == []
+    moe.gate.load(torch.randn(E, H))
+    x = torch.randn(9, H)
+    w, ids = route(moe.gate(x), spec)
+    want = torch.stack([sum(w[t, j] * down[e] @ torch.relu(up[e] @ x[t]).square() for j, e in enumerate(ids[t].tolist()))
+                        for t in range(9)])
+    torch.testing.assert_close(moe(x), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError):
+        SparseMoE(H, I, spec, "silu", gated=False)

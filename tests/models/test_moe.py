@@ -3,7 +3,8 @@ token-exact except a first divergence at a reference near-tie (``model_utils.com
 
 Tiny random Mixtral, Qwen2-MoE (gated shared expert, no renormalisation), Qwen3-MoE (q/k norm,
 renormalised top 2), OLMoE (q/k norm over all heads, clip_qkv) and GraniteMoeHybrid with routed
-experts beside its shared MLP (top k of the logits, softmaxed), 8 experts, top 2, hidden 64, 2 layers, on the standard 18-request workload in
+experts beside its shared MLP (top k of the logits, softmaxed) and Nemotron-H with E layers (plain
+squared-ReLU experts, grouped sigmoid router with a selection bias, scaled weights), 8 experts, top 2, hidden 64, 2 layers, on the standard 18-request workload in
 the three regimes of test_parity (generous cache, 16-token chunked prefill, preemption) plus prefix
 hits (the workload twice, prefix caching on). After every run no KV block is held.
 """
@@ -34,7 +35,7 @@ def run(llm: LLM, requests) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("arch", (*MOE_ARCHS, "granitemoehybrid_moe"))
+@pytest.mark.parametrize("arch", (*MOE_ARCHS, "granitemoehybrid_moe", "nemotron_h_moe"))
 def test_moe_parity(arch, regime, tiny_model_dir, tiny_reference):
     requests, refs = tiny_reference(arch)
     llm = LLM(tiny_model_dir(arch), dtype="float32", **REGIMES[regime])
