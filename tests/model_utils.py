@@ -30,6 +30,9 @@ MOE_ARCHS = {
                                                 "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                          "clip_qkv": 3.0}),
+    "granitemoe": (transformers.GraniteMoeConfig, {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                   "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
+                                                   "residual_multiplier": 0.5, "logits_scaling": 2.0}),
 }
 ARCHS_ALL = {**ARCHS, **MOE_ARCHS}
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (whose
-q/k norms span all heads: :class:`OlmoeAttention`).
+q/k norms span all heads: :class:`OlmoeAttention`) and Granite MoE (stacked experts, four scalars).
 
 Each is a Llama decoder (models/llama.py: attention, norms, embedding, head, tensor and pipeline
 parallel) whose MLP is, on its sparse layers, a :class:`~asyncengine.layers.moe.SparseMoE`. What
@@ -29,6 +29,7 @@ from asyncengine.models.weight_loading import check_complete, load_tensor
 
 # (layer prefix, expert, projection) of an expert tensor, in our (renamed) naming
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(layers\.\d+\.mlp)\.(input_linear|output_linear)\.weight$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -56,13 +57,14 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
     renames: dict[str, str] = {}
     num_experts_field = "num_experts"
     always_renormalize = False
+    router_kind = "softmax_topk"
     shared_inter = 0  # Qwen2-MoE: the shared expert's intermediate size
 
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
         super().__init__(hf_config, max_positions, tp, pp)
         c = hf_config
         self.spec = RouterSpec(num_experts=getattr(c, self.num_experts_field), top_k=c.num_experts_per_tok,
-                               renormalize=self.always_renormalize or bool(getattr(c, "norm_topk_prob", False)))
+                               kind=self.router_kind, renormalize=self.always_renormalize or bool(getattr(c, "norm_topk_prob", False)))
         self.moe_inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
         for j, layer in enumerate(self.layers):
             if self.is_sparse(c, self.start_layer + j):
@@ -130,10 +132,16 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
         loaded: set[str] = set()
         sliced = self.tp.size > 1
 
+        stacked: dict[str, dict] = {}
+
         def dense():
             for name, tensor in weights:
                 name = self._rename(name)
                 m = _EXPERT.match(name.removeprefix("model."))
+                st = _STACKED.match(name.removeprefix("model."))
+                if st is not None:  # Granite: all experts of a layer in one tensor
+                    stacked.setdefault(st.group(1), {})[st.group(2)] = tensor
+                    continue
                 if m is None:
                     yield name, tensor
                     continue
@@ -143,6 +151,10 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
 
         for name, target, shard, tensor in self.weight_targets(dense()):
             loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
+        for prefix, parts in stacked.items():
+            local = self.local_name(prefix)
+            if local is not None:
+                modules[local].load_stacked(parts["input_linear"], parts["output_linear"])
         for prefix, moe in modules.items():
             if isinstance(moe, SparseMoE):
                 missing = moe.missing()
@@ -214,3 +226,29 @@ class OlmoeForCausalLM(MoeLlamaForCausalLM):
         if size > 1:
             raise ConfigError("OLMoE under tensor parallel is not supported: its q/k norms span every "
                               "head, which a head-split rank does not hold")
+
+
+class GraniteMoeForCausalLM(MoeLlamaForCausalLM):
+    """Granite MoE: Llama + stacked experts (``block_sparse_moe.input_linear`` [E, 2I, H],
+    ``output_linear``), a top-k-then-softmax router, and Granite's four scalars: embeddings x
+    ``embedding_multiplier``, each branch x ``residual_multiplier``, the softmax scale
+    ``attention_multiplier``, logits / ``logits_scaling``."""
+
+    renames = {".block_sparse_moe.router.layer.": ".mlp.gate.", ".block_sparse_moe.": ".mlp."}
+    num_experts_field = "num_local_experts"
+    router_kind = "topk_softmax"
+
+    def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
+        super().__init__(hf_config, max_positions, tp, pp)
+        c = hf_config
+        self.logits_scaling = float(getattr(c, "logits_scaling", 1.0))
+        for layer in self.layers:
+            layer.residual_multiplier = float(getattr(c, "residual_multiplier", 1.0))
+            layer.self_attn.q_scale = float(c.attention_multiplier) * self.args.head_dim ** 0.5
+        mult = float(getattr(c, "embedding_multiplier", 1.0))
+        if self.embed_tokens is not None and mult != 1.0:
+            self.embed_tokens.register_forward_hook(lambda _m, _i, out: out * mult)
+
+    def compute_logits(self, hidden):
+        logits = super().compute_logits(hidden)
+        return None if logits is None else logits / self.logits_scaling

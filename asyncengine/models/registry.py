@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2MoeForCausalLM": "asyncengine.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "asyncengine.models.moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "asyncengine.models.moe:OlmoeForCausalLM",
+    "GraniteMoeForCausalLM": "asyncengine.models.moe:GraniteMoeForCausalLM",
     # hybrids: Mamba2 state-space layers (a state slot per request) beside attention
     "Mamba2ForCausalLM": "asyncengine.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",

@@ -2,7 +2,8 @@
 token-exact except a first divergence at a reference near-tie (``model_utils.compare``).
 
 Tiny random Mixtral, Qwen2-MoE (gated shared expert, no renormalisation), Qwen3-MoE (q/k norm,
-renormalised top 2), OLMoE (q/k norm over all heads, clip_qkv) and GraniteMoeHybrid with routed
+renormalised top 2), OLMoE (q/k norm over all heads, clip_qkv), GraniteMoe (stacked experts, the
+four Granite multipliers) and GraniteMoeHybrid with routed
 experts beside its shared MLP (top k of the logits, softmaxed) and Nemotron-H with E layers (plain
 squared-ReLU experts, grouped sigmoid router with a selection bias, scaled weights), 8 experts, top 2, hidden 64, 2 layers, on the standard 18-request workload in
 the three regimes of test_parity (generous cache, 16-token chunked prefill, preemption) plus prefix
