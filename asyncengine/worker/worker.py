@@ -226,7 +226,9 @@ class Worker:
                 "weight_bytes": self.weight_bytes(),
                 "draft_tokens_processed": r.proposer.num_tokens_processed if r.proposer else 0,
                 "draft_forwards": r.proposer.num_forwards if r.proposer else 0,
-                "grammar_time_s": r.grammar_time_s}
+                "grammar_time_s": r.grammar_time_s,
+                # MoE: the experts each layer of this rank holds (all of them, or 1/N under expert parallel)
+                "moe_local_experts": [m.shard.num_local for m in r.moe_layers]}
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shard): dense parameters and quantized blocks."""

@@ -137,3 +137,23 @@ def test_expert_load_combined_over_cores():
     out = combine([{"moe_expert_tokens": [1, 3], "moe_last_step_expert_tokens": [1, 0]},
                    {"moe_expert_tokens": [3, 1], "moe_last_step_expert_tokens": [0, 1]}])
     assert out["moe_expert_tokens"] == [4, 4] and out["moe_expert_imbalance"] == 1.0
+
+
+async def test_expert_parallel_on_ray(ray_cluster, tiny_model_dir, tiny_reference):
+    """TP=2 + EP with the ranks as Ray actors on two nodes: each holds 4 of the 8 experts, tokens as transformers'."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+
+    requests, refs = tiny_reference("qwen2_moe")
+    requests, refs = requests[:8], refs[:8]
+    eng = AsyncLLMEngine(EngineConfig(model=tiny_model_dir("qwen2_moe"), dtype="float32", tensor_parallel_size=2,
+                                      distributed_executor_backend="ray", ray_placement_strategy="STRICT_SPREAD",
+                                      enable_expert_parallel=True, num_threads=1, max_num_batched_tokens=48,
+                                      num_kv_blocks=64, freeze_gc_after_load=False))
+    async with eng:
+        assert [s["moe_local_experts"] for s in eng.core.collective_rpc("runner_stats")] == [[4, 4], [4, 4]]
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for ids, n in requests)), 180)
+        print(f"[moe] ray tp2+ep: {compare([o.outputs[0].token_ids for o in outs], refs)}")
