@@ -33,6 +33,23 @@ ARCHS = {
                       "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
 }
 
+# mixture-of-experts members of the Llama family (models/moe.py): 8 experts, top 2 (Qwen2-MoE with
+# its gated shared expert; Qwen3-MoE renormalising its top 2, Qwen2-MoE not)
+MOE_ARCHS = {
+    "mixtral": (transformers.MixtralConfig, {"sliding_window": None, "num_local_experts": 8,
+                                            "num_experts_per_tok": 2, "intermediate_size": 64}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                         "clip_qkv": 3.0}),
+    "granitemoe": (transformers.GraniteMoeConfig, {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                   "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
+                                                   "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+}
+ARCHS_ALL = {**ARCHS, **MOE_ARCHS}
+
 # hybrid (Mamba2 + attention) architectures: complete tiny configs (their field names differ from
 # Llama's, so none of make_tiny_checkpoint's Llama defaults apply). Every Mamba layer has 8 heads
 # of 16 in 2 groups, a 16-wide state and chunks of 16 positions, so the 3-60-token prompts cross
@@ -57,6 +74,15 @@ HYBRID_ARCHS = {
         mamba_chunk_size=16, mamba_expand=2, max_position_embeddings=1024, embedding_multiplier=2.0,
         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
 }
+# Granite 4.0 hybrid with routed experts (8, top 2) beside its shared MLP
+# Nemotron-H with an E layer: 8 plain squared-ReLU experts in 2 groups (top 1 group), top 2, sigmoid
+# router with a selection bias, scaled weights, shared experts
+HYBRID_ARCHS["nemotron_h_moe"] = (transformers.NemotronHConfig, {
+    **HYBRID_ARCHS["nemotron_h"][1], "hybrid_override_pattern": "M*E-E", "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True})
+HYBRID_ARCHS["granitemoehybrid_moe"] = (transformers.GraniteMoeHybridConfig, {
+    **HYBRID_ARCHS["granitemoehybrid"][1], "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32})
 
 # run through the Transformers backend (models/transformers_backend.py): complete tiny configs
 TRANSFORMERS_ARCHS = {
@@ -84,7 +110,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, token
         cls, extra = HYBRID_ARCHS.get(arch) or TRANSFORMERS_ARCHS[arch]
         kw = dict(_TINY_COMMON)
     else:
-        cls, extra = ARCHS[arch]
+        cls, extra = ARCHS_ALL[arch]
         kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
@@ -106,8 +132,13 @@ def scale_weights(model) -> None:
         for n, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in n:
                 p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+            elif p.dim() == 3 and "experts" in n:  # stacked experts [E, out, in]
+                p.normal_(0, 1.0 / p.shape[2] ** 0.5)
             elif p.dim() == 1 and ("bias" in n or "norm" in n):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # a router's selection bias (a buffer in transformers)
+                b.normal_(0.0, 0.1)
 
 
 def save_tiny_tokenizer(out_dir: str, vocab_size: int) -> None:

@@ -100,3 +100,8 @@ def hook_forward(worker, hook) -> None:
 
 def unhook_forward(worker) -> None:
     worker.model.__dict__.pop("forward", None)  # the class's forward again
+
+
+def moe_local_experts(worker) -> list[int]:
+    """How many experts each MoE layer of this rank holds (expert parallel: 1/N of them)."""
+    return [m.w13.shape[0] for m in worker.model.modules() if hasattr(m, "w13")]

@@ -183,6 +183,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("tp_vocab_parallel", "under tensor parallel, split the embedding and LM head by vocabulary "
                                       "(less memory per rank, one more collective per step); "
                                       "--no-tp-vocab-parallel replicates them", type=FLAG),
+    EngineOption("enable_expert_parallel", "under tensor parallel, each rank holds 1/N of every mixture-of-experts "
+                                           "layer's experts whole instead of 1/N of every expert", type=FLAG),
     EngineOption("ray_placement_strategy", "with the ray backend: how the ranks' bundles go on nodes "
                                            "(STRICT_SPREAD = one rank per node)",
                  choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),

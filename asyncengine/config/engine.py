@@ -221,6 +221,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None = max_loras
     model_impl: Literal["auto", "native", "transformers"] = "auto"  # Transformers backend: docs/models.md
+    enable_expert_parallel: bool = False  # MoE (issue 33): TP ranks hold 1/N of the experts whole
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -314,6 +315,8 @@ class EngineConfig:
             raise ConfigError(f"kv_transfer_lease_s must be > 0, got {self.kv_transfer_lease_s}")
         if self.kv_role is not None and self.tensor_parallel_size > 1:
             raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
+        if not isinstance(self.enable_expert_parallel, bool):  # MoE (issue 33)
+            raise ConfigError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if self.kv_offload_bytes is None and self.kv_offload_dir is None:
             return
         if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:

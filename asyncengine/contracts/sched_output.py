@@ -77,6 +77,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
     execute_time_s: float = 0.0
     kv_connector_output: KVConnectorOutput | None = None  # transfers that ended, counters
+    # mixture-of-experts models: tokens routed to each expert this step, summed over the layers
+    expert_tokens: list[int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

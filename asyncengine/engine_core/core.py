@@ -25,6 +25,7 @@ from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
+from asyncengine.engine_core.core_stats import moe_stats
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
 from asyncengine.kv_connector.factory import make_scheduler_connector
@@ -58,8 +59,9 @@ class EngineCore:
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture
-            resolve_architecture(self.model_info.hf_config, config.model_impl).check_tensor_parallel(
-                self.model_info.hf_config, config.tensor_parallel_size)
+            cls = resolve_architecture(self.model_info.hf_config, config.model_impl)
+            ep = {"expert_parallel": True} if config.enable_expert_parallel and getattr(cls, "is_moe", False) else {}
+            cls.check_tensor_parallel(self.model_info.hf_config, config.tensor_parallel_size, **ep)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
             check_hybrid_config(config, self.model_info.hf_config)
@@ -91,6 +93,8 @@ class EngineCore:
             kv_connector=kv_connector, pipeline_parallel=config.pipeline_parallel_size > 1)
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
+        self.expert_tokens: list[int] = []  # MoE: tokens routed to each expert since start
+        self.last_expert_tokens: list[int] = []  # ... and in the last step that ran MoE layers
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
         self._steps_in_flight = 0
@@ -180,6 +184,10 @@ class EngineCore:
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.execute_time_s += out.execute_time_s
+        if out.expert_tokens:  # MoE load balance: tokens per expert, since start and this step
+            self.last_expert_tokens = out.expert_tokens
+            self.expert_tokens = [a + b for a, b in zip(self.expert_tokens, out.expert_tokens)] \
+                if self.expert_tokens else list(out.expert_tokens)
         return self.scheduler.update(so, out)
 
     # ------------------------------------------------------------------ the step pipeline
@@ -335,6 +343,7 @@ class EngineCore:
             "spec_mean_accepted_length": (1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                                           if s.spec_num_drafts else 0.0),
             **self.scheduler.kv_connector_stats(),
+            **moe_stats(self.expert_tokens, self.last_expert_tokens),
             # hybrid models: the state-slot cache group (absent for pure attention models)
             **(self.kv.group_stats() if hasattr(self.kv, "group_stats") else {}),
         }

@@ -26,6 +26,9 @@ class TPGroup:
     # slice of the tensor starting at a different rank, and where the slices fall depends on the
     # tensor's size, so on the batch, from 3 ranks up)
     fixed_order: bool = False
+    # mixture-of-experts layers: each rank holds 1/size of the experts whole, not 1/size of every
+    # expert (EngineConfig.enable_expert_parallel, layers/moe.py)
+    expert_parallel: bool = False
 
     @property
     def vocab_sharded(self) -> bool:

@@ -5,10 +5,13 @@ Layer: ``h = x + mixer(input_layernorm(x))``, then ``h + mlp(norm(h))``. Bamba's
 of each head (``partial_rotary_factor``). Granite adds four scalars (embeddings x
 ``embedding_multiplier``, each residual branch x ``residual_multiplier``, the softmax scale
 ``attention_multiplier``, logits / ``logits_scaling``) and its MLP is one fused ``input_linear``
-([gate | up]) and ``output_linear``. Granite's mixture-of-experts layers (``num_local_experts >
-0``) are not built: such a checkpoint is refused when it loads.
+([gate | up]) and ``output_linear``; with ``num_local_experts > 0`` each MLP is a
+:class:`~asyncengine.layers.moe.SparseMoE` (routed experts, top k of the logits softmaxed) whose
+shared expert is that dense MLP.
 """
 from __future__ import annotations
+
+import re
 
 from torch import nn
 
@@ -16,10 +19,13 @@ from asyncengine.errors import ModelLoadError
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.linear import Linear
 from asyncengine.layers.mamba2 import Mamba2Mixer
+from asyncengine.layers.moe import SparseMoE
+from asyncengine.layers.moe_router import RouterSpec
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.layers.rotary import RotaryEmbedding, rope_parameters
 from asyncengine.models.hybrid import HybridAttention, HybridForCausalLM, mamba_shape_of
+from asyncengine.models.weight_loading import check_complete, load_tensor
 
 
 class GatedMLP(nn.Module):
@@ -130,10 +136,7 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     post_norm_name = "post_attention_layernorm"
 
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE) -> None:
-        if (getattr(hf_config, "num_local_experts", 0) or 0) > 0:
-            raise ModelLoadError(f"GraniteMoeHybrid with {hf_config.num_local_experts} experts per layer: "
-                                 "mixture-of-experts layers are not supported yet (dense checkpoints, "
-                                 "num_local_experts=0, are)")
+        self.num_experts = int(getattr(hf_config, "num_local_experts", 0) or 0)
         self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", 1.0))
         self.logits_scaling = float(getattr(hf_config, "logits_scaling", 1.0))
         super().__init__(hf_config, max_positions, tp)
@@ -147,5 +150,49 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
         return float(c.attention_multiplier)
 
     def make_mlp(self, c) -> nn.Module:
-        return GatedMLP(c.hidden_size, c.shared_intermediate_size, c.hidden_act, False, self.mlp_names,
-                        split_in_checkpoint=False)
+        shared = GatedMLP(c.hidden_size, c.shared_intermediate_size, c.hidden_act, False, self.mlp_names,
+                          split_in_checkpoint=False)
+        if not self.num_experts:
+            return shared
+        # routed experts (top k of the logits, softmax over those k) plus the always-on shared MLP
+        spec = RouterSpec(self.num_experts, c.num_experts_per_tok, "topk_softmax")
+        return SparseMoE(c.hidden_size, c.intermediate_size, spec, c.hidden_act, shared=shared)
+
+    def _our_name(self, hf_name: str):
+        if self.num_experts:
+            hf_name = hf_name.replace(".shared_mlp.", ".mlp.shared_expert.").replace(
+                ".block_sparse_moe.router.layer.", ".mlp.gate.")
+        return super()._our_name(hf_name)
+
+    def load_weights(self, weights) -> None:
+        """As every hybrid's, but a layer's stacked experts (``block_sparse_moe.input_linear``
+        [E, 2I, H], ``output_linear`` [E, H, I]) go to its :class:`SparseMoE` whole."""
+        if not self.num_experts:
+            return super().load_weights(weights)
+        stacked: dict[str, dict[str, object]] = {}
+
+        def rest():
+            for name, tensor in weights:
+                m = _STACKED.search(name)
+                if m is None:
+                    yield name, tensor
+                else:
+                    stacked.setdefault(m.group(1), {})[m.group(2)] = tensor
+
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, target, shard, tensor in self.weight_targets(rest()):
+            loaded.add(load_tensor(self, modules, params, hf_name, target, shard, tensor))
+        for i, parts in stacked.items():
+            moe = modules[f"layers.{i}.mlp"]
+            moe.load_stacked(parts["input_linear"], parts["output_linear"])
+        for prefix, moe in modules.items():
+            if isinstance(moe, SparseMoE):
+                if moe.missing():
+                    raise KeyError(f"checkpoint is missing the experts of {prefix}")
+                loaded |= {f"{prefix}.w13#None", f"{prefix}.w2#None"}
+        check_complete(modules, params, loaded)
+
+
+_STACKED = re.compile(r"layers\.(\d+)\.block_sparse_moe\.(input_linear|output_linear)\.weight$")

@@ -93,6 +93,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.sliding_window = sliding_window  # None: full attention; the backend applies it
         self.softcap: float | None = None  # Gemma 2: the backend caps the scores (cap * tanh(s / cap))
+        self.q_scale = None  # Granite: q x this makes the softmax scale attention_multiplier
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta):
         """rope: this step's (cos, signed sin) rows, from :meth:`RotaryEmbedding.lookup`; meta: the
@@ -109,6 +110,8 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, hq, d))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, hk, d))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         extra = {} if self.softcap is None else {"softcap": self.softcap}  # refused at start by backends without
         out = meta.backend.forward(q, k, v, kv_cache, meta, self.sliding_window, **extra)
         return self.tp.all_reduce(self.o_proj(out))
@@ -135,6 +138,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a, tp)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.residual_multiplier = 1.0  # Granite: each branch's output scaled before it joins the stream
 
     def forward(self, x, rope, kv_cache, meta, residual=None):
         """x: the previous layer's MLP output (the embeddings for the first layer, residual None).
@@ -145,8 +149,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual=residual)
         attn = self.self_attn(h, rope, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(attn, residual=residual)  # one fused add + norm
-        return self.mlp(h), residual
+        m = self.residual_multiplier
+        h, residual = self.post_attention_layernorm(attn if m == 1.0 else attn * m, residual=residual)  # fused add + norm
+        return (self.mlp(h), residual) if m == 1.0 else (self.mlp(h) * m, residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -15,6 +15,7 @@ test holds the two to the same greedy tokens); ``=1`` makes a model it cannot se
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
@@ -68,6 +69,8 @@ def native_step_reason(model) -> str | None:
         return model.native_step_unsupported
     if model.rotary.rotary_dim != model.args.head_dim:
         return "partial rotary (Phi-4-mini) is not in the native step"
+    if getattr(model, "is_moe", False):
+        return "mixture-of-experts layers are not in the native step (the torch step runs them)"
     if model.args.qk_norm:
         return "q/k norms (Qwen3) are not in the native step"
     if model.tp.size > 1:
@@ -104,6 +107,9 @@ class NativeStep:
         if mode == "0":
             return None
         why = native_step_reason(model)
+        if why is not None and getattr(model, "is_moe", False):
+            # a MoE model on the CPU would otherwise look like it lost the fast decode path silently
+            logging.getLogger(__name__).info("decode: the torch step (%s)", why)
         if why is not None:
             if mode == "1":
                 raise ValueError(f"ASYNCENGINE_NATIVE_STEP=1, but this model cannot run natively: {why}")

@@ -22,6 +22,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "asyncengine.models.gemma:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "asyncengine.models.gemma:Gemma3ForConditionalGeneration",  # text only
     "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
+    # mixture of experts (models/moe.py)
+    "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "asyncengine.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "asyncengine.models.moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "asyncengine.models.moe:OlmoeForCausalLM",
+    "GraniteMoeForCausalLM": "asyncengine.models.moe:GraniteMoeForCausalLM",
     # hybrids: Mamba2 state-space layers (a state slot per request) beside attention
     "Mamba2ForCausalLM": "asyncengine.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",

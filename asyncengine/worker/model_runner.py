@@ -39,6 +39,7 @@ from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutpu
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.layers import batch_invariant
+from asyncengine.layers.moe import SparseMoE, take_expert_load
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.grammar import Grammar
@@ -111,7 +112,8 @@ class ModelRunner:
         self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
-                and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None):
+                and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None
+                and not getattr(model, "is_moe", False)):  # MoE: per-step expert groups, not capturable
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
@@ -124,6 +126,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
+        # mixture-of-experts layers count the tokens routed to each expert (stats' load balance)
+        self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        for m in self.moe_layers:
+            m.record_load = True
         spec = config.speculative
         self.spec = spec
         # structured outputs: matchers and each step's masks (the compiler is made on first use)
@@ -257,7 +263,8 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt)
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt,
+                                 expert_tokens=take_expert_load(self.moe_layers) if self.moe_layers else None)
 
     def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState], prefills=(),
                  specs=()) -> torch.Tensor | None:

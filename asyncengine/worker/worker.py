@@ -98,7 +98,7 @@ class Worker:
                 self.pp = PPGroup(rank=stage, size=n_pp, prev_rank=self.rank - n_tp if stage > 0 else None,
                                   next_rank=self.rank + n_tp if stage < n_pp - 1 else None)
             self.tp = TPGroup(rank=tp_rank, size=n_tp, group=group, vocab_parallel=c.tp_vocab_parallel,
-                              fixed_order=c.batch_invariant)
+                              fixed_order=c.batch_invariant, expert_parallel=c.enable_expert_parallel)
 
     def load_model(self, read_weights: bool = True) -> None:
         """``read_weights=False``: storage only (waking from sleep level 2 into a full update)."""
@@ -230,7 +230,9 @@ class Worker:
                 "weight_bytes": self.weight_bytes(),
                 "draft_tokens_processed": r.proposer.num_tokens_processed if r.proposer else 0,
                 "draft_forwards": r.proposer.num_forwards if r.proposer else 0,
-                "grammar_time_s": r.grammar_time_s}
+                "grammar_time_s": r.grammar_time_s,
+                # MoE: the experts each layer of this rank holds (all of them, or 1/N under expert parallel)
+                "moe_local_experts": [m.shard.num_local for m in r.moe_layers]}
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shard): dense parameters and quantized blocks."""

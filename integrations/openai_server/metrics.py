@@ -68,6 +68,7 @@ class EngineCollector:
         yield from gauge("asyncengine_engine_cores_alive", "Data-parallel engine cores alive (a dead one fails only "
                          "its requests).", "cores_alive")
         yield from _grammar_metrics(self.engine)
+        yield from _moe_metrics(s)
         cores = s.get("cores")  # data parallel: the same gauges per engine core, labelled
         if cores:
             for name, doc, key in (("asyncengine_core_num_requests_running", "Running requests, per engine core.",
@@ -81,6 +82,19 @@ class EngineCollector:
                     if key in c:
                         fam.add_metric([str(i)], float(c[key]))
                 yield fam
+
+
+def _moe_metrics(s: dict):
+    """Mixture-of-experts load balance: tokens routed to each expert (summed over the layers)."""
+    if "moe_expert_tokens" not in s:
+        return
+    fam = CounterMetricFamily("asyncengine_moe_expert_tokens", "Tokens routed to each expert since start, "
+                              "summed over the MoE layers.", labels=["expert"])
+    for i, n in enumerate(s["moe_expert_tokens"]):
+        fam.add_metric([str(i)], float(n))
+    yield fam
+    yield GaugeMetricFamily("asyncengine_moe_expert_imbalance", "Max / mean of the tokens per expert (1 = even).",
+                            value=float(s["moe_expert_imbalance"]))
 
 
 def _grammar_metrics(engine):

@@ -28,6 +28,7 @@ SAMPLE_VALUES = {
     "freeze_gc_after_load": (None, False), "engine_core_process": (None, True), "tensor_parallel_size": ("2", 2),
     "data_parallel_size": ("2", 2), "distributed_executor_backend": ("mp", "mp"), "distributed_timeout_s": ("9", 9.0),
     "tp_vocab_parallel": (None, False), "ray_placement_strategy": ("SPREAD", "SPREAD"),
+    "enable_expert_parallel": (None, True),
     "prefill_cores": ("1", 1), "decode_cores": ("2", 2), "pd_skip_hop_below": ("48", 48),
     "kv_transfer_transport": ("tcp", "tcp"),
     "enable_lora": (None, True), "max_loras": ("3", 3), "max_lora_rank": ("32", 32), "max_cpu_loras": ("4", 4),

@@ -8,7 +8,7 @@ generous cache (mixed batches of prefills and decodes), a 16-token step budget (
 the Mamba state is carried from chunk to chunk) and a 24-block pool (preemption: the state slot is
 freed and the request recomputed). Then the request life cycle around the state slot: ``n > 1``,
 abort in the middle of a prefill, prefix caching asked for (off for hybrids, with a log line),
-what is refused (speculative decoding, tensor parallelism, MoE layers), and the async engine's
+what is refused (speculative decoding, tensor parallelism, a NemotronH MoE latent projection), and the async engine's
 streams against the offline outputs. After every run no KV block and no state slot is held.
 """
 from __future__ import annotations
@@ -272,21 +272,16 @@ def test_tensor_parallel_is_refused_before_workers_start(tiny_model_dir):
         EngineCore(EngineConfig(model=tiny_model_dir("nemotron_h"), dtype="float32", tensor_parallel_size=2))
 
 
-def test_moe_layers_are_refused_clearly():
+def test_moe_latent_projection_is_refused_clearly():
+    """NemotronH's MoE layers are built (tests/models/test_moe.py), but not with a latent projection."""
     import transformers
 
-    from asyncengine.models.bamba import GraniteMoeHybridForCausalLM
     from asyncengine.models.nemotron_h import NemotronHForCausalLM
 
-    granite = transformers.GraniteMoeHybridConfig(hidden_size=64, num_hidden_layers=2, layer_types=["mamba", "attention"],
-                                                  num_attention_heads=4, num_local_experts=4, mamba_n_heads=8,
-                                                  mamba_d_head=16)
     nemotron = transformers.NemotronHConfig(hidden_size=64, hybrid_override_pattern="M*E", num_attention_heads=4,
-                                            head_dim=16, mamba_num_heads=8, mamba_head_dim=16)
+                                            head_dim=16, mamba_num_heads=8, mamba_head_dim=16, moe_latent_size=32)
     with torch.device("meta"):
-        with pytest.raises(ModelLoadError, match="mixture-of-experts"):
-            GraniteMoeHybridForCausalLM(granite, 64)
-        with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        with pytest.raises(ModelLoadError, match="latent"):
             NemotronHForCausalLM(nemotron, 64)
 
 
