@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from asyncengine.config.attention import AttentionBackendName, backend_info, check_backend_name
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
+from asyncengine.config.sub_configs import SubConfigViews
 
 if TYPE_CHECKING:
     import torch
@@ -85,13 +86,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclasses.dataclass
-class EngineConfig:
+class EngineConfig(SubConfigViews):
     """How the engine runs. Defaults suit a 2-core CPU serving a small model.
 
     KV cache size: give ``num_kv_blocks`` or ``kv_cache_bytes``; with neither, the cache is sized by
     need (``max_num_seqs`` sequences of ``max_model_len`` tokens), capped at
     ``kv_cache_memory_fraction`` of the memory available at start (``core/kv_sizing.py``). On CPU
     the cache is reserved, not touched: resident memory grows only with the blocks in use.
+    Each part reads its typed view (``model_config``, ``cache_config``...: config/sub_configs.py).
     """
 
     model: str | None = None
@@ -323,8 +325,8 @@ class EngineConfig:
 
     @property
     def host_offload_bytes(self) -> int:
-        """The host pool's size (a disk tier alone still stages through 512 MiB of it)."""
-        return self.kv_offload_bytes if self.kv_offload_bytes is not None else 512 * 2**20
+        """The host pool's size: one rule, the KV-transfer view's."""
+        return self.kv_transfer_config.host_offload_bytes
 
     def _check_batch_invariant(self) -> None:
         """What cannot keep a row's bits independent of the batch is refused, not run silently."""
