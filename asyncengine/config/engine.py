@@ -323,11 +323,6 @@ class EngineConfig(SubConfigViews):
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
 
-    @property
-    def host_offload_bytes(self) -> int:
-        """The host pool's size: one rule, the KV-transfer view's."""
-        return self.kv_transfer_config.host_offload_bytes
-
     def _check_batch_invariant(self) -> None:
         """What cannot keep a row's bits independent of the batch is refused, not run silently."""
         if str(self.device).startswith("cuda"):

@@ -10,6 +10,7 @@ executor it drives (engine/ -> executor/ -> worker/).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
@@ -28,6 +29,7 @@ from asyncengine.core.scheduler import Scheduler
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
 from asyncengine.kv_connector.factory import make_scheduler_connector
+from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
 from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
 
@@ -69,25 +71,26 @@ class EngineCore:
         try:
             spec = self.executor.determine_kv_cache_spec()
             num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)
-            self.executor.initialize_cache(KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size))
+            # the block size the ranks laid their cache out with: the one source from here on
+            plan = KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size)
+            self.executor.initialize_cache(plan)
         except BaseException:
             self.executor.shutdown()
             raise
         # a request can never hold more tokens than the whole cache
-        self.max_model_len = min(self.model_info.max_model_len, num_blocks * config.block_size)
+        self.max_model_len = min(self.model_info.max_model_len, plan.num_blocks * plan.block_size)
         self.num_blocks = num_blocks
         if hybrid:  # attention blocks + a state slot per request (core/hybrid_kv_cache_manager.py)
-            self.kv = make_hybrid_kv_cache_manager(config, self.model_info.hf_config, num_blocks,
-                                                   spec.state_bytes_per_seq)
+            self.kv = make_hybrid_kv_cache_manager(plan, config.cache_config, config.scheduler_config,
+                                                   self.model_info.hf_config, spec.state_bytes_per_seq)
         else:
-            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_connector = make_scheduler_connector(config, self.kv, spec.connector_bytes_per_block)
+            self.kv = KVCacheManager.from_config(plan, config.cache_config)
+        kv_connector = make_scheduler_connector(config.kv_transfer_config, self.kv, spec.connector_bytes_per_block,
+                                                functools.partial(kv_fingerprint, config))
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, policy=config.policy,
-            enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
+            self.kv, config.scheduler_config, max_model_len=self.max_model_len,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            kv_connector=kv_connector, pipeline_parallel=config.pipeline_parallel_size > 1)
+            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         # the overlap, seen from here: steps handed to the executor while an earlier one was still
         # running there (the overlapped busy loop's whole point; 0 without async_scheduling)
@@ -114,7 +117,7 @@ class EngineCore:
                                                 if config.kv_role == "prefill" else None)
         log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
-                 num_blocks, config.block_size, self.max_model_len, self.kernels)
+                 num_blocks, plan.block_size, self.max_model_len, self.kernels)
 
     @property
     def vocab_size(self) -> int:

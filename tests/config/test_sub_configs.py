@@ -43,7 +43,7 @@ def test_views_copy_the_flat_fields_once():
     assert config.scheduler_config.max_num_seqs == 3 and config.scheduler_config.policy == "priority"
     assert config.parallel_config.distributed_executor_backend == "uni"  # resolved, not None
     assert config.parallel_config.world_size == 1
-    assert config.kv_transfer_config.offload_enabled and config.host_offload_bytes == 2**20
+    assert config.kv_transfer_config.offload_enabled and config.kv_transfer_config.host_offload_bytes == 2**20
     assert config.model_config is config.model_config  # built once
     replaced = dataclasses.replace(config, block_size=64)
     assert replaced.cache_config.block_size == 64 and config.cache_config.block_size == 32
