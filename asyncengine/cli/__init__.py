@@ -41,10 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.error("--stop-repeats must be >= 0 (0 turns the guard off)")
     from asyncengine.errors import AsyncEngineError, ConfigError, InvalidRequestError
 
-    try:  # how the engine flags go together, before the model loads
-        from asyncengine.config import EngineConfig
-
-        EngineConfig(**_args.engine_kwargs(args))
+    try:  # how the engine flags go together, before the model loads: the command's one EngineConfig
+        args.engine_config = _args.engine_config_of(args)
     except ConfigError as e:
         sub.error(str(e))
     if args.cmd != "serve":

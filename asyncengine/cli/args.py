@@ -200,6 +200,24 @@ GRAMMAR_LIMIT_FLAGS = ("max_grammar_compile_s", "max_grammar_bytes", "max_schema
                        "grammar_compile_workers")
 
 
+def engine_config_of(args: argparse.Namespace):
+    """The one EngineConfig of a command: its flags, and serve's request and grammar limits. Built
+    once, at the flags' check (cli/__init__.py), so bad values fail before the model loads; the
+    command reuses it (``args.engine_config``)."""
+    from asyncengine.config import EngineConfig  # lazy: the parser itself imports no engine code
+
+    kw = engine_kwargs(args)
+    if args.cmd == "serve":
+        from asyncengine.config.grammar_limits import GrammarLimits  # lazy: as above
+        from asyncengine.config.request_limits import RequestLimits  # lazy: as above
+
+        kw["limits"] = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS
+                                        if getattr(args, k) is not None})
+        kw["grammar_limits"] = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS
+                                                if getattr(args, k) is not None})
+    return EngineConfig(model=args.model, **kw)
+
+
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 import sys
 import time
 
-from asyncengine.cli.args import GENERATE_MAX_TOKENS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import GENERATE_MAX_TOKENS, engine_config_of, warm_up_wanted
 from asyncengine.cli.status import LAUNCHED, LoadStatus
 
 
 def _config(args):
-    from asyncengine import EngineConfig
-
-    return EngineConfig(model=args.model, **engine_kwargs(args))
+    """The EngineConfig the flags' check built (cli/__init__.py), or one built here (a caller that
+    skipped the check)."""
+    if getattr(args, "engine_config", None) is not None:
+        return args.engine_config
+    return engine_config_of(args)
 
 
 async def _make_engine(args):
