@@ -17,6 +17,7 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.config.request_limits import RequestLimits
+from asyncengine.engine import validation
 from asyncengine.engine.prompt_intake import check_params
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
@@ -93,6 +94,15 @@ class EngineClient(ABC):
         await self.shutdown(drain=False)
 
     # ------------------------------------------------------------------ requests
+
+    def check_messages(self, messages: list[dict]) -> list[dict]:
+        """A chat's messages by the engine's rules (roles, contents, sizes: engine/validation.py),
+        so that a server checks them as an in-process caller is checked. Raises RequestLimitError."""
+        return validation.check_messages(messages, self.limits, self.max_model_len)
+
+    def check_token_ids(self, ids, what: str = "prompt token ids") -> list[int]:
+        """Token ids as ints inside the vocabulary. Raises InvalidRequestError naming ``what``."""
+        return validation.check_token_ids(ids, self.vocab_size, what)
 
     @abstractmethod
     def check_sampling_params(self, params: SamplingParams) -> SamplingParams: ...
