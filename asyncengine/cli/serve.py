@@ -66,7 +66,7 @@ def run_serve(args) -> int:
         if core is not None and engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
             # the grammar compile workers start before the server listens, not at its first
             # structured request (~55 MB, ~0.3-2 s; structured/compile_service.py)
-            from asyncengine.structured.compile_service import warm_up
+            from asyncengine.structured.compile_service import warm_up  # lazy: the server's modules only when serving
 
             status.step("starting the grammar compiler")
             warm_up(engine.config, core)

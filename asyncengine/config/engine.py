@@ -37,7 +37,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 def cpu_auto_dtype() -> torch.dtype:
     """The CPU's fastest GEMM type, by a measured probe cached per machine (platforms/dtype_probe.py):
     a bf16 CPU flag has meant 4x fp32 on one machine of ours and half of it on another."""
-    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype
+    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype  # lazy: torch, only where a device or dtype is resolved
 
     return fastest_cpu_dtype()
 
@@ -252,7 +252,7 @@ class EngineConfig(SubConfigViews):
         if self.limits is None:
             self.limits = RequestLimits()
         if self.grammar_limits is None:
-            from asyncengine.config.grammar_limits import GrammarLimits
+            from asyncengine.config.grammar_limits import GrammarLimits  # lazy: config stays cheap to import (front ends, the CLI's help)
 
             self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
@@ -273,7 +273,7 @@ class EngineConfig(SubConfigViews):
             raise ConfigError("distributed_timeout_s must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from asyncengine.config.speculative import SpeculativeConfig
+        from asyncengine.config.speculative import SpeculativeConfig  # lazy: config stays cheap to import (front ends, the CLI's help)
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative is not None and self.world_size > 1:
@@ -347,7 +347,7 @@ class EngineConfig(SubConfigViews):
     @functools.cached_property
     def torch_device(self) -> torch.device:
         # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
-        from asyncengine.platforms.onednn_caches import bound_onednn_caches
+        from asyncengine.platforms.onednn_caches import bound_onednn_caches  # lazy: torch, only where a device or dtype is resolved
 
         bound_onednn_caches()
         dev = resolve_device(self.device)
@@ -386,7 +386,7 @@ class EngineConfig(SubConfigViews):
 
     @functools.cached_property
     def attention_backend_name(self) -> str:
-        from asyncengine.config.attention import resolve_backend_name
+        from asyncengine.config.attention import resolve_backend_name  # lazy: config stays cheap to import (front ends, the CLI's help)
 
         return resolve_backend_name(self.attention_backend, self.torch_device)
 

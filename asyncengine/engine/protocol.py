@@ -158,7 +158,7 @@ class EngineClient(ABC):
     async def score(self, prompt, completion) -> list[float]:
         """The logprob of each completion token after ``prompt`` (engine/scoring.py; token ids
         or text): in batch-invariant mode, bitwise the sampler's logprobs of the same tokens."""
-        from asyncengine.engine.scoring import completion_logprobs, score_request
+        from asyncengine.engine.scoring import completion_logprobs, score_request  # lazy: loaded on first use of this rarely used call
 
         req, params, n_prompt, n_completion = score_request(self.tokenizer, prompt, completion)
         return completion_logprobs(await self.complete(req, params), n_prompt, n_completion)

@@ -58,14 +58,14 @@ class EngineCore:
                              generation_config=getattr(loaded, "generation_config", None))
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
-            from asyncengine.models.registry import resolve_architecture
+            from asyncengine.models.registry import resolve_architecture  # lazy: only for this configuration (TP, PP, a kernel report)
             resolve_architecture(self.model_info.hf_config).check_tensor_parallel(
                 self.model_info.hf_config, config.tensor_parallel_size)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
             check_hybrid_config(config, self.model_info.hf_config)
         if config.pipeline_parallel_size > 1:
-            from asyncengine.layers.parallel import layer_split
+            from asyncengine.layers.parallel import layer_split  # lazy: only for this configuration (TP, PP, a kernel report)
             layer_split(self.model_info.hf_config.num_hidden_layers, config.pipeline_parallel_size)
         self.executor: Executor = executor_class(config)(config, self.model_info, loaded)
         try:
@@ -109,7 +109,7 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
-        from asyncengine.worker.kernel_info import describe
+        from asyncengine.worker.kernel_info import describe  # lazy: the worker's weight code loads only for an update
 
         self.kernels = describe(config)  # the dtype and why, the kernels (the CLI's ready line)
         # a P/D prefill core's transfer server as bound (port 0: the OS's choice), for decode cores
@@ -273,19 +273,19 @@ class EngineCore:
         """Replace the model's weights in place (a state_dict, (name, tensor) pairs in the
         checkpoint's naming, or a safetensors path); returns the new ``weights_version``. A bad
         update raises WeightUpdateError and changes nothing."""
-        from asyncengine.engine_core import weight_sync
+        from asyncengine.engine_core import weight_sync  # lazy: weight updates and sleep: loaded on first use
 
         return weight_sync.update_blocking(self, weights, partial)
 
     def sleep(self, level: int = 1) -> list[int]:
         """Free the KV cache and packed weight copies on every rank (level 2: the weights too);
         the core must be idle (engine_core/sleep.py). Returns each rank's RSS after."""
-        from asyncengine.engine_core import sleep
+        from asyncengine.engine_core import sleep  # lazy: weight updates and sleep: loaded on first use
 
         return sleep.sleep(self, level)
 
     def wake_up(self, tags: list[str] | None = None) -> list[int]:
-        from asyncengine.engine_core import sleep
+        from asyncengine.engine_core import sleep  # lazy: weight updates and sleep: loaded on first use
 
         return sleep.wake_up(self, tags)
 

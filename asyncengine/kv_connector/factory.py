@@ -27,7 +27,7 @@ Fingerprint = Callable[[], bytes]
 def _disk_store(config: "KVTransferConfig", fingerprint: Fingerprint, payload_bytes: int):
     if config.kv_offload_dir is None:
         return None
-    from asyncengine.kv_connector.offload.disk_store import DiskStore
+    from asyncengine.kv_connector.offload.disk_store import DiskStore  # lazy: only the configured connector's code loads
 
     return DiskStore(config.kv_offload_dir, fingerprint(), payload_bytes, config.kv_offload_dir_bytes)
 
@@ -37,7 +37,7 @@ def num_host_slots(config: "KVTransferConfig", bytes_per_block: int) -> int:
 
 
 def transfer_dir(config: "KVTransferConfig") -> str:
-    from asyncengine.kv_connector.pd.transfer_file import default_dir
+    from asyncengine.kv_connector.pd.transfer_file import default_dir  # lazy: only the configured connector's code loads
 
     return config.kv_transfer_dir or default_dir()
 
@@ -45,7 +45,7 @@ def transfer_dir(config: "KVTransferConfig") -> str:
 def pd_transport(config: "KVTransferConfig", serve: bool = False):
     """The P/D transport of a core (kv_connector/pd/transport.py); ``serve``: a prefill core's
     worker, which serves its transfers (tcp) on ``kv_transfer_address``."""
-    from asyncengine.kv_connector.pd.transport import make_transport
+    from asyncengine.kv_connector.pd.transport import make_transport  # lazy: only the configured connector's code loads
 
     serve_on = (config.kv_transfer_address or "127.0.0.1:0") if serve else None
     return make_transport(config.kv_transfer_transport, transfer_dir(config), serve_on, config.kv_transfer_lease_s)
@@ -56,11 +56,11 @@ def make_scheduler_connector(config: "KVTransferConfig", kv: "KVCacheManager", b
     """``bytes_per_block``: one block of this rank's cache (what a host slot and a file hold)."""
     connectors = []
     if config.kv_role == "prefill":
-        from asyncengine.kv_connector.pd.scheduler import PrefillExporter
+        from asyncengine.kv_connector.pd.scheduler import PrefillExporter  # lazy: only the configured connector's code loads
 
         connectors.append(PrefillExporter(kv))
     elif config.kv_role == "decode":
-        from asyncengine.kv_connector.pd.scheduler import DecodeImporter
+        from asyncengine.kv_connector.pd.scheduler import DecodeImporter  # lazy: only the configured connector's code loads
 
         connectors.append(DecodeImporter(kv, pd_transport(config), fingerprint(), bytes_per_block))
     if config.offload_enabled:
@@ -71,14 +71,14 @@ def make_scheduler_connector(config: "KVTransferConfig", kv: "KVCacheManager", b
 def _one(connectors: list, multi: str):
     if len(connectors) <= 1:
         return connectors[0] if connectors else None
-    from asyncengine.kv_connector import multi as m
+    from asyncengine.kv_connector import multi as m  # lazy: only the configured connector's code loads
 
     return getattr(m, multi)(connectors)
 
 
 def _offload_scheduler(config: "KVTransferConfig", kv: "KVCacheManager", bytes_per_block: int,
                        fingerprint: Fingerprint):
-    from asyncengine.kv_connector.offload.scheduler import OffloadScheduler
+    from asyncengine.kv_connector.offload.scheduler import OffloadScheduler  # lazy: only the configured connector's code loads
 
     slots = num_host_slots(config, bytes_per_block)
     log.info("kv offload: host pool of %d blocks (%.0f MiB)%s", slots, slots * bytes_per_block / 2**20,
@@ -90,20 +90,20 @@ def make_worker_connector(config: "KVTransferConfig", backend_name: str, kv_cach
                           fingerprint: Fingerprint) -> "WorkerConnector | None":
     if not config.offload_enabled and config.kv_role is None:
         return None
-    from asyncengine.kv_connector.offload.host_pool import HostPool, block_dim
+    from asyncengine.kv_connector.offload.host_pool import HostPool, block_dim  # lazy: only the configured connector's code loads
 
     k0 = kv_caches[0][0]
     bytes_per_block = 2 * len(kv_caches) * k0.numel() // k0.shape[block_dim(backend_name)] * k0.element_size()
     connectors = []  # the scheduler side's order (multi.py: it runs their loads in reverse)
     if config.kv_role is not None:
-        from asyncengine.kv_connector.pd.worker import PDWorker
+        from asyncengine.kv_connector.pd.worker import PDWorker  # lazy: only the configured connector's code loads
 
         prefill = config.kv_role == "prefill"
         pool = HostPool(kv_caches, block_dim(backend_name), 1)
         connectors.append(PDWorker(pool, pd_transport(config, serve=prefill), transfer_dir(config),
                                    fingerprint(), config.kv_transfer_lease_s, sweeps=prefill))
     if config.offload_enabled:
-        from asyncengine.kv_connector.offload.worker import OffloadWorker
+        from asyncengine.kv_connector.offload.worker import OffloadWorker  # lazy: only the configured connector's code loads
 
         pool = HostPool(kv_caches, block_dim(backend_name), num_host_slots(config, bytes_per_block))
         assert pool.block_nbytes == bytes_per_block

@@ -23,7 +23,7 @@ def resolve_path(name_or_path: str | None) -> str:
     if name_or_path is not None and os.path.exists(name_or_path):
         return str(name_or_path)
     try:
-        from asyncengine.models.default_model import resolve_model_path
+        from asyncengine.models.default_model import resolve_model_path  # lazy: only on this loading path
     except ImportError:  # pragma: no cover - the default-model module ships with the package
         resolve_model_path = None
     if resolve_model_path is not None:
@@ -101,8 +101,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
-        from asyncengine.models.sampling_defaults import gguf_generation_config
-        from asyncengine.models.gguf import open_gguf
+        from asyncengine.models.sampling_defaults import gguf_generation_config  # lazy: GGUF reading only for a .gguf model
+        from asyncengine.models.gguf import open_gguf  # lazy: GGUF reading only for a .gguf model
 
         log.info(f"reading {os.path.basename(path)}")
         # straight into the runtime format: no transformers config, the fast tokenizer where it applies

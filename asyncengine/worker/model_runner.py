@@ -99,7 +99,7 @@ class ModelRunner:
                                                   functools.partial(kv_fingerprint, config))
         self.link = None  # pipeline parallel: the stage's link to its neighbours
         if pp.size > 1:
-            from asyncengine.worker.pipeline import StageLink
+            from asyncengine.worker.pipeline import StageLink  # lazy: CUDA graphs / pipeline parallel only when configured
 
             self.link = StageLink(pp, a.hidden_size, self.dtype, self.device)
         self.recv_wait_s = 0.0  # time spent waiting for the previous stage (the pipeline's bubble)
@@ -176,7 +176,7 @@ class ModelRunner:
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
 
     def _capture_graphs(self):
-        from asyncengine.worker.cuda_graphs import DecodeGraphs
+        from asyncengine.worker.cuda_graphs import DecodeGraphs  # lazy: CUDA graphs / pipeline parallel only when configured
 
         try:
             # a decode batch has at most max_num_batched_tokens rows: the input buffers' size

@@ -30,10 +30,10 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     (after answering in-flight clients; a supervisor restarts it)."""
     import uvicorn
 
-    from asyncengine import AsyncLLMEngine, EngineConfig
-    from asyncengine.models.default_model import DEFAULT_MODEL
+    from asyncengine import AsyncLLMEngine, EngineConfig  # lazy: the engine and its model code load only when serving starts
+    from asyncengine.models.default_model import DEFAULT_MODEL  # lazy: the engine and its model code load only when serving starts
 
-    from .app import build_app
+    from .app import build_app  # lazy: the engine and its model code load only when serving starts
 
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
@@ -80,7 +80,7 @@ def _before_listening(app, engine, warm_up: bool, on_loaded) -> None:
     async def lifespan(a):
         async with inner(a) as state:
             if warm_up:
-                from asyncengine.engine.warmup import warm_up as run_warm_up
+                from asyncengine.engine.warmup import warm_up as run_warm_up  # lazy: only when the server warms up
 
                 await run_warm_up(engine)
             if on_loaded is not None:
