@@ -11,7 +11,8 @@ HOW_TO_ADD = (
     "Give it one home in asyncengine/config/sub_configs.py: add `{name}: <type>` to the view of the part "
     "that reads it (ModelConfig: loading/model runner; CacheConfig: KV-cache size/prefix caching; "
     "SchedulerConfig: batching/order; ParallelConfig: ranks/executors/cores; KVTransferConfig: offload "
-    "and P/D), with the EngineConfig field's own name; or, if only the front end / engine process reads "
+    "and P/D), with the EngineConfig field's own name; or one line in OTHER_HOMES if it is parsed into a "
+    "config object of its own (as speculative_config); or, if only the front end / engine process reads "
     "it, one line in ENGINE_ONLY saying why."
 )
 
@@ -21,8 +22,8 @@ def test_every_field_has_exactly_one_home():
     for field in dataclasses.fields(EngineConfig):
         homes = home_of(field.name)
         if len(homes) != 1:
-            where = ", ".join(homes) if homes else "nowhere"
-            problems.append(f"EngineConfig.{field.name} is in {where}. " + HOW_TO_ADD.format(name=field.name))
+            where = f"has {len(homes)} homes ({'; '.join(homes)})" if homes else "has no home"
+            problems.append(f"EngineConfig.{field.name} {where}. " + HOW_TO_ADD.format(name=field.name))
     assert not problems, "\n".join(problems)
 
 
