@@ -171,8 +171,8 @@ _engines_lock = threading.Lock()
 
 def shared_engine(model: str, engine_options: dict | None = None):
     """The process's AsyncLLMEngine for (model, options), built on first use and then shared."""
-    from asyncengine.config import EngineConfig
-    from asyncengine.engine.async_engine import AsyncLLMEngine
+    from asyncengine.config import EngineConfig  # lazy: the engine and its model code load only when serving starts
+    from asyncengine.engine.async_engine import AsyncLLMEngine  # lazy: the engine and its model code load only when serving starts
 
     opts = dict(engine_options or {})
     key = (model, json.dumps(opts, sort_keys=True, default=repr))

@@ -26,6 +26,7 @@ produce exactly what a single request with that prompt produces; a sample can be
 """
 from __future__ import annotations
 
+from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request, RequestStatus, child_request_id
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -53,8 +54,8 @@ def new_sched(num_blocks=32, block_size=4, max_num_seqs=4, budget=16, policy="pr
               clock=None, kv_connector=None) -> Scheduler:
     """A real scheduler + KV manager; ``clock`` replaces the priority queue's clock (aging)."""
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    s = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  max_model_len=num_blocks * block_size, policy=policy, kv_connector=kv_connector)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy).scheduler_config
+    s = Scheduler(kv, config, max_model_len=num_blocks * block_size, kv_connector=kv_connector)
     if clock is not None:
         s.waiting.clock = clock
     return s

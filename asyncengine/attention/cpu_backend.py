@@ -68,7 +68,7 @@ class CpuBackend(AttentionBackend):
         if self.device.type != "cpu":
             return f"device {self.device}"
         if not kernel.available():
-            from asyncengine.kernels.cpu import build_error
+            from asyncengine.kernels.cpu import build_error  # lazy: the kernels build/load (C compile, triton) only on this path
 
             return build_error() or "not built"
         return f"dtype {self.dtype}, head_dim {self.head_dim}, block_size {self.block_size}"

@@ -12,7 +12,7 @@ import torch
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
     layers; core/kv_sizing.py)."""
-    from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block
+    from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block  # lazy: only when the cache is sized or allocated
 
     a = model.args
     shape = KVModelShape(len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)

@@ -38,7 +38,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        from asyncengine.kernels import paged_attention, reshape_and_cache, triton_available
+        from asyncengine.kernels import paged_attention, reshape_and_cache, triton_available  # lazy: the kernels build/load (C compile, triton) only on this path
 
         if not triton_available():
             raise RuntimeError("the triton attention backend needs triton and either a CUDA device "

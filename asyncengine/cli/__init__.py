@@ -17,6 +17,7 @@ from asyncengine.cli import args as _args
 from asyncengine.cli.args import EXIT_USAGE
 from asyncengine.cli.chat import read_piped, run_chat, run_generate
 from asyncengine.cli.serve import run_serve
+from asyncengine.errors import AsyncEngineError, ConfigError, InvalidRequestError
 
 __all__ = ["LAUNCHED", "build_parser", "entry", "main"]
 
@@ -39,12 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     # sampling values; the model must be one we can load)
     if getattr(args, "stop_repeats", 0) < 0:
         sub.error("--stop-repeats must be >= 0 (0 turns the guard off)")
-    from asyncengine.errors import AsyncEngineError, ConfigError, InvalidRequestError
 
-    try:  # how the engine flags go together, before the model loads
-        from asyncengine.config import EngineConfig
-
-        EngineConfig(**_args.engine_kwargs(args))
+    try:  # how the engine flags go together, before the model loads: the command's one EngineConfig
+        args.engine_config = _args.engine_config_of(args)
     except ConfigError as e:
         sub.error(str(e))
     if args.cmd != "serve":

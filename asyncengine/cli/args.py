@@ -19,6 +19,7 @@ from asyncengine.cli.chat_options import add_chat_options
 from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
     COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_FLOAT, POSITIVE_INT, EngineOption, add_engine_options,
     default_text, engine_kwargs, parse_json_object, parse_size)
+from asyncengine.errors import ModelLoadError
 
 EXIT_USAGE = 2  # argparse's own exit status for bad usage; also every error caught before the model runs
 EXIT_FAILED = 1  # the model ran but a request failed (e.g. a one-shot prompt longer than the context)
@@ -72,7 +73,7 @@ def sampling_params_of(args: argparse.Namespace):
     """The SamplingParams of chat's / generate's flags: the flags given; the others stay unset, for
     the engine to fill from the model's defaults (models/sampling_defaults.py). Raises
     InvalidRequestError for an out-of-range value (before any model loads)."""
-    from asyncengine.sampling_params import OutputKind, SamplingParams
+    from asyncengine.sampling_params import OutputKind, SamplingParams  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
     given = {f: getattr(args, f) for f in SAMPLING_FIELDS if getattr(args, f) is not None}
     if args.sample_seed is not None:
@@ -91,7 +92,7 @@ def as_flag_message(message: str) -> str:
 def _sampling_default(field: str) -> str:
     """The default a sampling flag takes when none is given: the model's generation config, else
     the engine's table (models/sampling_defaults.py)."""
-    from asyncengine.models.sampling_defaults import ENGINE_DEFAULTS
+    from asyncengine.models.sampling_defaults import ENGINE_DEFAULTS  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
     value = ENGINE_DEFAULTS[field]
     shown = {-1: "off", 0: "off"}.get(value, value) if field == "top_k" else value
@@ -200,6 +201,24 @@ GRAMMAR_LIMIT_FLAGS = ("max_grammar_compile_s", "max_grammar_bytes", "max_schema
                        "grammar_compile_workers")
 
 
+def engine_config_of(args: argparse.Namespace):
+    """The one EngineConfig of a command: its flags, and serve's request and grammar limits. Built
+    once, at the flags' check (cli/__init__.py), so bad values fail before the model loads; the
+    command reuses it (``args.engine_config``)."""
+    from asyncengine.config import EngineConfig  # lazy: the parser itself imports no engine code
+
+    kw = engine_kwargs(args)
+    if args.cmd == "serve":
+        from asyncengine.config.grammar_limits import GrammarLimits  # lazy: as above
+        from asyncengine.config.request_limits import RequestLimits  # lazy: as above
+
+        kw["limits"] = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS
+                                        if getattr(args, k) is not None})
+        kw["grammar_limits"] = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS
+                                                if getattr(args, k) is not None})
+    return EngineConfig(model=args.model, **kw)
+
+
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -238,8 +257,7 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 def model_problem(model: str | None) -> str | None:
     """Why ``model`` cannot be loaded, told before anything loads (None: it can be tried). The
     default model is fetched on first use, so only its name is checked."""
-    from asyncengine.errors import ModelLoadError
-    from asyncengine.models.default_model import DEFAULT_MODEL, resolve_model_path
+    from asyncengine.models.default_model import DEFAULT_MODEL, resolve_model_path  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
     if model is None or model.strip().lower() == DEFAULT_MODEL:
         return None
@@ -261,7 +279,7 @@ def model_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; ``description`` is what ``asyncengine --help`` shows first
     (default: :data:`DESCRIPTION`)."""
-    from asyncengine import __version__
+    from asyncengine import __version__  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
     ap = Parser(prog="asyncengine", description=description or DESCRIPTION, formatter_class=_Help)
     ap.add_argument("--version", action="version", version=f"asyncengine {__version__}")

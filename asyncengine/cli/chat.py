@@ -8,14 +8,18 @@ from __future__ import annotations
 import sys
 import time
 
-from asyncengine.cli.args import GENERATE_MAX_TOKENS, engine_kwargs, warm_up_wanted
+from asyncengine.cli.args import EXIT_FAILED, GENERATE_MAX_TOKENS, engine_config_of, sampling_params_of, warm_up_wanted
+from asyncengine.cli.repetition import RepetitionGuard
 from asyncengine.cli.status import LAUNCHED, LoadStatus
+from asyncengine.errors import InvalidRequestError
 
 
 def _config(args):
-    from asyncengine import EngineConfig
-
-    return EngineConfig(model=args.model, **engine_kwargs(args))
+    """The EngineConfig the flags' check built (cli/__init__.py), or one built here (a caller that
+    skipped the check)."""
+    if getattr(args, "engine_config", None) is not None:
+        return args.engine_config
+    return engine_config_of(args)
 
 
 async def _make_engine(args):
@@ -24,8 +28,8 @@ async def _make_engine(args):
     config = _config(args)  # bad values fail here, before the model loads
     status = LoadStatus(args.model or "smollm2-135m-instruct")
     try:
-        from asyncengine import AsyncLLMEngine
-        from asyncengine.engine.warmup import warm_up
+        from asyncengine import AsyncLLMEngine  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
+        from asyncengine.engine.warmup import warm_up  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
         engine = AsyncLLMEngine.from_config(config)
         if warm_up_wanted(args):
@@ -39,7 +43,6 @@ async def _make_engine(args):
 
 
 def _params(engine, args):
-    from asyncengine.cli.args import sampling_params_of
 
     # the flags given; the engine fills the others from the model's defaults (resolved here, once,
     # because the cut note reads max_tokens)
@@ -64,7 +67,6 @@ async def _stream_answer(engine, prompt, params, args, out=None) -> str:
     """Stream one answer to ``out`` (stdout); returns its text. Prints the speed to stderr, and
     says so when the answer was cut (max tokens, a full context, a loop that --stop-repeats
     ended). Cancelling (Ctrl-C) aborts it."""
-    from asyncengine.cli.repetition import RepetitionGuard
 
     out = out or sys.stdout
     guard = RepetitionGuard(args.stop_repeats) if args.stop_repeats >= 2 else None
@@ -127,9 +129,7 @@ async def run_chat(args, lines: list[str] | None) -> int:
     import asyncio
     import signal
 
-    from asyncengine import InvalidRequestError
 
-    from asyncengine.cli.args import EXIT_FAILED
 
     engine = await _make_engine(args)
     params = _params(engine, args)
@@ -214,8 +214,6 @@ async def run_chat(args, lines: list[str] | None) -> int:
 
 
 async def run_generate(args) -> int:
-    from asyncengine import InvalidRequestError
-    from asyncengine.cli.args import EXIT_FAILED
 
     engine = await _make_engine(args)
     async with engine:

@@ -34,7 +34,7 @@ def add_chat_options(s: argparse.ArgumentParser) -> None:
 
 def chat_config(args: argparse.Namespace):
     """The server's ChatConfig from the flags (ValueError for a combination that cannot work)."""
-    from asyncengine.integrations.openai_server.chat_render import ChatConfig
+    from asyncengine.integrations.openai_server.chat_render import ChatConfig  # lazy: the server's modules only when serving
 
     return ChatConfig(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                       reasoning_parser=args.reasoning_parser,

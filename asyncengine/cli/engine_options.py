@@ -221,7 +221,7 @@ NOT_ON_THE_COMMAND_LINE = {
 
 def _engine_defaults() -> dict[str, Any]:
     """EngineConfig's own field defaults (asyncengine.config imports no torch)."""
-    from asyncengine.config import EngineConfig
+    from asyncengine.config import EngineConfig  # lazy: the CLI parses and checks flags without importing the engine (start-up time)
 
     return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 

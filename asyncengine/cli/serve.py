@@ -9,8 +9,7 @@ import os
 import socket
 import sys
 
-from asyncengine.cli.args import (EXIT_USAGE, GRAMMAR_LIMIT_FLAGS, REQUEST_LIMIT_FLAGS, engine_kwargs, model_problem,
-                                  warm_up_wanted)
+from asyncengine.cli.args import EXIT_USAGE, engine_config_of, model_problem, warm_up_wanted
 from asyncengine.cli.chat_options import chat_config
 from asyncengine.cli.status import LoadStatus
 
@@ -51,15 +50,10 @@ def run_serve(args) -> int:
     if (why := model_problem(args.model)) is not None:
         print(f"asyncengine serve: error: {why} (see `asyncengine serve --help`)", file=sys.stderr)
         return EXIT_USAGE
-    from asyncengine.config import EngineConfig
-    from asyncengine.config.request_limits import RequestLimits
-    from asyncengine.integrations.openai_server import serve
-    from asyncengine.config.grammar_limits import GrammarLimits
+    from asyncengine.integrations.openai_server import serve  # lazy: the web stack only when serving
 
-    limits = RequestLimits(**{k: getattr(args, k) for k in REQUEST_LIMIT_FLAGS if getattr(args, k) is not None})
-    grammar_limits = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS if getattr(args, k) is not None})
-    kw = engine_kwargs(args)
-    EngineConfig(**kw)  # bad values fail here, before the model loads
+    # built once, by the flags' check (cli/__init__.py), else here: bad values fail before the model loads
+    config = getattr(args, "engine_config", None) or engine_config_of(args)
     try:
         chat = chat_config(args)
     except ValueError as e:
@@ -72,23 +66,23 @@ def run_serve(args) -> int:
         if core is not None and engine.tokenizer is not None and importlib.util.find_spec("xgrammar") is not None:
             # the grammar compile workers start before the server listens, not at its first
             # structured request (~55 MB, ~0.3-2 s; structured/compile_service.py)
-            from asyncengine.structured.compile_service import warm_up
+            from asyncengine.structured.compile_service import warm_up  # lazy: the server's modules only when serving
 
             status.step("starting the grammar compiler")
             warm_up(engine.config, core)
         status.done(f"ready, {engine.kernels}, serving on http://{args.host}:{args.port}")
 
     try:
-        return serve(model=args.model, host=args.host, port=args.port,
+        return serve(host=args.host, port=args.port, engine_config=config,
                      api_key=args.api_key or os.environ.get("ASYNCENGINE_API_KEY"),
                      allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                     metrics_public=args.metrics_public, limits=limits, grammar_limits=grammar_limits,
+                     metrics_public=args.metrics_public,
                      max_connections=args.max_connections, ws_idle_timeout_s=args.ws_idle_timeout,
                      responses_store_size=args.responses_store_size,
                      responses_store_ttl_s=args.responses_store_ttl,
                      training_endpoints=args.enable_training_endpoints,
                      training_weights_dir=args.training_weights_dir, on_loaded=status_warm,
-                     warm_up=warm_up_wanted(args), chat_config=chat, **kw)
+                     warm_up=warm_up_wanted(args), chat_config=chat)
     except BaseException:
         status.done("stopped")
         raise

@@ -65,9 +65,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     if device.type == "cuda":
-        from asyncengine.kernels import triton_available
+        from asyncengine.kernels import triton_available  # lazy: the kernels build/load (C compile, triton) only on this path
 
         return "triton" if triton_available() else "torch"
-    from asyncengine.kernels.cpu import available
+    from asyncengine.kernels.cpu import available  # lazy: the kernels build/load (C compile, triton) only on this path
 
     return "cpu" if available() else "torch"

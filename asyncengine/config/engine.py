@@ -17,6 +17,7 @@ from asyncengine.config.attention import AttentionBackendName, backend_info, che
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
+from asyncengine.config.sub_configs import SubConfigViews
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 def cpu_auto_dtype() -> torch.dtype:
     """The CPU's fastest GEMM type, by a measured probe cached per machine (platforms/dtype_probe.py):
     a bf16 CPU flag has meant 4x fp32 on one machine of ours and half of it on another."""
-    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype
+    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype  # lazy: torch, only where a device or dtype is resolved
 
     return fastest_cpu_dtype()
 
@@ -86,13 +87,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclasses.dataclass
-class EngineConfig:
+class EngineConfig(SubConfigViews):
     """How the engine runs. Defaults suit a 2-core CPU serving a small model.
 
     KV cache size: give ``num_kv_blocks`` or ``kv_cache_bytes``; with neither, the cache is sized by
     need (``max_num_seqs`` sequences of ``max_model_len`` tokens), capped at
     ``kv_cache_memory_fraction`` of the memory available at start (``core/kv_sizing.py``). On CPU
     the cache is reserved, not touched: resident memory grows only with the blocks in use.
+    Each part reads its typed view (``model_config``, ``cache_config``...: config/sub_configs.py).
     """
 
     model: str | None = None
@@ -254,7 +256,7 @@ class EngineConfig:
         if self.limits is None:
             self.limits = RequestLimits()
         if self.grammar_limits is None:
-            from asyncengine.config.grammar_limits import GrammarLimits
+            from asyncengine.config.grammar_limits import GrammarLimits  # lazy: config stays cheap to import (front ends, the CLI's help)
 
             self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
@@ -275,7 +277,7 @@ class EngineConfig:
             raise ConfigError("distributed_timeout_s must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from asyncengine.config.speculative import SpeculativeConfig
+        from asyncengine.config.speculative import SpeculativeConfig  # lazy: config stays cheap to import (front ends, the CLI's help)
 
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative is not None and self.world_size > 1:
@@ -330,11 +332,6 @@ class EngineConfig:
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
 
-    @property
-    def host_offload_bytes(self) -> int:
-        """The host pool's size (a disk tier alone still stages through 512 MiB of it)."""
-        return self.kv_offload_bytes if self.kv_offload_bytes is not None else 512 * 2**20
-
     def _check_batch_invariant(self) -> None:
         """What cannot keep a row's bits independent of the batch is refused, not run silently."""
         if str(self.device).startswith("cuda"):
@@ -359,7 +356,7 @@ class EngineConfig:
     @functools.cached_property
     def torch_device(self) -> torch.device:
         # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
-        from asyncengine.platforms.onednn_caches import bound_onednn_caches
+        from asyncengine.platforms.onednn_caches import bound_onednn_caches  # lazy: torch, only where a device or dtype is resolved
 
         bound_onednn_caches()
         dev = resolve_device(self.device)
@@ -398,7 +395,7 @@ class EngineConfig:
 
     @functools.cached_property
     def attention_backend_name(self) -> str:
-        from asyncengine.config.attention import resolve_backend_name
+        from asyncengine.config.attention import resolve_backend_name  # lazy: config stays cheap to import (front ends, the CLI's help)
 
         return resolve_backend_name(self.attention_backend, self.torch_device)
 

@@ -131,6 +131,6 @@ def available_memory_bytes(device) -> int | None:
 
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    from asyncengine.platforms.host_memory import host_available_bytes
+    from asyncengine.platforms.host_memory import host_available_bytes  # lazy: reads the machine only when the memory is asked for
 
     return host_available_bytes()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+from asyncengine.config.sub_configs import CacheConfig, SchedulerConfig
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig
 from asyncengine.core.block_pool import KVBlock
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
@@ -130,11 +132,13 @@ def check_hybrid_config(config, hf_config) -> None:
                           "cores unset")
 
 
-def make_hybrid_kv_cache_manager(config, hf_config, num_blocks: int, state_bytes_per_seq: int) -> HybridKVCacheManager:
+def make_hybrid_kv_cache_manager(plan: KVCacheConfig, cache: CacheConfig, sched: SchedulerConfig, hf_config,
+                                 state_bytes_per_seq: int) -> HybridKVCacheManager:
+    """One state slot per sequence the scheduler may run (``sched.max_num_seqs``)."""
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-    if config.enable_prefix_caching:
+    if cache.enable_prefix_caching:
         log.info("prefix caching is off for %s: its Mamba2 layers keep one state per request, with no "
                  "snapshot per block to resume a shared prefix from (docs/hybrid_models.md)", arch)
-    log.info("state cache: %d slots (max_num_seqs) of %.2f MiB each, %.1f MiB in all", config.max_num_seqs,
-             state_bytes_per_seq / 2**20, config.max_num_seqs * state_bytes_per_seq / 2**20)
-    return HybridKVCacheManager(num_blocks, config.block_size, config.max_num_seqs, state_bytes_per_seq)
+    log.info("state cache: %d slots (max_num_seqs) of %.2f MiB each, %.1f MiB in all", sched.max_num_seqs,
+             state_bytes_per_seq / 2**20, sched.max_num_seqs * state_bytes_per_seq / 2**20)
+    return HybridKVCacheManager(plan.num_blocks, plan.block_size, sched.max_num_seqs, state_bytes_per_seq)

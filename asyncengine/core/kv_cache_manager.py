@@ -6,6 +6,8 @@ returns the new blocks or None), and to release a request (``free``). It never t
 """
 from __future__ import annotations
 
+from asyncengine.config.sub_configs import CacheConfig
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig
 from asyncengine.core.block_pool import BlockPool, KVBlock, hash_block
 from asyncengine.core.request import Request
 
@@ -26,6 +28,11 @@ class KVCacheManager:
         # the hash chains' root: None as loaded; new random bytes at each reset_prefix_cache, so no
         # request admitted after it can match a block (or an offloaded copy) computed before
         self.hash_root: bytes | None = None
+
+    @classmethod
+    def from_config(cls, plan: KVCacheConfig, cache: CacheConfig) -> KVCacheManager:
+        """The engine core's manager: the blocks it planned, prefix caching as the cache view says."""
+        return cls(plan.num_blocks, plan.block_size, cache.enable_prefix_caching)
 
     @property
     def num_free_blocks(self) -> int:

@@ -34,6 +34,7 @@ import time
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_transfer_state import KVTransferState
 from asyncengine.core.lora_admission import too_many_loras
+from asyncengine.config.sub_configs import SchedulerConfig
 from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
@@ -45,22 +46,21 @@ from asyncengine.core.step_plan import StepPlan
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", enable_chunked_prefill: bool = True,
-                 priority_aging_s: float = 10.0, num_spec_tokens: int = 0, kv_connector=None,
-                 pipeline_parallel: bool = False) -> None:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, *, max_model_len: int, num_spec_tokens: int = 0,
+                 kv_connector=None, pipeline_parallel: bool = False) -> None:
+        """``config``: the scheduler's view of EngineConfig; ``max_model_len`` as the core resolved it."""
         self.kv = kv
         self.connector = kv_connector
         self.pipeline_parallel = pipeline_parallel
         self.pp_in_flight = PipelineInFlight()  # pipeline parallel: requests in a batch not yet back
         self.num_spec_tokens = num_spec_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = config.policy
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_loras: int | None = None  # LoRA: most adapters running at once (set by the core)
-        self.waiting = make_queue(policy, priority_aging_s)
+        self.waiting = make_queue(config.policy, config.priority_aging_s)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # to tell the runner at the next schedule()

@@ -146,7 +146,7 @@ class AnyioEngine:
         self._thread.start()
         try:
             if self._engine is None:
-                from asyncengine.engine.async_engine import AsyncLLMEngine
+                from asyncengine.engine.async_engine import AsyncLLMEngine  # lazy: async_engine imports this module
 
                 config = self._config
                 self._engine = await anyio.to_thread.run_sync(AsyncLLMEngine.from_config, config)

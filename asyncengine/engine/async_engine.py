@@ -196,7 +196,7 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
         """``params`` with its structured output compiled (structured/compile_service.py: worker
         processes, within the config's GrammarLimits; cancelled with the awaiting task): an
         InvalidRequestError for one that cannot compile, before a request is made of it."""
-        from asyncengine.structured.compile_service import prepare
+        from asyncengine.structured.compile_service import prepare  # lazy: the front end imports no torch: core code loads only where it runs here
 
         return await prepare(self.config, self.client, params)
 
@@ -286,7 +286,7 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
             return self._slots.get(slot.request_id) is slot and not slot.finished
         try:
             if params.structured_outputs is not None:  # compiled (and cached) now: a bad grammar is a 400
-                from asyncengine.structured.compile_service import prepare
+                from asyncengine.structured.compile_service import prepare  # lazy: the front end imports no torch: core code loads only where it runs here
 
                 compiling = self._compiling[slot.request_id] = asyncio.ensure_future(
                     prepare(self.config, self.client, params))  # an abort cancels it (_mark_abort)

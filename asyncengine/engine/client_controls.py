@@ -20,7 +20,7 @@ class InprocControls:
         return self.core.weights_version
 
     async def update_weights(self, update) -> int:
-        from asyncengine.engine_core import weight_sync
+        from asyncengine.engine_core import weight_sync  # lazy: the front end imports no torch: core code loads only where it runs here
 
         await asyncio.to_thread(weight_sync.stage, self.core, update)  # the ranks check it, off the loop
         fut = weight_sync.commit(self.core)  # from the loop that schedules: no batch slips in between
@@ -62,7 +62,7 @@ class MPControls:
         return [c for i, c in enumerate(self.clients) if self.health.is_alive(i)]
 
     async def update_weights(self, update) -> int:
-        from asyncengine.engine_core.core_control import update_all
+        from asyncengine.engine_core.core_control import update_all  # lazy: the front end imports no torch: core code loads only where it runs here
 
         self.weights_version = await update_all(self.live_cores(), update)
         self.asleep = self.asleep - {"weights"}
@@ -90,6 +90,6 @@ class MPControls:
         return rss
 
     async def _call_all(self, method: str, *args) -> list:
-        from asyncengine.engine_core.core_control import call_all
+        from asyncengine.engine_core.core_control import call_all  # lazy: the front end imports no torch: core code loads only where it runs here
 
         return await call_all(self.live_cores(), method, *args)

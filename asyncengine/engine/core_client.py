@@ -34,7 +34,7 @@ from asyncengine.engine_core.core_stats import combine
 from asyncengine.engine.client_controls import InprocControls, MPControls
 from asyncengine.engine.dp_health import DEAD_LOAD, CoreHealth, requests_of
 from asyncengine.engine.dp_router import PrefixAffinityRouter
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import ConfigError, EngineDeadError
 from asyncengine.models.model_info import ModelInfo
 
 if TYPE_CHECKING:
@@ -60,18 +60,17 @@ class CoreClient(ABC):
     def make(config: EngineConfig, core: "EngineCore | None" = None) -> "CoreClient":
         """``core``: an engine core already built in this process (tests share one)."""
         if config.prefill_cores or config.decode_cores:  # never silently colocated
-            from asyncengine.errors import ConfigError
 
             raise ConfigError("prefill_cores/decode_cores run through AsyncLLMEngine.from_config (a PDEngine: "
                               "engine/pd_client.py, docs/kv_connector.md) or `asyncengine serve --prefill-cores`; "
                               "AsyncLLMEngine(config) does not take them")
         if core is None and (config.data_parallel_size > 1 or config.engine_core_process):
-            from asyncengine.models.model_info import load_model_info
+            from asyncengine.models.model_info import load_model_info  # lazy: the front end imports no torch: core code loads only where it runs here
 
             # the cores import torch while this process reads the model's config and tokenizer
             return MPClient(config, lambda: load_model_info(config))
         if core is None:
-            from asyncengine.engine_core.core import EngineCore
+            from asyncengine.engine_core.core import EngineCore  # lazy: the front end imports no torch: core code loads only where it runs here
 
             core = EngineCore(config)
         return InprocClient(core)
@@ -236,7 +235,7 @@ class MPClient(MPControls, CoreClient):
         make = EngineCoreProc
         try:
             if config.distributed_executor_backend == "ray":  # the cores as Ray actors, on any node
-                from asyncengine.engine_core.ray_cores import RayEngineCores
+                from asyncengine.engine_core.ray_cores import RayEngineCores  # lazy: the front end imports no torch: core code loads only where it runs here
 
                 self._ray = RayEngineCores(config)
                 core_cfg, make = self._ray.core_config, self._ray.client

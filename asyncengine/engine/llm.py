@@ -19,7 +19,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType, check_lora_request
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.lora_request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
@@ -38,7 +38,6 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, **engine_options)
         if self.config.data_parallel_size > 1 or self.config.engine_core_process:
-            from asyncengine.errors import ConfigError
             raise ConfigError("data_parallel_size > 1 and engine_core_process run engine cores in their own "
                               "processes behind AsyncLLMEngine (or asyncengine serve); LLM drives one core "
                               "in this process")
@@ -110,7 +109,7 @@ class LLM:
                 sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)
             try:
                 if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
-                    from asyncengine.structured.compile_service import prepare_blocking
+                    from asyncengine.structured.compile_service import prepare_blocking  # lazy: the front end imports no torch: core code loads only where it runs here
                     sp = prepare_blocking(self.config, self.engine, sp)
                 req, text = self.processor.make_request(
                     f"llm-{next(self._ids)}", p, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
@@ -154,7 +153,7 @@ class LLM:
         (prompt, completion) pair gives a list of floats, lists of them a list of lists. Token
         ids or text. In batch-invariant mode these equal, bitwise, the logprobs the sampler
         reported when it generated the same tokens."""
-        from asyncengine.engine.scoring import completion_logprobs, score_request
+        from asyncengine.engine.scoring import completion_logprobs, score_request  # lazy: loaded on first use of this rarely used call
 
         single = _is_single_prompt(prompts)
         if not single and len(prompts) != len(completions):
@@ -221,8 +220,8 @@ class LLM:
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Chat messages through the tokenizer's chat template, checked as every chat request is
     (roles, contents; validation.check_messages) but with no length limit."""
-    from asyncengine.engine.processor import render_chat_checked
-    from asyncengine.engine.validation import RequestLimits, check_messages
+    from asyncengine.engine.processor import render_chat_checked  # lazy: loaded on first use of this rarely used call
+    from asyncengine.engine.validation import RequestLimits, check_messages  # lazy: loaded on first use of this rarely used call
 
     msgs = check_messages(messages, RequestLimits(max_messages=1 << 30, max_prompt_chars=1 << 62), 1)
     return render_chat_checked(tokenizer, msgs, add_generation_prompt)

@@ -309,8 +309,8 @@ class PDEngine(EngineClient):
 
     async def update_weights(self, weights, *, partial: bool = False) -> int:
         """Staged on every core of both sides before any commits (engine_core/core_control.py)."""
-        from asyncengine.engine_core.core_control import update_all
-        from asyncengine.engine_core.weight_sync import normalize
+        from asyncengine.engine_core.core_control import update_all  # lazy: the front end imports no torch: core code loads only where it runs here
+        from asyncengine.engine_core.weight_sync import normalize  # lazy: the front end imports no torch: core code loads only where it runs here
 
         update = normalize(weights, partial)
         version = await update_all([c for e in self.engines for c in e.client.live_cores()], update)

@@ -17,6 +17,7 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.config.request_limits import RequestLimits
+from asyncengine.engine import validation
 from asyncengine.engine.prompt_intake import check_params
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
@@ -94,6 +95,15 @@ class EngineClient(ABC):
 
     # ------------------------------------------------------------------ requests
 
+    def check_messages(self, messages: list[dict]) -> list[dict]:
+        """A chat's messages by the engine's rules (roles, contents, sizes: engine/validation.py),
+        so that a server checks them as an in-process caller is checked. Raises RequestLimitError."""
+        return validation.check_messages(messages, self.limits, self.max_model_len)
+
+    def check_token_ids(self, ids, what: str = "prompt token ids") -> list[int]:
+        """Token ids as ints inside the vocabulary. Raises InvalidRequestError naming ``what``."""
+        return validation.check_token_ids(ids, self.vocab_size, what)
+
     @abstractmethod
     def check_sampling_params(self, params: SamplingParams) -> SamplingParams: ...
 
@@ -148,7 +158,7 @@ class EngineClient(ABC):
     async def score(self, prompt, completion) -> list[float]:
         """The logprob of each completion token after ``prompt`` (engine/scoring.py; token ids
         or text): in batch-invariant mode, bitwise the sampler's logprobs of the same tokens."""
-        from asyncengine.engine.scoring import completion_logprobs, score_request
+        from asyncengine.engine.scoring import completion_logprobs, score_request  # lazy: loaded on first use of this rarely used call
 
         req, params, n_prompt, n_completion = score_request(self.tokenizer, prompt, completion)
         return completion_logprobs(await self.complete(req, params), n_prompt, n_completion)

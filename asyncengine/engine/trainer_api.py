@@ -18,7 +18,7 @@ class TrainerControls:
         (name, tensor) pairs in the checkpoint's naming, or a safetensors path. All checked before
         anything changes (else WeightUpdateError, old weights serving); ``partial``: only the given
         tensors change. Resets the prefix cache; returns the new weights_version."""
-        from asyncengine.engine_core import weight_sync
+        from asyncengine.engine_core import weight_sync  # lazy: the front end imports no torch: core code loads only where it runs here
 
         self._bind_loop()
         update = weight_sync.normalize(weights, partial)
@@ -38,14 +38,14 @@ class TrainerControls:
         """Stop generating (engine/pause.py); new requests wait, within the admission limits, for
         :meth:`resume_generation`. Running ones: ``"abort"`` ends them (finish_reason "abort"),
         ``"wait"`` returns once they finished, ``"keep"`` parks them with their KV until resumed."""
-        from asyncengine.engine.pause import pause
+        from asyncengine.engine.pause import pause  # lazy: loaded on first use of this rarely used call
 
         self._bind_loop()
         await pause(self, mode)
 
     async def resume_generation(self) -> None:
         """Undo :meth:`pause_generation`: parked requests go on, waiting ones are handed over."""
-        from asyncengine.engine.pause import resume
+        from asyncengine.engine.pause import resume  # lazy: loaded on first use of this rarely used call
 
         self._bind_loop()
         await resume(self)
@@ -62,7 +62,7 @@ class TrainerControls:
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
         self._bind_loop()
         async with self._control_lock:
-            from asyncengine.engine.pause import pause
+            from asyncengine.engine.pause import pause  # lazy: loaded on first use of this rarely used call
 
             await pause(self, "abort")
             await self.client.sleep(level)
@@ -75,6 +75,6 @@ class TrainerControls:
         async with self._control_lock:
             await self.client.wake_up(tags)
             if not self.client.asleep:
-                from asyncengine.engine.pause import resume
+                from asyncengine.engine.pause import resume  # lazy: loaded on first use of this rarely used call
 
                 await resume(self)

@@ -10,6 +10,7 @@ happens before the ready line. Measured with ``benchmarks/startup.py`` (docs/sta
 from __future__ import annotations
 
 import time
+from asyncengine.errors import InvalidRequestError
 
 # a prompt of the length of a first chat question, so the prefill runs at that size
 WARM_UP_MESSAGES = ({"role": "user", "content": "What is the capital of France? Answer in one short sentence."},)
@@ -21,7 +22,6 @@ async def warm_up(engine, tokens: int = WARM_UP_TOKENS) -> float:
     drop its answer; returns the seconds it took. The request leaves nothing behind (its blocks are
     freed; with prefix caching their contents may serve a later prompt that begins the same way).
     A context too short for the chat prompt gets a few token ids instead."""
-    from asyncengine import InvalidRequestError
 
     t0 = time.monotonic()
     try:
@@ -35,7 +35,7 @@ async def warm_up(engine, tokens: int = WARM_UP_TOKENS) -> float:
 
 
 async def _run(engine, prompt, tokens: int) -> None:
-    from asyncengine import SamplingParams
+    from asyncengine import SamplingParams  # lazy: loaded on first use of this rarely used call
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     stream = engine.generate(prompt, params, request_id=f"warm-up-{id(engine):x}")

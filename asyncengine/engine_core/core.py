@@ -10,6 +10,7 @@ executor it drives (engine/ -> executor/ -> worker/).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
@@ -29,6 +30,7 @@ from asyncengine.engine_core.core_stats import moe_stats
 from asyncengine.executor.abstract import Executor
 from asyncengine.executor.selector import executor_class
 from asyncengine.kv_connector.factory import make_scheduler_connector
+from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
 from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
 from asyncengine.models.registry import TRANSFORMERS_BACKEND, check_architecture
@@ -58,7 +60,7 @@ class EngineCore:
                              generation_config=getattr(loaded, "generation_config", None))
         self.model_info = info or load_model_info(config)
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
-            from asyncengine.models.registry import resolve_architecture
+            from asyncengine.models.registry import resolve_architecture  # lazy: only for this configuration (TP, PP, a kernel report)
             cls = resolve_architecture(self.model_info.hf_config, config.model_impl)
             ep = {"expert_parallel": True} if config.enable_expert_parallel and getattr(cls, "is_moe", False) else {}
             cls.check_tensor_parallel(self.model_info.hf_config, config.tensor_parallel_size, **ep)
@@ -66,13 +68,15 @@ class EngineCore:
         if hybrid:
             check_hybrid_config(config, self.model_info.hf_config)
         if config.pipeline_parallel_size > 1:
-            from asyncengine.layers.parallel import layer_split
+            from asyncengine.layers.parallel import layer_split  # lazy: only for this configuration (TP, PP, a kernel report)
             layer_split(self.model_info.hf_config.num_hidden_layers, config.pipeline_parallel_size)
         self.executor: Executor = executor_class(config)(config, self.model_info, loaded)
         try:
             spec = self.executor.determine_kv_cache_spec()
             num_blocks = num_kv_blocks_for(config, spec, self.model_info.max_model_len)
-            self.executor.initialize_cache(KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size))
+            # the block size the ranks laid their cache out with: the one source from here on
+            plan = KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size)
+            self.executor.initialize_cache(plan)
             if not hybrid:  # by attention kind: full, or sliding (core/sliding_window_kv_cache_manager.py)
                 self.kv = make_kv_cache_manager(config, spec.layer_windows, num_blocks)
         except BaseException:
@@ -80,17 +84,16 @@ class EngineCore:
             raise
         self.num_blocks = num_blocks
         if hybrid:  # attention blocks + a state slot per request (core/hybrid_kv_cache_manager.py)
-            self.kv = make_hybrid_kv_cache_manager(config, self.model_info.hf_config, num_blocks,
-                                                   spec.state_bytes_per_seq)
+            self.kv = make_hybrid_kv_cache_manager(plan, config.cache_config, config.scheduler_config,
+                                                   self.model_info.hf_config, spec.state_bytes_per_seq)
         # a request can never hold more tokens than the whole cache (a sliding-window one: its window)
         self.max_model_len = max_request_len(self.kv, config, num_blocks, self.model_info.max_model_len)
-        kv_connector = make_scheduler_connector(config, self.kv, spec.connector_bytes_per_block)
+        kv_connector = make_scheduler_connector(config.kv_transfer_config, self.kv, spec.connector_bytes_per_block,
+                                                functools.partial(kv_fingerprint, config))
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, policy=config.policy,
-            enable_chunked_prefill=config.enable_chunked_prefill, priority_aging_s=config.priority_aging_s,
+            self.kv, config.scheduler_config, max_model_len=self.max_model_len,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            kv_connector=kv_connector, pipeline_parallel=config.pipeline_parallel_size > 1)
+            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1)
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         self.expert_tokens: list[int] = []  # MoE: tokens routed to each expert since start
@@ -112,7 +115,7 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
-        from asyncengine.worker.kernel_info import describe
+        from asyncengine.worker.kernel_info import describe  # lazy: the worker's weight code loads only for an update
 
         impl = check_architecture(self.model_info.hf_config, config.model_impl)
         # the dtype and why, the kernels (the CLI's ready line)
@@ -122,7 +125,7 @@ class EngineCore:
                                                 if config.kv_role == "prefill" else None)
         log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
-                 num_blocks, config.block_size, self.max_model_len, self.kernels)
+                 num_blocks, plan.block_size, self.max_model_len, self.kernels)
 
     @property
     def vocab_size(self) -> int:
@@ -282,19 +285,19 @@ class EngineCore:
         """Replace the model's weights in place (a state_dict, (name, tensor) pairs in the
         checkpoint's naming, or a safetensors path); returns the new ``weights_version``. A bad
         update raises WeightUpdateError and changes nothing."""
-        from asyncengine.engine_core import weight_sync
+        from asyncengine.engine_core import weight_sync  # lazy: weight updates and sleep: loaded on first use
 
         return weight_sync.update_blocking(self, weights, partial)
 
     def sleep(self, level: int = 1) -> list[int]:
         """Free the KV cache and packed weight copies on every rank (level 2: the weights too);
         the core must be idle (engine_core/sleep.py). Returns each rank's RSS after."""
-        from asyncengine.engine_core import sleep
+        from asyncengine.engine_core import sleep  # lazy: weight updates and sleep: loaded on first use
 
         return sleep.sleep(self, level)
 
     def wake_up(self, tags: list[str] | None = None) -> list[int]:
-        from asyncengine.engine_core import sleep
+        from asyncengine.engine_core import sleep  # lazy: weight updates and sleep: loaded on first use
 
         return sleep.wake_up(self, tags)
 

@@ -33,20 +33,20 @@ class ControlResult(msgspec.Struct, tag="control_result"):
 
 
 def _stage(core, update):
-    from asyncengine.engine_core import weight_sync
+    from asyncengine.engine_core import weight_sync  # lazy: weight updates and sleep: loaded on first use
 
     return weight_sync.stage(core, update)
 
 
 def _commit(core):
-    from asyncengine.engine_core import weight_sync
+    from asyncengine.engine_core import weight_sync  # lazy: weight updates and sleep: loaded on first use
 
     weight_sync.commit(core).result()
     return core.weights_version
 
 
 def _discard(core):
-    from asyncengine.engine_core import weight_sync
+    from asyncengine.engine_core import weight_sync  # lazy: weight updates and sleep: loaded on first use
 
     weight_sync.discard(core)
 

@@ -166,7 +166,7 @@ def _load_core(config: EngineConfig, conn):
     """Import the engine (torch) at once, then wait for ``StartCore`` (the model info the front end
     read meanwhile) and load. Exits quietly if the front end gives up first."""
     with gc_policy.paused(config.freeze_gc_after_load):
-        from asyncengine.engine_core.core import EngineCore  # torch and the model code: the long part
+        from asyncengine.engine_core.core import EngineCore  # lazy: torch and the model code: the long part
 
         try:
             start = _to_core.decode(conn.recv_bytes())

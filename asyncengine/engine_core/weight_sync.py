@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # (``core`` below: an engine_core/core.py EngineCore, which i
 def normalize(weights, partial: bool = False) -> "WeightUpdate":
     """What ``update_weights`` accepts (a path, a state_dict, (name, tensor) pairs) as the one
     message every rank gets; a WeightUpdateError for anything else."""
-    from asyncengine.worker.weight_update import normalize as to_update
+    from asyncengine.worker.weight_update import normalize as to_update  # lazy: the worker's weight code loads only for an update
 
     try:
         return to_update(weights, partial)
@@ -67,7 +67,7 @@ def discard(core) -> None:
 def update_blocking(core, weights, partial: bool = False) -> int:
     """Stage and commit on a core this thread drives (the offline LLM, a core process); returns
     the new version."""
-    from asyncengine.worker.weight_update import WeightUpdate
+    from asyncengine.worker.weight_update import WeightUpdate  # lazy: the worker's weight code loads only for an update
 
     update = weights if isinstance(weights, WeightUpdate) else normalize(weights, partial)
     stage(core, update)

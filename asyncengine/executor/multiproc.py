@@ -69,7 +69,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     stop or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
-    from asyncengine.worker.worker import Worker
+    from asyncengine.worker.worker import Worker  # lazy: the worker (torch, the models) loads in the process that runs it
 
     def send(msg) -> None:
         conn.send_bytes(M.encode(msg))

@@ -96,7 +96,7 @@ class RayWorkerWrapper:
         return ip, port, ray.get_runtime_context().get_node_id()
 
     def setup(self, init_method: str) -> int:
-        from asyncengine.worker.worker import Worker
+        from asyncengine.worker.worker import Worker  # lazy: the worker (torch, the models) loads in the process that runs it
 
         config, rank, world_size, eos, hf_config = self.args
         self.worker = Worker(config, rank=rank, world_size=world_size, distributed_init_method=init_method,

@@ -9,12 +9,12 @@ from asyncengine.executor.abstract import Executor
 def executor_class(config: EngineConfig) -> type[Executor]:
     backend = config.distributed_executor_backend
     if backend == "uni":
-        from asyncengine.executor.uniproc import UniProcExecutor
+        from asyncengine.executor.uniproc import UniProcExecutor  # lazy: only the chosen executor's dependencies (multiprocessing, ray) load
         return UniProcExecutor
     if backend == "mp":
-        from asyncengine.executor.multiproc import MultiprocExecutor
+        from asyncengine.executor.multiproc import MultiprocExecutor  # lazy: only the chosen executor's dependencies (multiprocessing, ray) load
         return MultiprocExecutor
     if backend == "ray":
-        from asyncengine.executor.ray_executor import RayExecutor
+        from asyncengine.executor.ray_executor import RayExecutor  # lazy: only the chosen executor's dependencies (multiprocessing, ray) load
         return RayExecutor
     raise ValueError(f"unknown distributed_executor_backend {backend!r}")

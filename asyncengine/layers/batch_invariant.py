@@ -26,7 +26,7 @@ from asyncengine.errors import ConfigError
 def require_kernels() -> None:
     """Invariant mode needs the C kernels: the torch fallbacks (dequantize + ``torch.mm``, the torch
     attention backend) let the BLAS pick its blocking from the batch."""
-    from asyncengine.kernels.cpu import build_error, load
+    from asyncengine.kernels.cpu import build_error, load  # lazy: the kernels build/load (C compile, triton) only on this path
 
     if load() is None:
         raise ConfigError("batch_invariant=True needs the CPU C kernels, which are unavailable here: "
@@ -35,7 +35,7 @@ def require_kernels() -> None:
 
 def enable(model: nn.Module) -> None:
     """Route every projection of ``model`` (and its LM head) through the fixed-order kernels."""
-    from asyncengine.layers.linear import Linear
+    from asyncengine.layers.linear import Linear  # lazy: avoids an import cycle with layers.linear / loads only on this path
 
     require_kernels()
     for m in model.modules():

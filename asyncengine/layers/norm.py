@@ -15,7 +15,7 @@ from asyncengine.kernels.cpu import ops
 def _triton_on(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         return False
-    from asyncengine.kernels import _triton_importable
+    from asyncengine.kernels import _triton_importable  # lazy: the kernels build/load (C compile, triton) only on this path
 
     return _triton_importable()
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with ``residual``: (norm(x + residual), x + residual)."""
         if _triton_on(x) and x.dtype == self.weight.dtype:
-            from asyncengine.kernels import rms_norm
+            from asyncengine.kernels import rms_norm  # lazy: the kernels build/load (C compile, triton) only on this path
 
             return rms_norm(x, self.weight, self.eps, residual=residual)
         if x.device.type == "cpu":  # one C call (kernels/cpu/ops.c), or these torch ops where it does not apply

@@ -61,7 +61,7 @@ def _mode() -> str:
 
 def native_step_reason(model) -> str | None:
     """None where :class:`NativeStep` can run ``model``'s steps, else why not."""
-    from asyncengine.models.llama import LlamaForCausalLM
+    from asyncengine.models.llama import LlamaForCausalLM  # lazy: avoids an import cycle / loads only on this model path
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
@@ -117,14 +117,14 @@ class NativeStep:
         return cls(model)
 
     def accepts(self, num_tokens: int, meta) -> bool:
-        from asyncengine.attention.cpu_backend import CpuAttentionMetadata
+        from asyncengine.attention.cpu_backend import CpuAttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
 
         return (num_tokens <= MAX_TOKENS and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
                 and meta.backend.kernels and meta.backend.dtype == torch.float32)
 
     def _layer_table(self, kv_caches, backend):
         # the layers' modes and layouts too: set_quantized_activations may switch them between steps
-        from asyncengine.layers.linear import Linear
+        from asyncengine.layers.linear import Linear  # lazy: avoids an import cycle / loads only on this model path
 
         key = (tuple(k.data_ptr() for k, _ in kv_caches), Linear.mode_epoch, quant.ACTIVATIONS)
         if key != self._caches_key:
@@ -149,7 +149,7 @@ class NativeStep:
 
     def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor:
         """x: the step's embeddings [T, H] fp32 (used as scratch); returns the final norm's output."""
-        from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK
+        from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK  # lazy: the kernels build/load (C compile, triton) only on this path
 
         m, a = self.model, self.model.args
         backend = meta.backend

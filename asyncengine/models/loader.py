@@ -92,7 +92,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     a shard reads only its slices (load_gguf(shard_of=...)). What it is doing is logged at INFO on
     this module's logger (the CLI shows it as one status line on stderr). ``read_weights=False``:
     the model's storage only, uninitialised (a full update_weights fills it: worker/sleep_mode.py)."""
-    from asyncengine.layers.parallel import SINGLE
+    from asyncengine.layers.parallel import SINGLE  # lazy: avoids an import cycle / loads only on this model path
 
     say = log.info
     tp = tp or SINGLE
@@ -101,12 +101,12 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     want_tok = tokenizer and not config.skip_tokenizer_init
     gguf, weights, tok, generation_config, file_types = None, None, None, None, None
     if path.endswith(".gguf"):
-        from asyncengine.models.sampling_defaults import gguf_generation_config
+        from asyncengine.models.sampling_defaults import gguf_generation_config  # lazy: GGUF reading only for a .gguf model
 
         if tp.size > 1:
-            from asyncengine.models.gguf import gguf_config, load_gguf
+            from asyncengine.models.gguf import gguf_config, load_gguf  # lazy: GGUF reading only for a .gguf model
 
-            from asyncengine.models.gguf import tensor_types
+            from asyncengine.models.gguf import tensor_types  # lazy: GGUF reading only for a .gguf model
 
             hf_config = gguf_config(path)
             cls = resolve_architecture(hf_config, config.model_impl)
@@ -121,7 +121,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
             tok, eos = ckpt.tokenizer, list(ckpt.eos_token_ids)
             generation_config = gguf_generation_config(ckpt.metadata)
         else:
-            from asyncengine.models.gguf import open_gguf
+            from asyncengine.models.gguf import open_gguf  # lazy: GGUF reading only for a .gguf model
 
             say(f"reading {os.path.basename(path)}")
             gguf = open_gguf(path, tokenizer=want_tok)
@@ -145,7 +145,7 @@ def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config:
     cache, cached = None, False
     # unsharded CPU loads only: a key without the shard would hand one rank another's weights
     if gguf is not None and config.torch_device.type == "cpu" and tp.size == 1 and not stage and read_weights:
-        from asyncengine.models import weight_cache
+        from asyncengine.models import weight_cache  # lazy: only on this loading path
 
         if weight_cache.enabled_for(path):
             storage = sorted((name, m.qtype or "dense") for name, (m, _) in
@@ -205,7 +205,7 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
     C kernels are unavailable (no compiler, ASYNCENGINE_CPU_KERNELS=0): dequantizing once at load
     keeps today's speed, where dequantizing per call would cost every step a full decode of the
     weights."""
-    from asyncengine.layers.linear import BLOCK_FORMATS, VocabEmbedding
+    from asyncengine.layers.linear import BLOCK_FORMATS, VocabEmbedding  # lazy: avoids an import cycle / loads only on this model path
 
     mode = config.quantization
     if mode == "none" or config.torch_device.type != "cpu" or not hasattr(model, "checkpoint_layers"):
@@ -235,7 +235,7 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
             plan[name] = (layer, ckpt, qtype)
     if not plan:
         return frozenset()
-    from asyncengine.kernels.cpu import build_error, quant
+    from asyncengine.kernels.cpu import build_error, quant  # lazy: the kernels build/load (C compile, triton) only on this path
 
     if not quant.kernels_available():
         if not quiet:

@@ -23,7 +23,7 @@ def resolve_path(name_or_path: str | None) -> str:
     if name_or_path is not None and os.path.exists(name_or_path):
         return str(name_or_path)
     try:
-        from asyncengine.models.default_model import resolve_model_path
+        from asyncengine.models.default_model import resolve_model_path  # lazy: only on this loading path
     except ImportError:  # pragma: no cover - the default-model module ships with the package
         resolve_model_path = None
     if resolve_model_path is not None:
@@ -104,8 +104,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         if config.model_impl == "transformers":
             raise ConfigError(f"{path}: GGUF files load into our native models only (model_impl='transformers' "
                               "needs a safetensors checkpoint)")
-        from asyncengine.models.sampling_defaults import gguf_generation_config
-        from asyncengine.models.gguf import open_gguf
+        from asyncengine.models.sampling_defaults import gguf_generation_config  # lazy: GGUF reading only for a .gguf model
+        from asyncengine.models.gguf import open_gguf  # lazy: GGUF reading only for a .gguf model
 
         log.info(f"reading {os.path.basename(path)}")
         # straight into the runtime format: no transformers config, the fast tokenizer where it applies

@@ -27,7 +27,7 @@ _BUDGET_S = 0.03  # per dtype, after one warm-up call
 
 
 def _cache_file() -> Path:
-    from asyncengine.platforms.paths import cache_dir
+    from asyncengine.platforms.paths import cache_dir  # lazy: only when the probe's cache is written
 
     return cache_dir() / "probe.json"
 

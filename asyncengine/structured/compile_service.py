@@ -255,7 +255,7 @@ _services_lock = threading.Lock()
 def service_for(config, core) -> CompileService:
     """The process's compile service for ``config``'s tokenizer (built on first use: the
     tokenizer's vocabulary is read once, ~0.7 s for a 49k vocabulary)."""
-    from asyncengine.structured.backend import compiler_for
+    from asyncengine.structured.backend import compiler_for  # lazy: the grammar backend (xgrammar) loads only in the compile process
 
     if core.tokenizer is None:
         raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is on)")

@@ -23,8 +23,8 @@ class Grammar:
 
     def compiler(self):
         if self._compiler is None:
-            from asyncengine.models.model_info import load_model_info
-            from asyncengine.structured.backend import compiler_for
+            from asyncengine.models.model_info import load_model_info  # lazy: only on this path (loading, profiling, a configuration)
+            from asyncengine.structured.backend import compiler_for  # lazy: only on this path (loading, profiling, a configuration)
 
             key = self.config.tokenizer or self.config.model
             self._compiler = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,

@@ -13,7 +13,7 @@ def describe(config: EngineConfig, via_transformers: bool = False) -> str:
     dtype = str(config.torch_dtype).removeprefix("torch.")
     parts = [f"{dtype} ({config.dtype_reason})"]
     if config.torch_device.type == "cpu" and config.block_quantized_weights:
-        from asyncengine.kernels.cpu import quant
+        from asyncengine.kernels.cpu import quant  # lazy: the kernels build/load (C compile, triton) only on this path
 
         isa = quant.isa()
         if isa is None:

@@ -23,6 +23,7 @@ scheduler sends the other stages the tokens sampled since a request's last step
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -38,6 +39,7 @@ from asyncengine.contracts.kv_cache_spec import KVCacheConfig
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
+from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
 from asyncengine.layers import batch_invariant
 from asyncengine.layers.moe import SparseMoE, take_expert_load
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
@@ -97,10 +99,11 @@ class ModelRunner:
         self.kv_caches = self.attn_backend.allocate_kv_caches(
             a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
         # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
-        self.kv_connector = make_worker_connector(config, self.attn_backend.name, self.kv_caches)
+        self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
+                                                  functools.partial(kv_fingerprint, config))
         self.link = None  # pipeline parallel: the stage's link to its neighbours
         if pp.size > 1:
-            from asyncengine.worker.pipeline import StageLink
+            from asyncengine.worker.pipeline import StageLink  # lazy: CUDA graphs / pipeline parallel only when configured
 
             self.link = StageLink(pp, a.hidden_size, self.dtype, self.device)
         self.recv_wait_s = 0.0  # time spent waiting for the previous stage (the pipeline's bubble)
@@ -188,7 +191,7 @@ class ModelRunner:
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
 
     def _capture_graphs(self):
-        from asyncengine.worker.cuda_graphs import DecodeGraphs
+        from asyncengine.worker.cuda_graphs import DecodeGraphs  # lazy: CUDA graphs / pipeline parallel only when configured
 
         try:
             # a decode batch has at most max_num_batched_tokens rows: the input buffers' size

@@ -64,7 +64,7 @@ def sleep(worker, level: int) -> int:
     runner.kv_caches = None
     runner.state_cache = None
     if worker.model is not None:
-        from asyncengine.layers.linear import Linear
+        from asyncengine.layers.linear import Linear  # lazy: only on this path (loading, profiling, a configuration)
 
         for m in worker.model.modules():
             if isinstance(m, Linear) and m.onednn_weight is not None:
@@ -98,14 +98,14 @@ def wake_up(worker, tags: list[str]) -> int:
 
 def _repack(worker) -> None:
     if not worker.config.batch_invariant and worker.config.torch_device.type == "cpu":
-        from asyncengine.layers import packed_linear
+        from asyncengine.layers import packed_linear  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
         packed_linear.prepack(worker.model)
 
 
 def allocate_kv(runner) -> None:
     """The cache (and a hybrid's state slots) as ModelRunner built them, zeroed."""
-    from asyncengine.worker.state_cache import StateCache
+    from asyncengine.worker.state_cache import StateCache  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
     model = runner.model
     n = model.args.num_layers if runner.pp.size == 1 else len(model.layers)

@@ -26,10 +26,10 @@ def make_proposer(spec: SpeculativeConfig, draft_model: torch.nn.Module | None, 
                   block_size: int, device: torch.device, dtype: torch.dtype, backend_name: str) -> Proposer:
     """The proposer ``spec.method`` names (spec_decode/proposer.py: one interface for all)."""
     if spec.method == "ngram":
-        from asyncengine.spec_decode.ngram import NgramProposer
+        from asyncengine.spec_decode.ngram import NgramProposer  # lazy: only the configured proposer loads
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
-    from asyncengine.spec_decode.draft import DraftModelProposer
+    from asyncengine.spec_decode.draft import DraftModelProposer  # lazy: only the configured proposer loads
 
     assert draft_model is not None, "speculative_config method 'draft_model' needs the draft loaded"
     return DraftModelProposer(draft_model, num_blocks, block_size, device, dtype, backend_name)

@@ -74,7 +74,7 @@ def normalize(weights, partial: bool = False) -> WeightUpdate:
 
 def _read_path(model, path: str, sharded: bool):
     """(name, tensor) pairs of a safetensors folder or file; this rank's slices only when sharded."""
-    from asyncengine.models.loader import _safetensors_weights
+    from asyncengine.models.loader import _safetensors_weights  # lazy: only on this path (loading, profiling, a configuration)
 
     p = Path(path)
     if not p.exists():
@@ -170,7 +170,7 @@ def stage(model, update: WeightUpdate, tp_size: int = 1) -> Staged:
 @torch.no_grad()
 def apply(model, staged: Staged) -> int:
     """Copy the staged tensors into ``model`` and rebuild what derives from them; returns how many."""
-    from asyncengine.layers import packed_linear
+    from asyncengine.layers import packed_linear  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())

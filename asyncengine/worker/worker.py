@@ -23,6 +23,7 @@ from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
 from asyncengine.worker.model_runner import ModelRunner
+from asyncengine.errors import ConfigError
 
 if TYPE_CHECKING:
     from asyncengine.worker.weight_update import StageResult
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def _available_memory(device: torch.device) -> int | None:
     """Memory this rank could give the KV cache: the one measure (core/kv_sizing.py)."""
-    from asyncengine.contracts.kv_sizing import available_memory_bytes
+    from asyncengine.contracts.kv_sizing import available_memory_bytes  # lazy: only on this path (loading, profiling, a configuration)
 
     return available_memory_bytes(device)
 
@@ -40,7 +41,7 @@ def _available_memory(device: torch.device) -> int | None:
 def set_quantized_activations(model, mode: str) -> None:
     """Every block-quantized layer multiplies with ``mode`` activations ("auto": the process default),
     its weight in that mode's layout (``Linear.set_activations``: repacked in place)."""
-    from asyncengine.layers.linear import Linear
+    from asyncengine.layers.linear import Linear  # lazy: only on this path (loading, profiling, a configuration)
 
     for layer in model.modules():
         if isinstance(layer, Linear):
@@ -102,7 +103,7 @@ class Worker:
 
     def load_model(self, read_weights: bool = True) -> None:
         """``read_weights=False``: storage only (waking from sleep level 2 into a full update)."""
-        from asyncengine.models.loader import load_model
+        from asyncengine.models.loader import load_model  # lazy: only on this path (loading, profiling, a configuration)
 
         if self._preloaded is not None and self.world_size == 1:
             self.model = self._preloaded.model
@@ -112,14 +113,13 @@ class Worker:
                                     pp=self.pp, read_weights=read_weights).model
         set_quantized_activations(self.model, self.config.quantized_activations)
         if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
-            from asyncengine.models.llama_native import NativeStep
+            from asyncengine.models.llama_native import NativeStep  # lazy: only on this path (loading, profiling, a configuration)
 
             self.model.native_step = NativeStep.for_model(self.model)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             import dataclasses
 
-            from asyncengine.errors import ConfigError
 
             draft_cfg = dataclasses.replace(self.config, model=spec.model, tokenizer=None, speculative_config=None)
             self.draft_model = load_model(draft_cfg, tokenizer=False).model
@@ -129,13 +129,13 @@ class Worker:
                                   "a draft must share the tokenizer")
             set_quantized_activations(self.draft_model, self.config.quantized_activations)
         if self.config.batch_invariant:
-            from asyncengine.layers import batch_invariant
+            from asyncengine.layers import batch_invariant  # lazy: only on this path (loading, profiling, a configuration)
 
             for model in (self.model, self.draft_model):
                 if model is not None:
                     batch_invariant.enable(model)
         elif self.config.torch_device.type == "cpu":
-            from asyncengine.layers import packed_linear
+            from asyncengine.layers import packed_linear  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
             for model in (self.model, self.draft_model):
                 if model is not None:
@@ -161,9 +161,9 @@ class Worker:
         max_num_seqs rows) on a throwaway cache, note the allocator's peak, and give the cache what
         ``gpu_memory_utilization`` of the device leaves beyond it (and beyond memory torch does not
         own: the CUDA context, other processes)."""
-        from asyncengine.attention.backend import SeqChunk, StepBatch
-        from asyncengine.attention.selector import get_backend
-        from asyncengine.worker.cuda_utils import kv_cache_budget
+        from asyncengine.attention.backend import SeqChunk, StepBatch  # lazy: only on this path (loading, profiling, a configuration)
+        from asyncengine.attention.selector import get_backend  # lazy: only on this path (loading, profiling, a configuration)
+        from asyncengine.worker.cuda_utils import kv_cache_budget  # lazy: CUDA graphs / pipeline parallel only when configured
 
         c, m = self.config, self.model
         a, dev = m.args, c.torch_device
@@ -183,7 +183,7 @@ class Worker:
                                                 slot_mapping=list(range(n))))
         extra = {}
         if getattr(m, "num_state_layers", 0):  # a hybrid: its Mamba layers need a (throwaway) state slot
-            from asyncengine.worker.state_cache import StateCache
+            from asyncengine.worker.state_cache import StateCache  # lazy: sleep, weight updates and hybrid models: loaded on first use
             extra = {"ssm": StateCache(m, 1, c.torch_dtype, dev).step_meta([], [(0, n, 0, True)])}
         hidden = m(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta, **extra)
         logits = m.compute_logits(hidden[:min(n, c.max_num_seqs)])
@@ -236,7 +236,7 @@ class Worker:
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (its shard): dense parameters and quantized blocks."""
-        from asyncengine.layers.linear import weight_nbytes
+        from asyncengine.layers.linear import weight_nbytes  # lazy: only on this path (loading, profiling, a configuration)
 
         return weight_nbytes(self.model)
 
@@ -251,8 +251,8 @@ class Worker:
         """Check ``update`` (worker/weight_update.py) against this rank's model and keep it for
         :meth:`commit_weight_update`; nothing changes yet. Problems come back in the result (every
         rank answers, so the core can refuse the update on all of them)."""
-        from asyncengine.worker import sleep_mode
-        from asyncengine.worker import weight_update as wu
+        from asyncengine.worker import sleep_mode  # lazy: sleep, weight updates and hybrid models: loaded on first use
+        from asyncengine.worker import weight_update as wu  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
         self._staged = None
         try:
@@ -265,7 +265,7 @@ class Worker:
 
     def commit_weight_update(self) -> int:
         """Apply the staged update (every rank staged it cleanly); returns how many tensors."""
-        from asyncengine.worker import weight_update as wu
+        from asyncengine.worker import weight_update as wu  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
         staged, self._staged = getattr(self, "_staged", None), None
         if staged is None:
@@ -280,12 +280,12 @@ class Worker:
     def sleep(self, level: int) -> int:
         """Free the KV cache and the packed weight copies (level 2: the weights too); returns the
         process's RSS after (worker/sleep_mode.py)."""
-        from asyncengine.worker import sleep_mode
+        from asyncengine.worker import sleep_mode  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
         return sleep_mode.sleep(self, level)
 
     def wake_up(self, tags: list[str]) -> int:
-        from asyncengine.worker import sleep_mode
+        from asyncengine.worker import sleep_mode  # lazy: sleep, weight updates and hybrid models: loaded on first use
 
         return sleep_mode.wake_up(self, tags)
 

@@ -117,8 +117,8 @@ def _page(name: str, media_type: str):
 
 def other_api_routes() -> list[Route]:
     """The Responses API (responses.py) and Anthropic's Messages API (anthropic_messages.py)."""
-    from .anthropic_messages import count_tokens, create_message
-    from .responses import create_response, delete_response, get_response
+    from .anthropic_messages import count_tokens, create_message  # lazy: route modules load when the app is built (start-up time)
+    from .responses import create_response, delete_response, get_response  # lazy: route modules load when the app is built (start-up time)
 
     return [Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
@@ -204,11 +204,11 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         /update_weights may read checkpoints.
     Request limits are the engine's (``EngineConfig.limits``).
     """
-    from .websocket import ws_chat
+    from .websocket import ws_chat  # lazy: route modules load when the app is built (start-up time)
 
     name = served_model_name or getattr(getattr(engine, "config", None), "model", None)
     if not name:
-        from asyncengine.models.default_model import DEFAULT_MODEL
+        from asyncengine.models.default_model import DEFAULT_MODEL  # lazy: the engine and its model code load only when serving starts
 
         name = DEFAULT_MODEL
     policy = SecurityPolicy(api_key, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins,
@@ -249,7 +249,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         *other_api_routes(),
     ]
     if training_endpoints:  # off by default; they change what every client is served
-        from .training import training_routes
+        from .training import training_routes  # lazy: route modules load when the app is built (start-up time)
 
         if not api_key:
             raise ValueError("the training endpoints need an API key (--api-key or $ASYNCENGINE_API_KEY)")

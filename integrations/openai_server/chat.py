@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.engine.validation import RequestLimitError
+from asyncengine.config.request_limits import RequestLimitError
 from asyncengine.structured import StructuredOutputsParams
 
 from ..chat_parsers import MessageDelta, OutputParser, ParsedMessage, reasoning_format

@@ -12,7 +12,7 @@ import json
 
 import msgspec
 
-from asyncengine.engine import validation
+from asyncengine.config.request_limits import RequestLimitError
 
 from ..chat_parsers import REASONING_FORMATS, TOOL_FORMATS
 from .errors import APIError, from_engine
@@ -118,10 +118,11 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: di
     return list(out) if tokenize else out
 
 
-def checked_messages(raw: list[dict], limits, max_model_len: int) -> list[dict]:
-    """The engine's own checks (roles, contents, sizes), then the template's shape."""
+def checked_messages(raw: list[dict], engine) -> list[dict]:
+    """The engine's own checks (roles, contents, sizes: ``engine.check_messages``, the engine-client
+    protocol), then the template's shape."""
     try:
-        checked = validation.check_messages(raw, limits, max_model_len)
-    except validation.RequestLimitError as e:
+        checked = engine.check_messages(raw)
+    except RequestLimitError as e:
         raise from_engine(e, None) from None
     return template_messages(raw, checked)

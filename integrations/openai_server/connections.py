@@ -28,7 +28,7 @@ class ConnectionCap:
                 await receive()  # websocket.connect
                 await send({"type": "websocket.close", "code": 1013, "reason": "too many connections"})
                 return
-            from .errors import error_response
+            from .errors import error_response  # lazy: route modules load when the app is built (start-up time)
 
             err = APIError(503, f"the server has {self.open} connections open, its limit max_connections="
                                 f"{self.limit}: retry later", code="too_many_connections",

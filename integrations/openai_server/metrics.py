@@ -102,7 +102,7 @@ def _grammar_metrics(engine):
     config = getattr(engine, "config", None)
     if config is None:
         return
-    from asyncengine.structured.compile_service import _service_key, _services
+    from asyncengine.structured.compile_service import _service_key, _services  # lazy: the grammar service's state, read only when metrics are scraped
 
     service = _services.get(_service_key(config))
     if service is None:

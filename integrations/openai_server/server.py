@@ -12,7 +12,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
           max_connections: int = 512, ws_idle_timeout_s: float = 600.0, responses_store_size: int = 1024,
           responses_store_ttl_s: float = 3600.0, chat_config=None, training_endpoints: bool = False,
-          training_weights_dir: str | None = None, **engine_kwargs) -> int:
+          training_weights_dir: str | None = None, engine_config=None, **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -25,20 +25,26 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     store (build_app). training_endpoints / training_weights_dir: see build_app (training.py).
     Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost; ``prefill_cores``/``decode_cores`` serve through a PDEngine,
-    engine/pd_client.py). Returns the exit status: 0, or 1 when it stopped because the engine died
+    engine/pd_client.py); or ``engine_config``: an EngineConfig already built (the CLI's), used as
+    is, with no model/dtype/max_model_len/seed/keyword arguments beside it. Returns the exit status: 0, or 1 when it stopped because the engine died
     (after answering in-flight clients; a supervisor restarts it)."""
     import uvicorn
 
-    from asyncengine import AsyncLLMEngine, EngineConfig
-    from asyncengine.models.default_model import DEFAULT_MODEL
+    from asyncengine import AsyncLLMEngine, EngineConfig  # lazy: the engine and its model code load only when serving starts
+    from asyncengine.models.default_model import DEFAULT_MODEL  # lazy: the engine and its model code load only when serving starts
 
-    from .app import build_app
+    from .app import build_app  # lazy: the engine and its model code load only when serving starts
 
     if api_key is None:
         api_key = os.environ.get("ASYNCENGINE_API_KEY") or None
     if training_endpoints and not api_key:
         raise ValueError("--enable-training-endpoints needs an API key (--api-key or $ASYNCENGINE_API_KEY)")
-    config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
+    if engine_config is None:
+        config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
+    elif engine_kwargs or model is not None or (dtype, max_model_len, seed) != ("auto", None, 0):
+        raise TypeError("serve(): give engine_config or the EngineConfig keyword arguments, not both")
+    else:
+        config, model = engine_config, engine_config.model
     engine = AsyncLLMEngine.from_config(config)  # a PDEngine for prefill_cores/decode_cores
     server: uvicorn.Server | None = None
 
@@ -74,7 +80,7 @@ def _before_listening(app, engine, warm_up: bool, on_loaded) -> None:
     async def lifespan(a):
         async with inner(a) as state:
             if warm_up:
-                from asyncengine.engine.warmup import warm_up as run_warm_up
+                from asyncengine.engine.warmup import warm_up as run_warm_up  # lazy: only when the server warms up
 
                 await run_warm_up(engine)
             if on_loaded is not None:

@@ -210,7 +210,7 @@ class ServerState:
                 raw = with_tools_prompt(openai_history(raw), tools_text)
             except request_limits.RequestLimitError as e:
                 raise APIError(400, str(e), param=e.param) from None
-        msgs = chat_render.checked_messages(raw, self.limits, self.max_model_len)
+        msgs = chat_render.checked_messages(raw, self.engine)
         ids = await asyncio.to_thread(chat_render.render, tok, msgs, tools, template_kwargs or {})
         self.check_length(len(ids), None, "messages")
         _, ids = await self.encode(ids, "messages")  # the engine's checks of token ids

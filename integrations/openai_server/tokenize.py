@@ -8,7 +8,6 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncengine.engine import validation
 from asyncengine.errors import InvalidRequestError
 
 from .chat import ChatPlan
@@ -62,7 +61,7 @@ async def detokenize(request: Request) -> Response:
         raise APIError(400, f"at most max_model_len={st.max_model_len} tokens", param="tokens",
                        code="limit_exceeded")
     try:
-        ids = validation.check_token_ids(req.tokens, st.engine.vocab_size, "tokens")
+        ids = st.engine.check_token_ids(req.tokens, "tokens")
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="tokens") from None
     return _json({"prompt": await asyncio.to_thread(tok.decode, ids)})

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -91,8 +92,9 @@ class FakeRunner:
 def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True, policy="fcfs",
                   chunked=True) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_model_len=num_blocks * block_size, policy=policy, enable_chunked_prefill=chunked)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
+                          enable_chunked_prefill=chunked).scheduler_config
+    sched = Scheduler(kv, config, max_model_len=num_blocks * block_size)
     return sched, FakeRunner(sched)
 
 

@@ -4,11 +4,15 @@ step of a request carries the tokens sampled since its previous one, for the sta
 sample. No model: the steps' results are made up."""
 from __future__ import annotations
 
+from asyncengine.config import EngineConfig
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
 from asyncengine.sampling_params import SamplingParams
+
+
+SCHED = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64).scheduler_config
 
 
 def req(rid: str, prompt_len: int, max_tokens: int) -> Request:
@@ -26,8 +30,7 @@ def sampled(so: SchedulerOutput, tok: dict[str, int], sched: Scheduler) -> Model
 
 
 def test_batches_in_flight_are_disjoint_and_carry_the_sampled_tokens():
-    s = Scheduler(KVCacheManager(64, 4, True), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                  pipeline_parallel=True)
+    s = Scheduler(KVCacheManager(64, 4, True), SCHED, max_model_len=256, pipeline_parallel=True)
     s.add_request(req("a", 5, 3))
     so1 = s.schedule()  # a's prompt
     s.add_request(req("b", 6, 3))
@@ -52,7 +55,7 @@ def test_a_preempted_request_in_flight_waits_for_its_step():
     """A request preempted while its step is in the pipe is not re-admitted until the step is back;
     then it comes back as a new request with all its tokens (every stage rebuilds it)."""
     kv = KVCacheManager(4, 4, False)  # 4 blocks of 4 tokens
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, pipeline_parallel=True)
+    s = Scheduler(kv, SCHED, max_model_len=64, pipeline_parallel=True)
     s.add_request(req("a", 8, 20))  # 2 blocks
     so1 = s.schedule()
     s.add_request(req("b", 8, 20))  # 2 blocks: the cache is full

@@ -10,11 +10,22 @@ from pathlib import Path
 import pytest
 import transformers
 
+from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
 from asyncengine.integrations.openai_server import chat_render
 from asyncengine.integrations.openai_server.errors import APIError
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+class _Checks:
+    """The engine client's message check (EngineClient.check_messages), without an engine."""
+
+    def check_messages(self, raw):
+        return validation.check_messages(raw, RequestLimits(), 4096)
+
+
+CHECKS = _Checks()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -55,7 +66,7 @@ def test_render_is_transformers(tokenizer, template, call_id, kwargs):
     if template.startswith("mistral"):  # user and assistant text turns alternate, no system turn
         answer = {"role": "assistant", "content": "Sunny."}
         openai_side, hf_side = openai_side[1:4] + [answer, openai_side[4]], hf_side[1:4] + [answer, hf_side[4]]
-    msgs = chat_render.checked_messages(openai_side, RequestLimits(), 4096)
+    msgs = chat_render.checked_messages(openai_side, CHECKS)
     ours = chat_render.render(tokenizer, msgs, TOOLS, kwargs, tokenize=False)
     want = tokenizer.apply_chat_template(hf_side, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
     assert ours == want
@@ -76,7 +87,7 @@ def test_template_errors_and_reserved_kwargs_are_400(tokenizer):
     tokenizer.chat_template = (TEMPLATES / "mistral_v0.3.jinja").read_text()
     openai_side, _ = _conversation("not-nine-chars")
     turns = openai_side[1:4] + [{"role": "assistant", "content": "Sunny."}, openai_side[4]]
-    msgs = chat_render.checked_messages(turns, RequestLimits(), 4096)
+    msgs = chat_render.checked_messages(turns, CHECKS)
     with pytest.raises(APIError, match="9") as e:
         chat_render.render(tokenizer, msgs, TOOLS, {})
     assert e.value.status == 400
@@ -88,7 +99,7 @@ def test_template_errors_and_reserved_kwargs_are_400(tokenizer):
     bad = [{"role": "assistant", "content": None,
             "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(APIError, match="not valid JSON"):
-        chat_render.checked_messages(bad, RequestLimits(), 4096)
+        chat_render.checked_messages(bad, CHECKS)
 
 
 def test_chat_config_checks_its_flags():

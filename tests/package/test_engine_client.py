@@ -109,3 +109,26 @@ def test_drivers_use_only_the_protocol():
     used = {f.relative_to(ROOT).as_posix(): _engine_attributes(f) - members for f in files}
     assert sum(bool(_engine_attributes(f)) for f in files) >= 5  # the walk sees the drivers
     assert {f: u for f, u in used.items() if u} == {}
+
+
+# the front end's internals the server reached for before the protocol had check_messages and
+# check_token_ids: what it needs of them goes through the engine client now
+ENGINE_INTERNALS = ("asyncengine.engine.validation", "asyncengine.engine.request_stream")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    mods = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            mods |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return mods
+
+
+def test_the_server_does_not_import_the_front_ends_internals():
+    files = sorted((ROOT / "integrations/openai_server").rglob("*.py"))
+    assert files
+    found = {f.relative_to(ROOT).as_posix(): sorted(_imported_modules(f) & set(ENGINE_INTERNALS)) for f in files}
+    assert {f: m for f, m in found.items() if m} == {}, \
+        "the server asks the engine client (asyncengine/engine/protocol.py): extend the protocol instead"

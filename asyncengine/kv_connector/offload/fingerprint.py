@@ -34,7 +34,7 @@ def model_identity(path: str) -> list:
 
 def kv_fingerprint(config) -> bytes:
     """32 bytes naming this engine's KV bytes (an ``EngineConfig``; resolves device and dtype)."""
-    from asyncengine.models.model_info import resolve_path
+    from asyncengine.models.model_info import resolve_path  # lazy: reads the model's files only when a fingerprint is asked for
 
     parts = [f"asyncengine-kv-v{FORMAT_VERSION}", repr(model_identity(resolve_path(config.model))),
              str(config.torch_dtype), config.attention_backend_name, str(config.block_size),

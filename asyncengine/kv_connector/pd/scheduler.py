@@ -44,7 +44,7 @@ def transfer_key(req: "Request") -> str | None:
     imports it; the other samples share sample 0's blocks through the prefix cache)."""
     if req.parent_id is None:
         return req.request_id
-    from asyncengine.core.request import child_request_id
+    from asyncengine.core.request import child_request_id  # lazy: only for n > 1 samples
 
     return req.parent_id if req.request_id == child_request_id(req.parent_id, 0) else None
 

@@ -74,7 +74,7 @@ class TcpTransport:
         self.dir = directory
         self.server = None
         if serve_on is not None:
-            from asyncengine.kv_connector.pd.tcp_server import TransferServer
+            from asyncengine.kv_connector.pd.tcp_server import TransferServer  # lazy: the TCP transport only when kv_transfer_transport='tcp'
 
             self.server = TransferServer(serve_on, lease_s)
 
@@ -82,7 +82,7 @@ class TcpTransport:
         self.server.put(tf.request_key(key), b"".join((header.pack(), memoryview(payload).cast("B"))))
 
     def claim(self, key: str, source: str | None, accept: Accept) -> tuple[str, tf.Header] | None:
-        from asyncengine.kv_connector.pd import tcp_server
+        from asyncengine.kv_connector.pd import tcp_server  # lazy: the TCP transport only when kv_transfer_transport='tcp'
 
         if source is None:
             return None
@@ -100,13 +100,13 @@ class TcpTransport:
         return dst, h
 
     def delete(self, key: str, source: str | None) -> None:
-        from asyncengine.kv_connector.pd import tcp_server
+        from asyncengine.kv_connector.pd import tcp_server  # lazy: the TCP transport only when kv_transfer_transport='tcp'
 
         if source is not None:
             tcp_server.delete(source, tf.request_key(key))
 
     def num_held(self, sources=()) -> int:
-        from asyncengine.kv_connector.pd import tcp_server
+        from asyncengine.kv_connector.pd import tcp_server  # lazy: the TCP transport only when kv_transfer_transport='tcp'
 
         return sum(tcp_server.count(s) for s in sources)
 

@@ -126,7 +126,7 @@ def _quantized_shard(f: GGUFFile, t: TensorInfo, hf: str, spec, permute: bool, n
 
 def quantized_view(f: GGUFFile, t: TensorInfo):
     """A 2-D block-format tensor as a ``QuantizedTensor`` over the memory map (no copy; layers copy out of it)."""
-    from asyncengine.layers.linear import QuantizedTensor
+    from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
 
     rows, cols = t.shape
     return QuantizedTensor(t.type_name, (rows, cols), f.torch_bytes(t).view(rows, -1))

@@ -51,7 +51,7 @@ class GGUFModel:
         ``QuantizedTensor``: a view of the file's bytes (a copy only for permuted q/k rows)."""
         import torch
 
-        from asyncengine.models.gguf import dequant
+        from asyncengine.models.gguf import dequant  # lazy: GGUF reading only for a .gguf model
 
         dtype = dtype or torch.float32
         f, cfg = self._file, self.config
