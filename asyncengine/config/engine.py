@@ -289,8 +289,7 @@ class EngineConfig(SubConfigViews):
         if self.batch_invariant:
             self._check_batch_invariant()
         if self.quantized_activations not in ("auto", "int8", "fp32"):
-            raise ConfigError(f"quantized_activations must be 'auto', 'int8' or 'fp32', "
-                              f"got {self.quantized_activations!r}")
+            raise ConfigError(f"quantized_activations must be 'auto', 'int8' or 'fp32', got {self.quantized_activations!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
@@ -317,8 +316,6 @@ class EngineConfig(SubConfigViews):
             raise ConfigError(f"kv_transfer_lease_s must be > 0, got {self.kv_transfer_lease_s}")
         if self.kv_role is not None and self.tensor_parallel_size > 1:
             raise ConfigError("P/D disaggregation is not supported with tensor_parallel_size > 1 yet")
-        if not isinstance(self.enable_expert_parallel, bool):  # MoE (issue 33)
-            raise ConfigError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if self.kv_offload_bytes is None and self.kv_offload_dir is None:
             return
         if self.kv_offload_bytes is not None and self.kv_offload_bytes <= 0:

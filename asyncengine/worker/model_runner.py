@@ -78,21 +78,7 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.num_blocks = num_blocks = kv.num_blocks
         # the attention backend owns the cache layout and builds each step's attention metadata
-        self.attn_backend = get_backend(
-            config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=a.head_dim, block_size=self.block_size, num_blocks=num_blocks, dtype=self.dtype,
-            device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=min(num_blocks, -(-a.max_positions // self.block_size)),
-            scale=getattr(a, "attn_scale", None))  # Gemma: query_pre_attn_scalar ** -0.5
-        if getattr(a, "attn_softcap", None):  # Gemma 2: the backend soft-caps, falls back, or refuses
-            self.attn_backend.prepare_softcap(a.attn_softcap)
-        if not self.attn_backend.supports_sliding_window and any(w is not None for w in a.layer_windows):
-            raise ConfigError(f"attention_backend={self.attn_backend.name!r} has no sliding-window attention "
-                              f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
-                              f"use attention_backend='torch' or 'cpu'")
-        if config.batch_invariant:
-            batch_invariant.check_backend(self.attn_backend)
-            self.attn_backend.batch_invariant = True
+        self.attn_backend = self._attention_backend(config, a)
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         # this stage's attention layers only (a.num_layers is the whole model's: pipeline parallel
         # holds a slice; hybrids count their attention layers there)
@@ -141,6 +127,25 @@ class ModelRunner:
         if spec is not None:
             self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
                                           self.dtype, config.attention_backend_name)
+
+    def _attention_backend(self, config: EngineConfig, a):
+        """The backend for this model's attention: its scale, soft-cap and windows checked at start."""
+        backend = get_backend(
+            config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=a.head_dim, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
+            device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=min(self.num_blocks, -(-a.max_positions // self.block_size)),
+            scale=getattr(a, "attn_scale", None))  # Gemma: query_pre_attn_scalar ** -0.5
+        if getattr(a, "attn_softcap", None):  # Gemma 2: the backend soft-caps, falls back, or refuses
+            backend.prepare_softcap(a.attn_softcap)
+        if not backend.supports_sliding_window and any(w is not None for w in a.layer_windows):
+            raise ConfigError(f"attention_backend={backend.name!r} has no sliding-window attention "
+                              f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
+                              f"use attention_backend='torch' or 'cpu'")
+        if config.batch_invariant:
+            batch_invariant.check_backend(backend)
+            backend.batch_invariant = True
+        return backend
 
     @property
     def grammar_time_s(self) -> float:
