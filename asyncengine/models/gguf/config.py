@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.models.gguf.arch_config import arch_kwargs
 
 if typing.TYPE_CHECKING:
     import torch
@@ -36,6 +37,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),  # also Mistral-style models, which llama.cpp writes as llama
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 
@@ -119,7 +123,7 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
     scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "longrope"):  # (longrope: Phi-3's, arch_config.py)
         factor = _f32(key("rope.scaling.factor", 1.0))
         original = key("rope.scaling.original_context_length", None)
         if scaling == "linear":
@@ -162,6 +166,7 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
             raise ModelLoadError(f"{path}: qwen2 with head_dim {head_dim} != hidden/heads is not supported.")
     elif model_type == "qwen3":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    arch_kwargs(f, gguf_arch, key, kwargs, path)  # Gemma 2/3, Phi-3
     return model_type, kwargs
 
 
