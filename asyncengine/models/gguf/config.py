@@ -87,6 +87,25 @@ def build_config(f: GGUFFile, gguf_arch: str, path: str) -> transformers.Pretrai
     return config
 
 
+def _rope_parameters(key, path: str) -> dict[str, Any]:
+    """The rope base and its linear or yarn scaling (Llama 3's: fix_rope_from_freqs; Phi-3's
+    LongRoPE: arch_config.py)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", None)
+    if scaling not in (None, "none", "longrope"):  # (longrope: Phi-3's, arch_config.py)
+        factor = _f32(key("rope.scaling.factor", 1.0))
+        original = key("rope.scaling.original_context_length", None)
+        if scaling == "linear":
+            rope.update(rope_type="linear", factor=factor)
+        elif scaling == "yarn":
+            rope.update(rope_type="yarn", factor=factor)
+            if original is not None:
+                rope["original_max_position_embeddings"] = int(original)
+        else:
+            raise ModelLoadError(f"{path}: rope scaling type {scaling!r} is not supported (linear and yarn are).")
+    return rope
+
+
 def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str, Any]]:
     """(model_type, the config's fields under their Hugging Face names) from the metadata."""
     model_type, hf_arch = SUPPORTED_ARCHITECTURES[gguf_arch]
@@ -121,19 +140,7 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
         head_dim = int(q.shape[0]) // n_head if q is not None else hidden // n_head
     head_dim = int(head_dim)
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
-    scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none", "longrope"):  # (longrope: Phi-3's, arch_config.py)
-        factor = _f32(key("rope.scaling.factor", 1.0))
-        original = key("rope.scaling.original_context_length", None)
-        if scaling == "linear":
-            rope.update(rope_type="linear", factor=factor)
-        elif scaling == "yarn":
-            rope.update(rope_type="yarn", factor=factor)
-            if original is not None:
-                rope["original_max_position_embeddings"] = int(original)
-        else:
-            raise ModelLoadError(f"{path}: rope scaling type {scaling!r} is not supported (linear and yarn are).")
+    rope = _rope_parameters(key, path)
 
     def token_id(name: str) -> int | None:
         value = md.get(f"tokenizer.ggml.{name}")
