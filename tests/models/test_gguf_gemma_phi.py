@@ -104,6 +104,21 @@ def test_engine_greedy_matches_transformers(arch, qtype, models, tokenizer, gguf
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_0_files_keep_every_layer_in_blocks(arch, models, tokenizer, gguf_dir):
+    """Every linear layer of a Q8_0 file runs on the block kernels, Phi-3's fused qkv/gate_up too
+    (their one checkpoint tensor is cut into the parts by whole rows of blocks)."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.layers.linear import Linear
+    from asyncengine.models.loader import load_model
+
+    path = write_tiny_gguf(gguf_dir / f"{arch}-q8.gguf", models[arch], tokenizer, qtype="Q8_0")
+    model = load_model(EngineConfig(model=str(path), dtype="float32"), tokenizer=False).model
+    formats = {name: m.qtype for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert set(formats.values()) == {"Q8_0"}, formats
+    assert any("qkv_proj" in n for n in formats)
+
+
 def test_a_missing_gemma_norm_is_refused(models, tokenizer, tmp_path):
     """A Gemma 3 file without a layer's post_ffw_norm is not a Gemma 3 model: a clear error."""
     path = write_tiny_gguf(tmp_path / "g.gguf", models["gemma3"], tokenizer)
