@@ -5,7 +5,9 @@
     write_tiny_gguf(tmp_path / "m.gguf", model, tok, qtype="Q8_0")
 
 The writer is independent of asyncengine's loader (its own name table, its own q/k permutation), so
-tests can check the loader against it. Only numpy/gguf/torch/transformers/tokenizers are used.
+tests can check the loader against it. Architectures: llama, qwen2, qwen3, gemma2, gemma3 (norms
+stored as ``1 + weight``, the converter's metadata: soft-caps, sliding window, local rope base) and
+phi3 (fused ``attn_qkv`` / ``ffn_up``, partial rotary, LongRoPE factor tensors). Only numpy/gguf/torch/transformers/tokenizers are used.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ _HF_TO_GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# where llama.cpp's tensor map names a layer tensor otherwise for an architecture
+_HF_TO_GGUF_ARCH = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+_HF_TO_GGUF_ARCH["gemma3"] = _HF_TO_GGUF_ARCH["gemma2"]
+_GGUF_ARCH = {"gemma3_text": "gemma3"}  # transformers model_type -> general.architecture
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -93,6 +103,26 @@ def tiny_hf_model(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **o
     elif arch == "qwen3":
         common.setdefault("head_dim", 32)  # deliberately != hidden / heads
         config = transformers.Qwen3Config(**common)
+    elif arch in ("gemma2", "gemma3"):
+        # query_pre_attn_scalar = head_dim: a GGUF does not record it (llama.cpp's rule; not a 27B);
+        # layer_types by transformers' default: Gemma 2 alternates, Gemma 3 has 5 sliding per global
+        common.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True)
+        if arch == "gemma2":
+            common.update(attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+            config = transformers.Gemma2Config(**common)
+        else:
+            common["num_hidden_layers"] = overrides.get("num_hidden_layers", 6)  # 5 sliding, 1 global
+            common["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+            config = transformers.Gemma3TextConfig(**common)
+            config.layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                  for i in range(config.num_hidden_layers)]
+    elif arch == "phi3":  # Phi-4-mini's partial rotary (3/4 of each head), LongRoPE
+        common.update(partial_rotary_factor=0.75, original_max_position_embeddings=128, max_position_embeddings=1024,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                       "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                       "long_factor": [2.0 + 0.5 * i for i in range(6)]})
+        config = transformers.Phi3Config(**common)
     else:
         raise ValueError(arch)
     config._attn_implementation = "eager"
@@ -102,8 +132,8 @@ def tiny_hf_model(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **o
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight"):  # (Gemma scales by 1 + weight)
+                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
             else:  # biases
                 p.normal_(0.0, 0.1)
     return model.eval()
@@ -139,13 +169,45 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
     parts = hf_name.split(".")
     assert parts[:2] == ["model", "layers"], hf_name
     layer, leaf, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[leaf]}.{kind}"
+    return f"blk.{layer}.{_HF_TO_GGUF_ARCH.get(arch, {}).get(leaf) or _HF_TO_GGUF_LAYER[leaf]}.{kind}"
+
+
+def _arch_metadata(w: gguf.GGUFWriter, arch: str, cfg, head_dim: int) -> dict[str, np.ndarray]:
+    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model / Phi3MiniModel write beyond the common
+    keys; returns the extra tensors (Phi-3's LongRoPE factors)."""
+    if arch in ("gemma2", "gemma3"):
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        else:
+            rope = cfg.rope_parameters
+            w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+            w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+            if cfg.final_logit_softcapping:
+                w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        return {}
+    if arch != "phi3":
+        return {}
+    rope = cfg.rope_parameters
+    original = rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings)
+    rotary = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_dimension_count(rotary)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if not rope.get("long_factor"):
+        return {}
+    scale = cfg.max_position_embeddings / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
 
 
 def _tokenizer_metadata(tok) -> dict:
@@ -186,8 +248,8 @@ def write_tiny_gguf(
     if not isinstance(model, torch.nn.Module):
         model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     cfg = model.config
-    arch = cfg.model_type
-    assert arch in ("llama", "qwen2", "qwen3"), arch
+    arch = _GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+    assert arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"), arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = dict(cfg.rope_parameters)
 
@@ -200,12 +262,13 @@ def write_tiny_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(rope["rope_theta"])
+    if arch in ("llama", "qwen2", "qwen3"):
+        w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
@@ -226,6 +289,8 @@ def write_tiny_gguf(
             w.add_chat_template(chat_template)
 
     tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}
+    for gname, data in _arch_metadata(w, arch, cfg, head_dim).items():
+        tensors[gname] = (data, gguf.GGMLQuantizationType.F32)
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = (llama3_rope_freqs(rope, head_dim), gguf.GGMLQuantizationType.F32)
     for hf_name, tensor in model.state_dict().items():
@@ -235,7 +300,9 @@ def write_tiny_gguf(
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             n_kv = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             data = llama_permute(data, cfg.num_attention_heads, n_kv)
-        gname = _gguf_name(hf_name)
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)  # the converter stores Gemma's 1 + weight
+        gname = _gguf_name(hf_name, arch)
         t = gguf.GGMLQuantizationType[(tensor_qtypes or {}).get(gname, qtype)]
         tensors[gname] = (data, t if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
     tensors.update(tensor_overrides or {})

@@ -5,7 +5,8 @@ What differs from Llama, and where it lives here:
 * four norms per layer (the attention and feed-forward outputs are normed before the residual add);
 * RMSNorm scales by ``1 + weight``: the loader adds the 1 once (in fp32, the same number the
   reference computes every step), so the shared :class:`RMSNorm` serves; llama.cpp's GGUF
-  converter stores the sum already (``norms_hold_one``);
+  converter stores the sum already: the GGUF loader subtracts it (models/gguf/tensors.py), so a
+  GGUF's tensors arrive as the HF checkpoint's;
 * embeddings times ``sqrt(hidden)`` rounded to the model dtype; attention scale
   ``query_pre_attn_scalar ** -0.5``; GeGLU (``gelu_pytorch_tanh``);
 * sliding-window layers by ``layer_types`` (Gemma 3: 5 local per global; Gemma 2: alternate), each
@@ -95,7 +96,7 @@ class GemmaDecoderLayer(nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
-    # the checkpoint's norm weights already hold the 1 (llama.cpp's GGUF converter adds it)
+    # True for a checkpoint whose norm weights already hold the 1 (none today: the GGUF loader undoes it)
     norms_hold_one = False
     native_step_unsupported = "Gemma's layers (four norms, GeGLU, soft-capping) are not in the native step"
 

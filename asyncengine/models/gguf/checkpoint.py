@@ -105,4 +105,5 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *, te
 def tensor_types(path: str | os.PathLike) -> dict[str, str]:
     """HF name -> GGUF type name (F32, Q4_1, ...) of every model tensor, from the header alone."""
     f = GGUFFile(resolve_file(path))
-    return {hf_name(t.name): t.type_name for t in f.tensors if hf_name(t.name)}
+    arch = f.metadata.get("general.architecture", "llama")
+    return {hf_name(t.name, arch): t.type_name for t in f.tensors if hf_name(t.name, arch)}

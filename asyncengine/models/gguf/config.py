@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.models.gguf.arch_config import arch_kwargs
 
 if typing.TYPE_CHECKING:
     import torch
@@ -36,6 +37,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),  # also Mistral-style models, which llama.cpp writes as llama
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 
@@ -83,6 +87,25 @@ def build_config(f: GGUFFile, gguf_arch: str, path: str) -> transformers.Pretrai
     return config
 
 
+def _rope_parameters(key, path: str) -> dict[str, Any]:
+    """The rope base and its linear or yarn scaling (Llama 3's: fix_rope_from_freqs; Phi-3's
+    LongRoPE: arch_config.py)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", None)
+    if scaling not in (None, "none", "longrope"):  # (longrope: Phi-3's, arch_config.py)
+        factor = _f32(key("rope.scaling.factor", 1.0))
+        original = key("rope.scaling.original_context_length", None)
+        if scaling == "linear":
+            rope.update(rope_type="linear", factor=factor)
+        elif scaling == "yarn":
+            rope.update(rope_type="yarn", factor=factor)
+            if original is not None:
+                rope["original_max_position_embeddings"] = int(original)
+        else:
+            raise ModelLoadError(f"{path}: rope scaling type {scaling!r} is not supported (linear and yarn are).")
+    return rope
+
+
 def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str, Any]]:
     """(model_type, the config's fields under their Hugging Face names) from the metadata."""
     model_type, hf_arch = SUPPORTED_ARCHITECTURES[gguf_arch]
@@ -117,19 +140,7 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
         head_dim = int(q.shape[0]) // n_head if q is not None else hidden // n_head
     head_dim = int(head_dim)
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
-    scaling = key("rope.scaling.type", None)
-    if scaling not in (None, "none"):
-        factor = _f32(key("rope.scaling.factor", 1.0))
-        original = key("rope.scaling.original_context_length", None)
-        if scaling == "linear":
-            rope.update(rope_type="linear", factor=factor)
-        elif scaling == "yarn":
-            rope.update(rope_type="yarn", factor=factor)
-            if original is not None:
-                rope["original_max_position_embeddings"] = int(original)
-        else:
-            raise ModelLoadError(f"{path}: rope scaling type {scaling!r} is not supported (linear and yarn are).")
+    rope = _rope_parameters(key, path)
 
     def token_id(name: str) -> int | None:
         value = md.get(f"tokenizer.ggml.{name}")
@@ -162,6 +173,7 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
             raise ModelLoadError(f"{path}: qwen2 with head_dim {head_dim} != hidden/heads is not supported.")
     elif model_type == "qwen3":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    arch_kwargs(f, gguf_arch, key, kwargs, path)  # Gemma 2/3, Phi-3
     return model_type, kwargs
 
 

@@ -12,7 +12,13 @@ import numpy as np
 import torch
 
 from asyncengine.errors import ModelLoadError
-from asyncengine.models.gguf.tensors import PERMUTED_QK_ARCHITECTURES, check_tensor_names, hf_name, unpermute_rows
+from asyncengine.models.gguf.tensors import (
+    PERMUTED_QK_ARCHITECTURES,
+    check_tensor_names,
+    hf_name,
+    norm_shift,
+    unpermute_rows,
+)
 from asyncengine.models.gguf.types import BLOCK_FORMATS, BLOCK_SIZES, GGMLType
 
 if typing.TYPE_CHECKING:
@@ -72,7 +78,7 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
     for t in f.tensors:
         if only is not None and t.name not in only:
             continue
-        hf = hf_name(t.name)
+        hf = hf_name(t.name, gguf_arch)
         spec = shard_of(hf) if shard_of is not None and hf is not None else None
         qtype = gguf.GGMLQuantizationType(t.type_id)
         if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
@@ -97,6 +103,8 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
             array = array[rows]  # a gather: a fresh array
         if not array.flags.writeable or not array.flags.c_contiguous or array.dtype != np.float32:
             array = np.array(array, dtype=np.float32, order="C")  # F32/F16 can still be views of the map
+        if hf is not None and norm_shift(gguf_arch, hf):
+            array = array + np.float32(norm_shift(gguf_arch, hf))  # Gemma: the converter's 1 + weight, in fp32
         tensor = torch.from_numpy(array)
         if tensor.dtype != dtype:
             tensor = tensor.to(dtype)

@@ -19,6 +19,7 @@ from asyncengine.models.gguf.tensors import (
     check_tensor_names,
     check_tensors,
     hf_name,
+    norm_shift,
     unpermute_rows,
 )
 from asyncengine.models.gguf.types import BLOCK_FORMATS
@@ -42,6 +43,7 @@ class GGUFModel:
     tensor_types: dict[str, str]  # HF name -> GGUF type name (F32, Q4_1, ...)
     _file: GGUFFile = dataclasses.field(repr=False, default=None)
     _permute: bool = False
+    gguf_arch: str = "llama"  # the file's general.architecture (tensor names depend on it)
 
     def weights(self, dtype: torch.dtype | None = None, keep_quantized: frozenset = frozenset()
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,7 +58,7 @@ class GGUFModel:
         dtype = dtype or torch.float32
         f, cfg = self._file, self.config
         for t in f.tensors:
-            hf = hf_name(t.name)
+            hf = hf_name(t.name, self.gguf_arch)
             if hf is None:
                 continue  # extra tensors (rope_freqs) were read when the file was opened
             permuted = self._permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf)
@@ -68,7 +70,10 @@ class GGUFModel:
                 w = dequant.quantized_view(f, t)
                 yield hf, (w.index_rows(rows) if permuted else w)  # whole rows of blocks: exact
             else:
-                w = dequant.dequantize_torch(f, t, self.path, dtype)
+                shift = norm_shift(self.gguf_arch, hf)
+                w = dequant.dequantize_torch(f, t, self.path, torch.float32 if shift else dtype)
+                if shift:  # Gemma: the converter's 1 + weight, undone in fp32
+                    w = (w + shift).to(dtype)
                 if permuted:
                     w = w.index_select(0, rows)
                 yield hf, w
@@ -89,7 +94,7 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     check_tensor_names(f, gguf_arch, path)
     extra = {t.name.removesuffix(".weight"): f.floats(t) for t in f.tensors if t.name in EXTRA_TENSORS}
     fix_rope_from_freqs(config, extra, path)
-    shapes = {hf_name(t.name): t.shape for t in f.tensors if hf_name(t.name) is not None}
+    shapes = {hf_name(t.name, gguf_arch): t.shape for t in f.tensors if hf_name(t.name, gguf_arch) is not None}
     check_tensors(config, shapes, path)
     permute = gguf_arch in PERMUTED_QK_ARCHITECTURES
     if permute:
@@ -105,5 +110,6 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
         if tok is None:  # not a vocabulary the fast path knows: transformers' conversion
             tok = build_tokenizer(path, md)
     return GGUFModel(config=config, tokenizer=tok, eos_token_ids=eos_token_ids(md, tok), metadata=md, path=path,
-                     tensor_types={hf_name(t.name): t.type_name for t in f.tensors if hf_name(t.name)},
-                     _file=f, _permute=permute)
+                     tensor_types={hf_name(t.name, gguf_arch): t.type_name for t in f.tensors
+                                   if hf_name(t.name, gguf_arch)},
+                     _file=f, _permute=permute, gguf_arch=gguf_arch)

@@ -3,6 +3,11 @@
 What llama.cpp's ``convert_hf_to_gguf.py`` changed, and what this module undoes:
 
 * names: ``blk.N.attn_q.weight`` <- ``model.layers.N.self_attn.q_proj.weight`` and so on (``_LAYER_NAMES``);
+* names differ by architecture: Gemma 2/3 have four norms per layer (``post_attention_norm``,
+  ``ffn_norm`` = HF's ``pre_feedforward_layernorm``, ``post_ffw_norm``), Phi-3 keeps its fused
+  ``attn_qkv`` and ``ffn_up`` (= ``gate_up_proj``, gate rows first);
+* Gemma's norm weights were written with the ``1 +`` of its RMSNorm added: we subtract it (in fp32)
+  so the tensors are the HF checkpoint's (:func:`norm_shift`);
 * for the ``llama`` architecture only, the rows of ``q_proj`` and ``k_proj`` (weight and bias) were
   permuted per head, from HF's "rotate half" rope layout to GGML's interleaved pairs
   (``reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2)``). We apply the inverse, with the number of
@@ -28,7 +33,7 @@ if typing.TYPE_CHECKING:
     from asyncengine.models.gguf.reader import GGUFFile
 
 __all__ = ["EXTRA_TENSORS", "PERMUTED_QK_ARCHITECTURES", "check_tensor_names", "check_tensors", "hf_name",
-           "unpermute_rows"]
+           "norm_shift", "unpermute_rows"]
 
 # Architectures whose q/k rows llama.cpp permuted for its interleaved ("normal") rope.
 PERMUTED_QK_ARCHITECTURES = {"llama"}
@@ -51,20 +56,37 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, the names that differ from (or add to) the table above.
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# Architectures whose converter stored RMSNorm weights as ``1 + weight`` (the HF checkpoint holds ``weight``).
+NORM_PLUS_ONE_ARCHITECTURES = {"gemma2", "gemma3"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 # GGUF tensors kept under their own names in `extra_tensors` (they have no HF counterpart).
-EXTRA_TENSORS = {"rope_freqs.weight"}
+# (Llama 3's rope_freqs; Phi-3's LongRoPE factors, which config.py reads into the rope parameters)
+EXTRA_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for a name with no HF
-    counterpart (``rope_freqs.weight``, or a tensor of an architecture we do not know)."""
+def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (names by ``gguf_arch``,
+    the file's ``general.architecture``); None for a name with no HF counterpart (``rope_freqs.weight``,
+    or a tensor of an architecture we do not know)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+    if m is None:
+        return None
+    leaf = _ARCH_LAYER_NAMES.get(gguf_arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if leaf is None else f"model.layers.{m.group(1)}.{leaf}.{m.group(3)}"
+
+
+def norm_shift(gguf_arch: str, hf: str) -> float:
+    """What to add to the stored tensor ``hf`` to get the HF checkpoint's: -1 for Gemma's norms."""
+    return -1.0 if gguf_arch in NORM_PLUS_ONE_ARCHITECTURES and hf.endswith("norm.weight") else 0.0
 
 
 def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -76,7 +98,7 @@ def unpermute_rows(rows: int, n_head: int) -> np.ndarray:
 
 def check_tensor_names(f: GGUFFile, gguf_arch: str, path: str) -> None:
     """Refuse a file with a tensor we would not know what to do with (not a plain model of its architecture)."""
-    unknown = [t.name for t in f.tensors if hf_name(t.name) is None and t.name not in EXTRA_TENSORS]
+    unknown = [t.name for t in f.tensors if hf_name(t.name, gguf_arch) is None and t.name not in EXTRA_TENSORS]
     if unknown:
         raise ModelLoadError(
             f"{path}: {len(unknown)} tensor(s) have no known meaning for architecture {gguf_arch!r} "
@@ -108,8 +130,15 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
         if bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "gemma3_text"):
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if config.model_type in ("gemma2", "gemma3_text"):
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+        if config.model_type == "phi3":  # q/k/v and gate/up fused, as the HF checkpoint holds them
+            for part in ("q_proj", "k_proj", "v_proj"):
+                del shapes[f"{p}self_attn.{part}.weight"]
+            del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
+            shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)})
     return shapes
 
 
