@@ -172,7 +172,10 @@ class LLM:
         states (engine/pooling.py; default last-token pooling, L2-normalised)."""
         reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
         outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
-        return [o.embedding for o in outs]
+        vectors = [o.embedding for o in outs]
+        if dimensions is not None and vectors and len(vectors[0]) < dimensions:
+            raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
+        return vectors
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.engine.pooling import embed_requests
 from asyncengine.engine.prompt_intake import check_params
+from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -160,7 +161,10 @@ class EngineClient(ABC):
         each a request through the same scheduler and batches as generation."""
         reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
         outs = await asyncio.gather(*(self.complete(p, params) for p, params in reqs))
-        return [o.embedding for o in outs]
+        vectors = [o.embedding for o in outs]
+        if dimensions is not None and vectors and len(vectors[0]) < dimensions:
+            raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
+        return vectors
 
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:
