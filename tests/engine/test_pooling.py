@@ -102,3 +102,19 @@ def test_embed_inputs_and_bad_requests(tiny_llama_dir):
             llm.embed([])
         with pytest.raises(InvalidRequestError, match="tokenizer"):
             llm.embed("text without a tokenizer")
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("front", ["core_process", "data_parallel", "prefill_decode"])
+def test_embed_through_every_front_end(tiny_llama_dir, tmp_path, front):
+    """The EngineClient protocol's embed on the other front ends: the embedding crosses a core
+    process's pipe (msgspec), the DP router, the P/D engine (no KV hop: the decode core pools)."""
+    extra = {"core_process": dict(engine_core_process=True), "data_parallel": dict(data_parallel_size=2),
+             "prefill_decode": dict(kv_transfer_dir=str(tmp_path), prefill_cores=1, decode_cores=1)}[front]
+    ps = prompts(4, seed=13)
+
+    async def run():
+        async with AsyncLLMEngine.from_config(EngineConfig(model=tiny_llama_dir, **COMMON, **extra)) as eng:
+            return await asyncio.wait_for(eng.embed(ps, pooling="mean"), 180)
+
+    assert_close(asyncio.run(run()), hf_embeddings(tiny_llama_dir, ps, "mean"))
