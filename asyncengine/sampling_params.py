@@ -172,6 +172,8 @@ def check_sampling_ranges(p: SamplingParams) -> None:
         bad(f"logprobs must be >= 0, got {p.logprobs}")
     if p.prompt_logprobs is not None and p.prompt_logprobs < 0:
         bad(f"prompt_logprobs must be >= 0, got {p.prompt_logprobs}")
+    if p.pooling is not None:  # a bad spec would reach the worker otherwise
+        p.pooling.validated()
     if isinstance(p.stop, str):
         p.stop = [p.stop]
     if p.stop is not None and any(not s for s in p.stop):

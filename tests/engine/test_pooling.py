@@ -15,6 +15,7 @@ import transformers
 
 from asyncengine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from asyncengine.errors import InvalidRequestError
+from asyncengine.pooling_params import PoolingSpec
 
 COMMON = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=256, max_model_len=256, num_threads=1,
               freeze_gc_after_load=False, max_num_batched_tokens=16, seed=0)
@@ -102,6 +103,10 @@ def test_embed_inputs_and_bad_requests(tiny_llama_dir):
             llm.embed([])
         with pytest.raises(InvalidRequestError, match="tokenizer"):
             llm.embed("text without a tokenizer")
+        with pytest.raises(InvalidRequestError, match="exceeds"):
+            llm.embed([[5, 6]], dimensions=65)
+    with pytest.raises(InvalidRequestError, match="pooling"):  # a spec given to generate directly
+        SamplingParams(max_tokens=1, pooling=PoolingSpec("max"))
 
 
 @pytest.mark.usefixtures("one_torch_thread")
