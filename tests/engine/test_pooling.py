@@ -123,3 +123,28 @@ def test_embed_through_every_front_end(tiny_llama_dir, tmp_path, front):
             return await asyncio.wait_for(eng.embed(ps, pooling="mean"), 180)
 
     assert_close(asyncio.run(run()), hf_embeddings(tiny_llama_dir, ps, "mean"))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_embeddings_under_preemption(tiny_llama_dir):
+    """Pooling requests preempted (their KV freed) come back as new runner states and recompute
+    from position 0: the embeddings still equal the reference, the pool is whole after."""
+    from asyncengine.engine.pooling import embed_requests
+
+    gen = prompts(4, seed=21)
+    emb = [list(range(3 + i, 3 + i + 44)) for i in range(4)]
+    cfg = dict(COMMON, num_kv_blocks=24, block_size=4)
+
+    async def run():
+        async with AsyncLLMEngine.from_config(EngineConfig(model=tiny_llama_dir, **cfg)) as eng:
+            gens = [eng.complete({"prompt_token_ids": p}, SamplingParams(max_tokens=30, temperature=0.0,
+                                                                         ignore_eos=True)) for p in gen]
+            embs = [eng.complete(p, params) for p, params in embed_requests(None, emb, pooling="mean")]
+            outs = await asyncio.wait_for(asyncio.gather(*gens, *embs), 180)
+            stats = eng.stats()
+        return outs[len(gen):], stats
+
+    outs, stats = asyncio.run(run())
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, stats
+    assert_close([o.embedding for o in outs], hf_embeddings(tiny_llama_dir, emb, "mean"))
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
