@@ -61,6 +61,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     token_ids_delta: list[int] = []
     # the weights (0 as loaded, +1 per update_weights) that produced this output's newest tokens
     weights_version: int = 0
+    # a pooling request's embedding (SamplingParams.pooling), once its prompt has run
+    embedding: list[float] | None = None
 
     @property
     def finish_reason(self) -> str | None:

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.pooling_params import PoolingSpec
 from asyncengine.structured_params import StructuredOutputsParams
 
 
@@ -106,6 +107,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # constrained decoding (vLLM's shape): StructuredOutputsParams(json=schema | json_object=True |
     # regex=... | choice=[...] | grammar=ebnf)
     structured_outputs: StructuredOutputsParams | None = None
+    # a pooling (embedding) request: its prompt's final hidden states pooled into
+    # RequestOutput.embedding (engine.embed sets it, with max_tokens=1: it never decodes)
+    pooling: PoolingSpec | None = None
 
     def __post_init__(self) -> None:
         check_sampling_ranges(self)
@@ -119,6 +123,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether every defaulted field has a value (the engine's layers below the front end
         only ever see resolved params)."""
         return all(getattr(self, f) is not UNSET for f in DEFAULTED_FIELDS)
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether every prompt position must be computed here (no prefix-cache hit): prompt
+        logprobs, or mean / cls pooling (last-token pooling needs only the last, always computed)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.pooling != "last")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -162,6 +172,8 @@ def check_sampling_ranges(p: SamplingParams) -> None:
         bad(f"logprobs must be >= 0, got {p.logprobs}")
     if p.prompt_logprobs is not None and p.prompt_logprobs < 0:
         bad(f"prompt_logprobs must be >= 0, got {p.prompt_logprobs}")
+    if p.pooling is not None:  # a bad spec would reach the worker otherwise
+        p.pooling.validated()
     if isinstance(p.stop, str):
         p.stop = [p.stop]
     if p.stop is not None and any(not s for s in p.stop):

@@ -75,6 +75,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # covers prompt positions p, p+1, ...: entry i is (ids, logprobs, rank) for prompt token
     # p + i + 1 (the sampler's logprobs format), computed from the logits at position p + i
     prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
+    # req_id -> embedding, for pooling requests whose prompt's last chunk ran this step
+    pooled: dict[str, list[float]] | None = None
     execute_time_s: float = 0.0
     kv_connector_output: KVConnectorOutput | None = None  # transfers that ended, counters
     # mixture-of-experts models: tokens routed to each expert this step, summed over the layers
@@ -92,6 +94,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's embedding (with its one token)
     num_preemptions: int = 0  # times this request was preempted (its KV freed, recomputed) so far
 
     @property

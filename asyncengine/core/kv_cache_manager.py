@@ -97,7 +97,7 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the start of the request. At least the last token
         is always left to compute: its logits are needed to sample."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or req.sampling_params.needs_every_prompt_row:
             return [], 0
         n = req.num_tokens
         self._extend_hashes(req, n)

@@ -387,14 +387,14 @@ class Scheduler:
                 st.spec_num_drafts += 1
                 st.spec_num_draft_tokens += drafts[j]
                 st.spec_num_accepted_tokens += min(drafts[j], len(new_ids) - 1)
-            lp = logprobs[j] if logprobs is not None else None
             outputs.append(EngineCoreOutput(
                 req_id=rid, new_token_ids=new_ids,
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=req.stop_reason if status else None,
-                new_logprobs=lp[:len(new_ids)] if lp is not None else None,
+                new_logprobs=logprobs[j][:len(new_ids)] if logprobs is not None and logprobs[j] is not None else None,
                 new_prompt_logprobs=self._new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None,
-                num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions))
+                num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
+                pooled=out.pooled.get(rid) if out.pooled else None))
             if status is not None:
                 self._finish(req, status)
         return outputs

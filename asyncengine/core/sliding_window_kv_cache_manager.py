@@ -64,7 +64,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest hit of ``L`` blocks whose window blocks (those a query at ``L * bs`` reads)
         are all cached; the blocks before that window enter as NULL_BLOCK."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or req.sampling_params.needs_every_prompt_row:
             return [], 0
         n = req.num_tokens
         self._extend_hashes(req, n)

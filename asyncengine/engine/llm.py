@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from asyncengine.config import EngineConfig
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
+from asyncengine.engine.pooling import embed_requests
 from asyncengine.engine.processor import InputProcessor, PromptType, check_lora_request
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.lora_request import LoRARequest
@@ -163,6 +164,17 @@ class LLM:
         outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
         scores = [completion_logprobs(o, r[2], r[3]) for o, r in zip(outs, reqs)]
         return scores[0] if single else scores
+
+    def embed(self, inputs, pooling: str | None = None, normalize: bool = True,
+              dimensions: int | None = None, use_tqdm: bool = False) -> list[list[float]]:
+        """One embedding per input (a text or token ids, or a list of them): pooled final hidden
+        states (engine/pooling.py; default last-token pooling, L2-normalised)."""
+        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
+        outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
+        vectors = [o.embedding for o in outs]
+        if dimensions is not None and vectors and len(vectors[0]) < dimensions:
+            raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
+        return vectors
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

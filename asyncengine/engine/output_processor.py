@@ -85,6 +85,7 @@ class RequestState:
     samples: list[SampleState]
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    embedding: list[float] | None = None  # a pooling request's, once its prompt has run
     num_cached_tokens: int = 0
     weights_version: int = 0  # of the newest batch that brought this request tokens
 
@@ -245,6 +246,8 @@ class OutputProcessor:
         m.num_preemptions = max(m.num_preemptions, co.num_preemptions)  # n > 1: its most preempted sample
         if s.index == 0:
             st.num_cached_tokens = co.num_cached_tokens
+        if co.pooled is not None:
+            st.embedding = co.pooled
         if co.new_prompt_logprobs and st.prompt_logprobs is not None:
             st.prompt_logprobs.extend(self._decode_logprobs(e) for e in co.new_prompt_logprobs)
         s.token_ids.extend(new_ids)
@@ -306,4 +309,4 @@ class OutputProcessor:
                              outputs=comps, finished=st.finished, prompt_logprobs=prompt_lps,
                              metrics=st.metrics, num_cached_tokens=st.num_cached_tokens,
                              text_delta=text_delta, token_ids_delta=ids_delta,
-                             weights_version=st.weights_version)
+                             weights_version=st.weights_version, embedding=st.embedding)

@@ -237,8 +237,8 @@ class PDEngine(EngineClient):
         return None  # chat messages: the template is the engine's to apply
 
     def _takes_hop(self, prompt, params: SamplingParams) -> bool:
-        if params.prompt_logprobs is not None:
-            return False  # the decode core computes such a prompt anyway (it needs the prompt's logits)
+        if params.prompt_logprobs is not None or params.pooling is not None:
+            return False  # the decode core computes such a prompt anyway (its logits, or its embedding)
         if not self.skip_hop_below:
             return True
         n = self._num_prompt_tokens(prompt)

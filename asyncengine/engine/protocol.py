@@ -18,7 +18,9 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.engine import validation
+from asyncengine.engine.pooling import embed_requests
 from asyncengine.engine.prompt_intake import check_params
+from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -162,6 +164,17 @@ class EngineClient(ABC):
 
         req, params, n_prompt, n_completion = score_request(self.tokenizer, prompt, completion)
         return completion_logprobs(await self.complete(req, params), n_prompt, n_completion)
+
+    async def embed(self, inputs, pooling: str | None = None, normalize: bool = True,
+                    dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per input (a text or token ids, or a list of them; engine/pooling.py):
+        each a request through the same scheduler and batches as generation."""
+        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
+        outs = await asyncio.gather(*(self.complete(p, params) for p, params in reqs))
+        vectors = [o.embedding for o in outs]
+        if dimensions is not None and vectors and len(vectors[0]) < dimensions:
+            raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
+        return vectors
 
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:

@@ -45,6 +45,7 @@ from asyncengine.layers.moe import SparseMoE, take_expert_load
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.grammar import Grammar
+from asyncengine.worker.pooling import pool_spans, pooling_spans
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
@@ -112,6 +113,7 @@ class ModelRunner:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype)
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
         self._prompt_logprob_ids: set[str] = set()
+        self._pooling_ids: set[str] = set()  # pooling (embedding) requests, the same kind of gate
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
@@ -159,6 +161,7 @@ class ModelRunner:
         and the draft model's computed positions."""
         self.requests.clear()
         self._prompt_logprob_ids.clear()
+        self._pooling_ids.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -166,6 +169,7 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprob_ids.discard(rid)
+            self._pooling_ids.discard(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
         for nr in so.new_requests:
@@ -179,6 +183,8 @@ class ModelRunner:
                 self.proposer.add(nr.req_id, nr.num_computed_tokens - nr.num_external_tokens)
             if nr.sampling_params.structured_outputs is not None:
                 self.grammar.start(self.requests[nr.req_id])
+            if nr.sampling_params.pooling is not None:
+                self._pooling_ids.add(nr.req_id)
             if nr.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(nr.req_id)
             else:
@@ -251,6 +257,7 @@ class ModelRunner:
             specs = propose_drafts(self.proposer, decodes, prefills, specs)
         lay = lay_out(decodes, prefills, specs, self.block_size)
         plp_spans = prompt_logprob_spans(decodes, prefills, lay.positions) if self._prompt_logprob_ids else None
+        pool_sp = pooling_spans(decodes, prefills) if self._pooling_ids else None
         for st in decodes:
             st.num_computed_tokens += 1
         for st, n in prefills:
@@ -265,13 +272,15 @@ class ModelRunner:
             return None
         req_ids, sampled_ids, logprobs, num_drafts = self._sample_and_accept(hidden, lay, specs)
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
+        pooled = pool_spans(hidden, pool_sp) if pool_sp else None
         if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
             self.execute_time_s += time.perf_counter() - t0
             return None
         dt = time.perf_counter() - t0
         self.execute_time_s += dt
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs,
-                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, execute_time_s=dt,
+                                 num_draft_tokens=num_drafts, prompt_logprobs=prompt_logprobs, pooled=pooled,
+                                 execute_time_s=dt,
                                  expert_tokens=take_expert_load(self.moe_layers) if self.moe_layers else None)
 
     def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState], prefills=(),

@@ -21,6 +21,7 @@ class RunnerRequestState:
     matcher: object | None = None  # structured outputs: the grammar state after output_ids
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (worker/state_cache.py)
     lora_id: int = 0  # its LoRA adapter (0: the base model)
+    pool_state: object | None = None  # a pooling request's partial embedding (worker/pooling.py)
 
     @property
     def num_tokens(self) -> int:

@@ -38,13 +38,14 @@ from .responses_store import DEFAULT_SIZE, DEFAULT_TTL_S, ResponseStore
 from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import ClientGone
 from .state import ServerState, json_response as _json, server_state as _state
+from .embeddings import embeddings
 from .tokenize import detokenize, tokenize
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
-                       "/v1/messages/count_tokens", "/tokenize", "/detokenize"})
+                       "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings"})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -235,6 +236,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -69,7 +69,7 @@ _DOC = {
     "openapi": "3.1.0",
     "info": {"title": "asyncengine OpenAI-compatible API", "version": "0.1.0",
              "description": "OpenAI's completions and chat completions (JSON or server-sent events), models, "
-                            "vLLM's /tokenize and /detokenize, health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
+                            "/v1/embeddings, vLLM's /tokenize and /detokenize, health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
     "paths": {
         "/v1/completions": {"post": {
             "operationId": "createCompletion",
@@ -105,6 +105,21 @@ _DOC = {
                 "properties": {"model": {"type": "string"}, "tokens": _token_ids()}}}}},
             "responses": {"200": {"description": "The text", "content": {"application/json": {"schema": {
                 "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}}},
+                          **_ERRORS}}},
+        "/v1/embeddings": {"post": {
+            "operationId": "createEmbedding",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["input"], "properties": {
+                    "model": {"type": "string"},
+                    "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                        _token_ids(), {"type": "array", "items": _token_ids(), "minItems": 1}]},
+                    "encoding_format": {"enum": ["float", "base64"]},
+                    "dimensions": _nullable({"type": "integer", "minimum": 1})}}}}},
+            "responses": {"200": {"description": "One embedding per input (floats, or base64 float32)",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object", "required": ["object", "data", "model", "usage"],
+                                      "properties": {"data": {"type": "array", "items": {
+                                          "type": "object", "required": ["object", "index", "embedding"]}}}}}}},
                           **_ERRORS}}},
         "/v1/models": {"get": {
             "operationId": "listModels",

@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
     status_code_conformance
 
 EXAMPLES = {"POST /v1/completions": 30, "POST /v1/chat/completions": 30, "GET /v1/models": 5,
-            "GET /health": 5, "GET /metrics": 5}
+            "GET /health": 5, "GET /metrics": 5, "POST /v1/embeddings": 15}
 NEGATIVE_EXAMPLES = 15
 HYPOTHESIS = dict(deadline=None, derandomize=True, database=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
@@ -68,7 +68,7 @@ def test_valid_requests_never_5xx_and_match_schema(api, fuzz_server, key):
     fuzz_server.wait_clean()
 
 
-@pytest.mark.parametrize("key", ["POST /v1/completions", "POST /v1/chat/completions"])
+@pytest.mark.parametrize("key", ["POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings"])
 def test_invalid_requests_never_5xx(api, fuzz_server, key):
     op = _operation(api[1], key)
 

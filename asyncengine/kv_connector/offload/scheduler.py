@@ -93,7 +93,7 @@ class OffloadScheduler(SchedulerConnector):
         return j
 
     def get_num_new_matched_tokens(self, req: "Request", num_computed: int) -> tuple[int, bool]:
-        if req.sampling_params.prompt_logprobs is not None:
+        if req.sampling_params.needs_every_prompt_row:
             return 0, False
         bs = self.block_size
         hashes = req.block_hashes

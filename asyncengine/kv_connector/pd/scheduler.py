@@ -148,7 +148,7 @@ class DecodeImporter(SchedulerConnector):
         return claim
 
     def get_num_new_matched_tokens(self, req, num_computed):
-        if req.sampling_params.prompt_logprobs is not None:
+        if req.sampling_params.needs_every_prompt_row:
             return 0, False
         rid = req.request_id
         claim = self._claims.get(rid)
