@@ -15,6 +15,8 @@ import argparse
 import textwrap
 
 from asyncengine.cli.chat_options import add_chat_options
+from asyncengine.config.lora import parse_lora_module
+from asyncengine.errors import ConfigError
 
 from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
     COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_FLOAT, POSITIVE_INT, EngineOption, add_engine_options,
@@ -154,6 +156,8 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                         "trainer (docs/training.md; needs --api-key)")
     s.add_argument("--training-weights-dir", default=None, metavar="DIR",
                    help="the folder /update_weights may read checkpoints from (default: none)")
+    s.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters a request's model field may name (needs --enable-lora; docs/lora.md)")
     s.add_argument("--allowed-hosts", type=_csv, default=None,
                    help="Host names to answer besides the defaults (loopback names when bound to loopback, "
                         "the bound address otherwise); '*' for any (comma-separated)")
@@ -198,6 +202,13 @@ REQUEST_LIMIT_FLAGS = ("max_request_bytes", "max_prompt_chars", "max_stop_string
 GRAMMAR_LIMIT_FLAGS = ("max_grammar_compile_s", "max_grammar_bytes", "max_schema_depth", "max_enum_values",
                        "max_grammar_alternatives", "max_regex_repetition", "grammar_cache_bytes",
                        "grammar_compile_workers")
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _csv(value: str) -> list[str]:

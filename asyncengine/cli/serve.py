@@ -48,6 +48,9 @@ def run_serve(args) -> int:
     if args.responses_store_size < 0:
         print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
         return EXIT_USAGE
+    if args.lora_modules and not args.enable_lora:
+        print("asyncengine: --lora-modules needs --enable-lora", file=sys.stderr)
+        return EXIT_USAGE
     if (why := model_problem(args.model)) is not None:
         print(f"asyncengine serve: error: {why} (see `asyncengine serve --help`)", file=sys.stderr)
         return EXIT_USAGE
@@ -88,7 +91,7 @@ def run_serve(args) -> int:
                      responses_store_ttl_s=args.responses_store_ttl,
                      training_endpoints=args.enable_training_endpoints,
                      training_weights_dir=args.training_weights_dir, on_loaded=status_warm,
-                     warm_up=warm_up_wanted(args), chat_config=chat, **kw)
+                     lora_modules=args.lora_modules, warm_up=warm_up_wanted(args), chat_config=chat, **kw)
     except BaseException:
         status.done("stopped")
         raise
