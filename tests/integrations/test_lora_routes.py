@@ -1,0 +1,126 @@
+"""Multi-LoRA over the OpenAI server (integrations/openai_server/lora_routes.py), with the official
+openai client against a live server on 127.0.0.1: ``model`` names an adapter (``--lora-modules`` at
+start, or ``/v1/load_lora_adapter`` later) and the tokens equal ``LLM.generate`` under the same
+adapter; /v1/models lists the adapters; unloading makes the name a 404; a bad adapter is a 400
+and changes nothing."""
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from asyncengine import LLM, LoRARequest, SamplingParams
+from conftest import openai_client
+from live_server import MODEL, LiveServer, make_engine
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "lora"))  # tests/lora: the tiny PEFT adapters
+from lora_utils import make_adapter  # noqa: E402
+
+PROMPTS = [[5, 17, 99, 230, 41, 8, 77], [300, 12, 6, 450, 3, 3, 91, 20, 14]]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server-loras")
+    adapters = {n: make_adapter(tiny_llama_dir, str(root / n), n, seed=k) for k, n in enumerate(("a4", "a8"))}
+    s = LiveServer(make_engine(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16),
+                   own_engine=True, lora_modules=[("sql", adapters["a4"])]).start()
+    yield s, adapters
+    s.stop()
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60.0)
+
+
+def _complete(client, model: str) -> list[list[int]]:
+    """The greedy completions of PROMPTS under ``model``."""
+    outs = []
+    for p in PROMPTS:
+        r = client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+        assert r.model == model
+        outs.append(r.choices[0].text)
+    return outs
+
+
+def test_completions_through_two_adapters_equal_llm_generate(setup, tiny_llama_dir):
+    server, adapters = setup
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["a8"]}).status_code == 200
+    client = openai_client(server)
+    got = {m: _complete(client, m) for m in ("sql", "chat", MODEL)}
+    llm = LLM(tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = {}
+    for m, lr in (("sql", LoRARequest("sql", 1, adapters["a4"])), ("chat", LoRARequest("chat", 2, adapters["a8"])),
+                  (MODEL, None)):
+        want[m] = [o.outputs[0].text for o in llm.generate([list(p) for p in PROMPTS], sp, use_tqdm=False,
+                                                           lora_request=lr)]
+    assert got == want
+    assert got["sql"] != got[MODEL] and got["chat"] != got[MODEL] and got["sql"] != got["chat"]
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+
+
+def test_models_lists_the_adapters_with_their_parent(setup):
+    server, adapters = setup
+    client = openai_client(server)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL, "sql"}
+    assert cards["sql"].parent == MODEL and cards["sql"].root == adapters["a4"]
+    assert client.models.retrieve("sql").id == "sql"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_load_use_unload_then_404(setup):
+    server, adapters = setup
+    client = openai_client(server)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=2)
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": adapters["a8"]})
+    assert r.status_code == 200, r.text
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": adapters["a4"]}).status_code == 400
+    out = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=2, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    server.wait_clean("the adapters' requests to finish")
+
+
+def test_bad_adapters_are_400_and_change_nothing(setup, tmp_path, tiny_model_dir):
+    server, adapters = setup
+    client = openai_client(server)
+    before = [m.id for m in client.models.list().data]
+    other = make_adapter(tiny_model_dir("llama", num_key_value_heads=4), str(tmp_path / "other"), "a4")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    (broken / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    bad_header = tmp_path / "bad_header"
+    bad_header.mkdir()
+    (bad_header / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (bad_header / "adapter_model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    cases = {str(tmp_path / "none"): "no such folder", other: "another base model", str(broken): "not valid JSON",
+             str(bad_header): "unreadable", "/etc": "no adapter_config.json"}
+    for k, (path, why) in enumerate(cases.items()):
+        r = _post(server, "/v1/load_lora_adapter", {"lora_name": f"bad{k}", "lora_path": path})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    for body in ({"lora_name": "x"}, {"lora_name": MODEL, "lora_path": adapters["a4"]}, {"lora_path": "/x"}):
+        assert _post(server, "/v1/load_lora_adapter", body).status_code == 400
+    assert [m.id for m in client.models.list().data] == before
+    out = client.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=2, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+
+
+def test_endpoints_absent_without_enable_lora(server):
+    """A server without enable_lora has no load endpoint, and an adapter's name is an unknown model."""
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        openai_client(server).completions.create(model="a", prompt=[5, 6], max_tokens=1)
