@@ -124,3 +124,32 @@ def test_endpoints_absent_without_enable_lora(server):
     assert _post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}).status_code == 404
     with pytest.raises(openai.NotFoundError):
         openai_client(server).completions.create(model="a", prompt=[5, 6], max_tokens=1)
+
+
+def test_langchain_and_llamaindex_take_an_adapter(setup):
+    """The adapters (integrations/langchain.py, llamaindex.py) run under a LoRARequest or an adapter
+    registered on the engine, as the server's ``model`` does: the same greedy text."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from asyncengine.integrations.langchain import ChatAsyncEngine
+    from asyncengine.integrations.llamaindex import AsyncEngineLLM
+
+    server, adapters = setup
+    client = openai_client(server)
+    text, five = "hello there", {"temperature": 0.0, "max_tokens": 5}
+    chat = {m: client.chat.completions.create(model=m, messages=[{"role": "user", "content": text}], **five,
+                                              extra_body={"min_tokens": 5}).choices[0].message.content
+            for m in ("sql", MODEL)}
+    done = {m: client.completions.create(model=m, prompt=text, **five).choices[0].text for m in ("sql", MODEL)}
+    assert chat["sql"] != chat[MODEL] and done["sql"] != done[MODEL]
+    lc = ChatAsyncEngine(engine=server.engine, min_tokens=5, lora_request="sql", **five)
+    assert lc.invoke(text).content == chat["sql"]
+    assert ChatAsyncEngine(engine=server.engine, min_tokens=5, **five).invoke(text).content == chat[MODEL]
+    by_request = LoRARequest("sql-again", 77, adapters["a4"])
+    assert ChatAsyncEngine(engine=server.engine, min_tokens=5, **five).invoke(
+        text, lora_request=by_request).content == chat["sql"]
+    li = AsyncEngineLLM(engine=server.engine, lora_request="sql", **five)
+    assert li.complete(text).text == done["sql"]
+    assert AsyncEngineLLM(engine=server.engine, **five).complete(text).text == done[MODEL]
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        AsyncEngineLLM(engine=server.engine, lora_request="nope", **five).complete(text)
