@@ -42,14 +42,14 @@ def run_serve(args) -> int:
     if args.enable_training_endpoints and not (args.api_key or os.environ.get("ASYNCENGINE_API_KEY")):
         print("asyncengine: --enable-training-endpoints needs --api-key (or $ASYNCENGINE_API_KEY)", file=sys.stderr)
         return EXIT_USAGE
+    if args.lora_modules and not args.enable_lora:
+        print("asyncengine: --lora-modules needs --enable-lora", file=sys.stderr)
+        return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
     if args.responses_store_size < 0:
         print("asyncengine: --responses-store-size must be >= 0 (0: keep no response)", file=sys.stderr)
-        return EXIT_USAGE
-    if args.lora_modules and not args.enable_lora:
-        print("asyncengine: --lora-modules needs --enable-lora", file=sys.stderr)
         return EXIT_USAGE
     if (why := model_problem(args.model)) is not None:
         print(f"asyncengine serve: error: {why} (see `asyncengine serve --help`)", file=sys.stderr)
