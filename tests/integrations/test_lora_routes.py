@@ -47,19 +47,26 @@ def _complete(client, model: str) -> list[list[int]]:
     return outs
 
 
-def test_completions_through_two_adapters_equal_llm_generate(setup, tiny_llama_dir):
-    server, adapters = setup
-    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["a8"]}).status_code == 200
-    client = openai_client(server)
-    got = {m: _complete(client, m) for m in ("sql", "chat", MODEL)}
+@pytest.fixture(scope="module")
+def reference(setup, tiny_llama_dir) -> dict[str, list[str]]:
+    """``LLM.generate`` of PROMPTS under each adapter (and none): what the server must answer."""
+    _, adapters = setup
     llm = LLM(tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = {}
     for m, lr in (("sql", LoRARequest("sql", 1, adapters["a4"])), ("chat", LoRARequest("chat", 2, adapters["a8"])),
-                  (MODEL, None)):
+                  (None, None)):
         want[m] = [o.outputs[0].text for o in llm.generate([list(p) for p in PROMPTS], sp, use_tqdm=False,
                                                            lora_request=lr)]
-    assert got == want
+    return want
+
+
+def test_completions_through_two_adapters_equal_llm_generate(setup, reference):
+    server, adapters = setup
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["a8"]}).status_code == 200
+    client = openai_client(server)
+    got = {m: _complete(client, m) for m in ("sql", "chat", MODEL)}
+    assert got == {"sql": reference["sql"], "chat": reference["chat"], MODEL: reference[None]}
     assert got["sql"] != got[MODEL] and got["chat"] != got[MODEL] and got["sql"] != got["chat"]
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
 
@@ -153,3 +160,16 @@ def test_langchain_and_llamaindex_take_an_adapter(setup):
     assert AsyncEngineLLM(engine=server.engine, **five).complete(text).text == done[MODEL]
     with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
         AsyncEngineLLM(engine=server.engine, lora_request="nope", **five).complete(text)
+
+
+def test_serve_lora_modules_flag(setup, reference, tiny_llama_dir, tmp_path):
+    """``asyncengine serve --enable-lora --lora-modules sql=... chat=...`` as a user runs it."""
+    from test_cli_serve import running_serve
+
+    _, adapters = setup
+    with running_serve(tiny_llama_dir, tmp_path, "--dtype", "float32", "--max-model-len", "256", "--enable-lora",
+                       "--max-loras", "2", "--lora-modules", f"sql={adapters['a4']}", f"chat={adapters['a8']}") as (_, base):
+        with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60.0) as c:
+            assert {m.id: getattr(m, "parent", None) for m in c.models.list().data} == \
+                {tiny_llama_dir: None, "sql": tiny_llama_dir, "chat": tiny_llama_dir}
+            assert {m: _complete(c, m) for m in ("sql", "chat")} == {m: reference[m] for m in ("sql", "chat")}
