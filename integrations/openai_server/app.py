@@ -105,7 +105,8 @@ async def metrics(request: Request) -> Response:
 
 async def openapi_json(request: Request) -> Response:
     st = _state(request)
-    return _json(openapi.document(st.model_name, getattr(st.engine, "vocab_size", None)))
+    return _json(openapi.document(st.model_name, getattr(st.engine, "vocab_size", None),
+                                  [lr.name for lr in st.engine.list_loras()]))
 
 
 def _page(name: str, media_type: str):

@@ -78,6 +78,8 @@ def test_models_lists_the_adapters_with_their_parent(setup):
     assert set(cards) == {MODEL, "sql"}
     assert cards["sql"].parent == MODEL and cards["sql"].root == adapters["a4"]
     assert client.models.retrieve("sql").id == "sql"
+    spec = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
+    assert spec["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL, "sql"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 
