@@ -175,3 +175,26 @@ def test_serve_lora_modules_flag(setup, reference, tiny_llama_dir, tmp_path):
             assert {m.id: getattr(m, "parent", None) for m in c.models.list().data} == \
                 {tiny_llama_dir: None, "sql": tiny_llama_dir, "chat": tiny_llama_dir}
             assert {m: _complete(c, m) for m in ("sql", "chat")} == {m: reference[m] for m in ("sql", "chat")}
+
+
+def test_pd_front_end_serves_adapters(setup, reference, tiny_llama_dir, tmp_path):
+    """The P/D front end (a prefill and a decode core, each a process) keeps the same registry and
+    runs the adapter on both sides: the same tokens as LLM.generate, every prompt through the hop."""
+    from asyncengine import EngineConfig
+    from asyncengine.engine.async_engine import AsyncLLMEngine
+
+    _, adapters = setup
+    pd = AsyncLLMEngine.from_config(EngineConfig(
+        model=tiny_llama_dir, dtype="float32", prefill_cores=1, decode_cores=1, pd_skip_hop_below=0,
+        kv_transfer_dir=str(tmp_path / "pd"), num_kv_blocks=64, max_model_len=256, enable_lora=True, max_loras=2))
+    s = LiveServer(pd, own_engine=True, lora_modules=[("sql", adapters["a4"])]).start()
+    try:
+        client = openai_client(s)
+        assert _complete(client, "sql") == reference["sql"]
+        assert _post(s, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["a8"]}).status_code == 200
+        assert _complete(client, "chat") == reference["chat"]
+        assert _post(s, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}).status_code == 400
+        [decode] = s.stats()["decode"]
+        assert decode["kv_transfer_imported_requests"] >= 4
+    finally:
+        s.stop()
