@@ -103,12 +103,6 @@ class ServerState:
                            param="model", code="model_not_found")
         return lora
 
-    def check_model(self, name: str | None) -> None:
-        """For endpoints that serve the base model only: an adapter's name is a 400, not ignored."""
-        if self.resolve_model(name) is not None:
-            raise APIError(400, f"`{name}` is a LoRA adapter: this endpoint serves the base model only "
-                                "(use /v1/completions or /v1/chat/completions)", param="model")
-
     def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
         limit = self.max_model_len
         if num_prompt >= limit:

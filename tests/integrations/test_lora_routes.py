@@ -198,3 +198,19 @@ def test_pd_front_end_serves_adapters(setup, reference, tiny_llama_dir, tmp_path
         assert decode["kv_transfer_imported_requests"] >= 4
     finally:
         s.stop()
+
+
+def test_responses_and_messages_run_the_adapter_as_chat_does(setup):
+    """The endpoints built on one chat turn (chat_turn.py) resolve ``model`` as chat does."""
+    server, _ = setup
+    client = openai_client(server)
+    msgs, five = [{"role": "user", "content": "hello there"}], {"temperature": 0.0}
+    chat = {m: client.chat.completions.create(model=m, messages=msgs, max_tokens=5, **five).choices[0].message.content
+            for m in ("sql", MODEL)}
+    assert chat["sql"] != chat[MODEL]
+    r = client.responses.create(model="sql", input=msgs, max_output_tokens=5, **five)
+    assert (r.model, r.output_text) == ("sql", chat["sql"])
+    m = _post(server, "/v1/messages", {"model": "sql", "messages": msgs, "max_tokens": 5, **five}).json()
+    assert (m["model"], "".join(b["text"] for b in m["content"] if b["type"] == "text")) == ("sql", chat["sql"])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input=msgs, max_output_tokens=5)
