@@ -71,11 +71,21 @@ class EngineBridge:
                 asyncio.run_coroutine_threadsafe(self.engine.start(), loop).result()
         return loop
 
-    async def _produce(self, prompt, params, request_id, put) -> None:
+    def lora(self, lora):
+        """A LoRARequest, None (the base model) or the name of an adapter registered on the engine
+        (``add_lora``; the server's ``--lora-modules``) -> the LoRARequest to run under."""
+        if lora is None or not isinstance(lora, str):
+            return lora
+        found = self.engine.get_lora(lora)
+        if found is None:
+            raise ValueError(f"no LoRA adapter named {lora!r} is loaded on this engine (engine.add_lora)")
+        return found
+
+    async def _produce(self, prompt, params, request_id, put, lora_request=None) -> None:
         """On the engine's loop: the request's outputs handed to ``put``, then _END (or the error).
         Cancelled: the engine stream is abandoned, which aborts the request."""
         try:
-            async for out in self.engine.generate(prompt, params, request_id=request_id):
+            async for out in self.engine.generate(prompt, params, request_id=request_id, lora_request=lora_request):
                 put(out)
         except BaseException as e:  # noqa: BLE001 - every way out reaches the consumer
             put(e)
@@ -84,14 +94,15 @@ class EngineBridge:
             return
         put(_END)
 
-    async def astream(self, prompt, params, request_id: str | None = None, *,
-                      deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def astream(self, prompt, params, request_id: str | None = None, *, deadline: float | None = None,
+                      lora_request=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs, on the caller's loop. ``deadline`` (``time.monotonic()``): past
-        it the request is aborted and TimeoutError raised."""
+        it the request is aborted and TimeoutError raised. ``lora_request``: see :meth:`lora`."""
+        lora_request = self.lora(lora_request)
         here = asyncio.get_running_loop()
         loop = self.engine_loop()
         if loop is here:  # the engine's own loop: no hop, cancellation reaches the stream directly
-            stream = self.engine.generate(prompt, params, request_id=request_id)
+            stream = self.engine.generate(prompt, params, request_id=request_id, lora_request=lora_request)
             try:
                 while True:
                     try:
@@ -109,7 +120,7 @@ class EngineBridge:
             except RuntimeError:  # the consumer's loop is closed: nobody is listening
                 pass
 
-        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, put), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, put, lora_request), loop)
         try:
             while True:
                 item = await asyncio.wait_for(q.get(), _left(deadline))
@@ -124,15 +135,17 @@ class EngineBridge:
             if not fut.done():
                 fut.cancel()  # cancels the producer on the engine's loop: the request is aborted
 
-    def stream(self, prompt, params, request_id: str | None = None, *,
-               deadline: float | None = None) -> Iterator[RequestOutput]:
-        """The request's outputs, blocking (not on the engine's loop); ``deadline`` as in astream."""
+    def stream(self, prompt, params, request_id: str | None = None, *, deadline: float | None = None,
+               lora_request=None) -> Iterator[RequestOutput]:
+        """The request's outputs, blocking (not on the engine's loop); ``deadline`` and
+        ``lora_request`` as in astream."""
+        lora_request = self.lora(lora_request)
         loop = self.engine_loop()
         if _running_loop() is loop:
             raise RuntimeError("a sync call on the engine's own event loop would block it: use the async "
                                "API (ainvoke / astream) there")
         q: queue.SimpleQueue = queue.SimpleQueue()
-        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, q.put), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._produce(prompt, params, request_id, q.put, lora_request), loop)
         try:
             while True:
                 try:

@@ -125,6 +125,8 @@ class ChatAsyncEngine(BaseChatModel):
     """Retries (with backoff) when the engine's waiting queue is full (EngineOverloaded)."""
     streaming: bool = False
     """``invoke`` streams internally (callbacks see each token)."""
+    lora_request: Any = None
+    """A LoRARequest, or an adapter's name (``engine.add_lora``); a call's ``lora_request=`` overrides it."""
 
     _bridge: EngineBridge | None = PrivateAttr(default=None)
 
@@ -216,7 +218,8 @@ class ChatAsyncEngine(BaseChatModel):
         attempt = 0
         while True:
             try:
-                outs = bridge.stream(msgs, params, deadline=deadline)
+                lora = kwargs.get("lora_request") or self.lora_request
+                outs = bridge.stream(msgs, params, deadline=deadline, lora_request=lora)
                 yield from self._emit(outs, plan, name, run_manager)
                 return
             except EngineOverloaded:
@@ -233,7 +236,8 @@ class ChatAsyncEngine(BaseChatModel):
         attempt = 0
         while True:
             try:
-                outs = bridge.astream(msgs, params, deadline=deadline)
+                lora = kwargs.get("lora_request") or self.lora_request
+                outs = bridge.astream(msgs, params, deadline=deadline, lora_request=lora)
                 try:
                     async for chunk in self._aemit(outs, plan, name, run_manager):
                         yield chunk

@@ -61,6 +61,8 @@ class AsyncEngineLLM(LLM):
     stop: list[str] | None = None
     seed: int | None = None
     timeout: float | None = Field(default=None, description="seconds; past it the request is aborted")
+    lora_request: Any = Field(default=None, exclude=True, description="a LoRARequest, or the name of an "
+                              "adapter added to the engine (engine.add_lora); a call's lora_request= overrides it")
 
     _bridge: EngineBridge | None = PrivateAttr(default=None)
 
@@ -90,6 +92,9 @@ class AsyncEngineLLM(LLM):
                                     stop=list(stop) if stop else None, seed=pick("seed"),
                                     output_kind=OutputKind.DELTA)
 
+    def _lora(self, kwargs: dict):
+        return kwargs["lora_request"] if kwargs.get("lora_request") is not None else self.lora_request
+
     def _deadline(self, kwargs: dict) -> float | None:
         import time
 
@@ -99,11 +104,13 @@ class AsyncEngineLLM(LLM):
     # ---------------------------------------------------------------- streams (the primitives)
 
     def _texts(self, prompt, kwargs) -> Iterator[tuple[str, RequestOutput]]:
-        for out in self.bridge.stream(prompt, self._params(kwargs), deadline=self._deadline(kwargs)):
+        for out in self.bridge.stream(prompt, self._params(kwargs), deadline=self._deadline(kwargs),
+                                      lora_request=self._lora(kwargs)):
             yield (out.outputs[0].text if out.outputs else ""), out
 
     async def _atexts(self, prompt, kwargs) -> AsyncIterator[tuple[str, RequestOutput]]:
-        stream = self.bridge.astream(prompt, self._params(kwargs), deadline=self._deadline(kwargs))
+        stream = self.bridge.astream(prompt, self._params(kwargs), deadline=self._deadline(kwargs),
+                                     lora_request=self._lora(kwargs))
         try:
             async for out in stream:
                 yield (out.outputs[0].text if out.outputs else ""), out

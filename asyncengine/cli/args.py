@@ -15,6 +15,8 @@ import argparse
 import textwrap
 
 from asyncengine.cli.chat_options import add_chat_options
+from asyncengine.config.lora import parse_lora_module
+from asyncengine.errors import ConfigError
 
 from asyncengine.cli.engine_options import (  # noqa: F401  (the table's names, re-exported for the commands)
     COMMANDS, ENGINE_OPTIONS, NOT_ON_THE_COMMAND_LINE, POSITIVE_FLOAT, POSITIVE_INT, EngineOption, add_engine_options,
@@ -155,6 +157,8 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                         "trainer (docs/training.md; needs --api-key)")
     s.add_argument("--training-weights-dir", default=None, metavar="DIR",
                    help="the folder /update_weights may read checkpoints from (default: none)")
+    s.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters a request's model field may name (needs --enable-lora; docs/lora.md)")
     s.add_argument("--allowed-hosts", type=_csv, default=None,
                    help="Host names to answer besides the defaults (loopback names when bound to loopback, "
                         "the bound address otherwise); '*' for any (comma-separated)")
@@ -217,6 +221,11 @@ def engine_config_of(args: argparse.Namespace):
         kw["grammar_limits"] = GrammarLimits(**{k: getattr(args, k) for k in GRAMMAR_LIMIT_FLAGS
                                                 if getattr(args, k) is not None})
     return EngineConfig(model=args.model, **kw)
+def _lora_module(value: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _csv(value: str) -> list[str]:

@@ -41,6 +41,9 @@ def run_serve(args) -> int:
     if args.enable_training_endpoints and not (args.api_key or os.environ.get("ASYNCENGINE_API_KEY")):
         print("asyncengine: --enable-training-endpoints needs --api-key (or $ASYNCENGINE_API_KEY)", file=sys.stderr)
         return EXIT_USAGE
+    if args.lora_modules and not args.enable_lora:
+        print("asyncengine: --lora-modules needs --enable-lora", file=sys.stderr)
+        return EXIT_USAGE
     if (why := _check_port(args.host, args.port)) is not None:
         print(f"asyncengine: {why}", file=sys.stderr)
         return EXIT_USAGE
@@ -82,7 +85,7 @@ def run_serve(args) -> int:
                      responses_store_ttl_s=args.responses_store_ttl,
                      training_endpoints=args.enable_training_endpoints,
                      training_weights_dir=args.training_weights_dir, on_loaded=status_warm,
-                     warm_up=warm_up_wanted(args), chat_config=chat)
+                     lora_modules=args.lora_modules, warm_up=warm_up_wanted(args), chat_config=chat)
     except BaseException:
         status.done("stopped")
         raise

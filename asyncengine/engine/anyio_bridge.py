@@ -202,7 +202,7 @@ class AnyioEngine:
     # ------------------------------------------------------------------ requests
 
     def generate(self, prompt, sampling_params=None, request_id: str | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None) -> BridgeStream:
+                 cache_salt: str | None = None, lora_request=None) -> BridgeStream:
         """Submit a request (AsyncLLMEngine.generate's arguments); returns its async iterator of
         RequestOutputs. Call it from a task on the app's loop, inside ``async with``."""
         if self._closed or self._loop is None:
@@ -211,7 +211,7 @@ class AnyioEngine:
         send, receive = anyio.create_memory_object_stream(math.inf)
         self._streams[key] = send
         future = asyncio.run_coroutine_threadsafe(
-            self._produce(key, prompt, sampling_params, request_id, priority, cache_salt), self._loop)
+            self._produce(key, prompt, sampling_params, request_id, priority, cache_salt, lora_request), self._loop)
         return BridgeStream(self, key, receive, future)
 
     async def complete(self, prompt, sampling_params=None, request_id: str | None = None, **kw):
@@ -233,12 +233,13 @@ class AnyioEngine:
 
         return await self._call(read())
 
-    async def _produce(self, key, prompt, params, request_id, priority, cache_salt) -> None:
+    async def _produce(self, key, prompt, params, request_id, priority, cache_salt, lora_request=None) -> None:
         """On the engine's loop: iterate the request and post its outputs. Cancelled when the app
         leaves the stream; the generator's close then aborts the request."""
         put = self._outbox.put
         try:
-            stream = self._engine.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
+            stream = self._engine.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                           lora_request=lora_request)
             try:
                 async for out in stream:
                     put((key, out))

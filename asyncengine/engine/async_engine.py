@@ -24,6 +24,7 @@ from asyncengine.engine import validation
 from asyncengine.engine.admission import Admission
 from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
+from asyncengine.engine.lora_registry import NamedLoRAs
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.processor import InputProcessor, check_lora_request
 from asyncengine.engine.protocol import EngineClient
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from asyncengine.engine_core.core import EngineCore
 
 
-class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, sleep: engine/trainer_api.py
+class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.py, lora_registry.py
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         with gc_policy.paused(config.freeze_gc_after_load):  # engine_core/gc_policy.py: ~0.2 s of a start
             self._init(config, core)
@@ -255,6 +256,9 @@ class AsyncLLMEngine(TrainerControls, EngineClient):  # update_weights, pause, s
             del self._slots[request_id]
             raise
         return RequestStream(slot, self._abort_slot)
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
+        check_lora_request(lora_request, self.config, self.client.model_info.hf_config)
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         """A live request's id (or a core id of its samples) cannot be given to another request: its

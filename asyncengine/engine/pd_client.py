@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from asyncengine.config import EngineConfig
 from asyncengine.engine import validation
 from asyncengine.engine_core.core_stats import combine
+from asyncengine.engine.lora_registry import NamedLoRAs
 from asyncengine.engine.pd_stream import PDStream
 from asyncengine.engine.protocol import EngineClient
 from asyncengine.errors import ConfigError, EngineDeadError, InvalidRequestError
@@ -57,7 +58,7 @@ _FRONT_END_KEYS = ("cores", "data_parallel_size", "dp_prefix_affinity_routed", "
                    "num_streams", "uptime_s")
 
 
-class PDEngine(EngineClient):
+class PDEngine(NamedLoRAs, EngineClient):
     def __init__(self, config: EngineConfig, skip_hop_below: int | None = None, *,
                  core_engine: Callable[[EngineConfig], AsyncLLMEngine]) -> None:
         """Built by ``AsyncLLMEngine.from_config`` (the one factory), which hands itself over as
@@ -245,7 +246,8 @@ class PDEngine(EngineClient):
         return n is None or n >= self.skip_hop_below
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None) -> PDStream:
+                 request_id: str | None = None, *, priority: int = 0, cache_salt: str | None = None,
+                 lora_request=None) -> PDStream:
         """As ``AsyncLLMEngine.generate``: submits now (a bad request raises here) and returns the
         request's async iterator of RequestOutputs, streamed by the decode core."""
         if self._closing or self._closed:
@@ -256,14 +258,19 @@ class PDEngine(EngineClient):
         validation.check_request_id(rid, self.limits)
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use by a live request")
+        if lora_request is not None:
+            self._check_lora(lora_request)  # here, not at the prefill core: a bad adapter raises now
         hop = self._takes_hop(prompt, params)
         self.num_skipped_hops += not hop
         p = self._pick(self.prefill) if hop else None
-        stream = PDStream(rid, prompt, params, {"priority": priority, "cache_salt": cache_salt},
+        stream = PDStream(rid, prompt, params, {"priority": priority, "cache_salt": cache_salt, "lora_request": lora_request},
                           p, self._pick(self.decode), self.load, self.stream_closed,
                           source=self.sources.get(id(p)))
         self._streams[rid] = stream
         return stream
+
+    def _check_lora(self, lora_request) -> None:
+        self.decode[0]._check_lora(lora_request)  # every core serves the same model and limits
 
     def stream_closed(self, stream: PDStream, finished: bool) -> None:
         """The stream ended; ``finished`` False: before a decode core claimed its transfer, which

@@ -21,6 +21,7 @@ from asyncengine.engine import validation
 from asyncengine.engine.pooling import embed_requests
 from asyncengine.engine.prompt_intake import check_params
 from asyncengine.errors import InvalidRequestError
+from asyncengine.lora_request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -118,10 +119,25 @@ class EngineClient(ABC):
     @abstractmethod
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None) -> OutputStream: ...
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> OutputStream: ...
 
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...
+
+    # ------------------------------------------------------------------ named LoRA adapters
+    # (docs/lora.md; written once in engine/lora_registry.py: the server's ``model`` names)
+
+    @abstractmethod
+    async def add_lora(self, name: str, path: str) -> LoRARequest: ...
+
+    @abstractmethod
+    async def remove_lora(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def list_loras(self) -> list[LoRARequest]: ...
+
+    @abstractmethod
+    def get_lora(self, name: str) -> LoRARequest | None: ...
 
     # ------------------------------------------------------------------ a trainer's controls
     # (docs/training.md; AsyncLLMEngine's in engine/trainer_api.py, PDEngine's over both sides)

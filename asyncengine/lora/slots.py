@@ -52,11 +52,13 @@ class LoRASlots:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident id -> slot, least recent first
 
     def add(self, adapter: LoRAAdapter) -> None:
-        """Keep ``adapter`` in host memory; the least recently used one not in a slot leaves first."""
+        """Keep ``adapter`` in host memory; the least recently used one not in a slot leaves first,
+        never ``adapter`` itself (its request is about to step): while every other one holds a slot,
+        the host keeps one over ``max_cpu_loras`` until a slot frees."""
         self.host[adapter.id] = adapter
         self.host.move_to_end(adapter.id)
         while len(self.host) > self.max_cpu_loras:
-            victim = next((i for i in self.host if i not in self.slot_of), None)
+            victim = next((i for i in self.host if i not in self.slot_of and i != adapter.id), None)
             if victim is None:
                 break
             del self.host[victim]

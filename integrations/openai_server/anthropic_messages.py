@@ -196,7 +196,7 @@ def _args(text: str) -> Any:
 async def create_message(request: Request) -> Response:
     st = _state(request)
     req: MessagesRequest = await st.read_json(request, MessagesRequest)
-    st.check_model(req.model)
+    lora = st.resolve_model(req.model)  # a LoRA adapter's name runs under it (start_turn)
     tools = chat_tools(st, req)
     fields = SamplingFields(model=req.model, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k if req.top_k else None, stop=req.stop_sequences or None,
@@ -204,7 +204,7 @@ async def create_message(request: Request) -> Response:
                             structured_outputs=req.structured_outputs)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     turn = await start_turn(request, st, fields, chat_messages(req), tools, req.max_tokens, bool(req.stream), rid)
-    head = {"id": rid, "type": "message", "role": "assistant", "model": st.model_name}
+    head = {"id": rid, "type": "message", "role": "assistant", "model": lora.name if lora else st.model_name}
     if req.stream:
         return SSEResponse(_events(st, turn, tools, head))
     try:
@@ -224,7 +224,7 @@ async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's length, tools included, as rendered for a turn."""
     st = _state(request)
     req: Conversation = await st.read_json(request, Conversation)
-    st.check_model(req.model)
+    st.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     ids = await chat_tools(st, req).prompt_ids(st, chat_messages(req))
     return _json({"input_tokens": len(ids)})
 

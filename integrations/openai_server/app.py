@@ -30,6 +30,7 @@ from asyncengine.errors import AsyncEngineError
 
 from . import openapi
 from .errors import APIError, error_response, from_engine
+from .lora_routes import ROUTES as LORA_ROUTES, add_adapter, adapter_cards, lora_routes
 from .chat import chat_completions
 from .completions import completions
 from .connections import ConnectionCap
@@ -45,7 +46,7 @@ log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
-                       "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings"})
+                       "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings", *LORA_ROUTES})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -73,13 +74,15 @@ def _model_card(st: ServerState) -> dict:
 
 
 async def list_models(request: Request) -> Response:
-    return _json({"object": "list", "data": [_model_card(_state(request))]})
+    st = _state(request)
+    return _json({"object": "list", "data": [_model_card(st), *adapter_cards(st, st.created)]})
 
 
 async def get_model(request: Request) -> Response:
     st = _state(request)
     name = request.path_params["model"]
-    st.check_model(name)
+    if st.resolve_model(name) is not None:  # an adapter (an unknown name: 404)
+        return _json(next(c for c in adapter_cards(st, st.created) if c["id"] == name))
     return _json(_model_card(st))
 
 
@@ -103,7 +106,8 @@ async def metrics(request: Request) -> Response:
 
 async def openapi_json(request: Request) -> Response:
     st = _state(request)
-    return _json(openapi.document(st.model_name, getattr(st.engine, "vocab_size", None)))
+    return _json(openapi.document(st.model_name, getattr(st.engine, "vocab_size", None),
+                                  [lr.name for lr in st.engine.list_loras()]))
 
 
 def _page(name: str, media_type: str):
@@ -180,7 +184,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
               ws_idle_timeout_s: float = 600.0, responses_store_size: int = DEFAULT_SIZE,
               responses_store_ttl_s: float = DEFAULT_TTL_S, chat_config=None, training_endpoints: bool = False,
-              training_weights_dir: str | None = None) -> Starlette:
+              training_weights_dir: str | None = None, lora_modules=()) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -203,6 +207,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     training_endpoints: serve /pause, /resume, /sleep, /wake_up, /reset_prefix_cache and
         /update_weights (training.py; needs ``api_key``); ``training_weights_dir``: where
         /update_weights may read checkpoints.
+    lora_modules: (name, path) LoRA adapters registered at start (``--lora-modules``; a bad one stops
+        the start); with ``enable_lora`` the app serves /v1/load_lora_adapter too (lora_routes.py).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat  # lazy: route modules load when the app is built (start-up time)
@@ -222,6 +228,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await engine.start()  # bind the engine to the server's loop
+        for lora_name, lora_path in lora_modules:
+            await add_adapter(engine, lora_name, lora_path)
         st.loop = asyncio.get_running_loop()
         watcher = asyncio.ensure_future(_watch_engine(engine, on_engine_dead)) if on_engine_dead else None
         try:
@@ -256,6 +264,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         if not api_key:
             raise ValueError("the training endpoints need an API key (--api-key or $ASYNCENGINE_API_KEY)")
         routes += training_routes(engine, training_weights_dir)
+    if getattr(getattr(engine, "config", None), "enable_lora", False):
+        routes += lora_routes()
     middleware = [Middleware(HTTPMetricsMiddleware, metrics=st.metrics, endpoints=ENDPOINTS)]
     if allowed_origins:  # CORS only where asked for (a preflight is answered before the key check)
         from starlette.middleware.cors import CORSMiddleware

@@ -117,7 +117,7 @@ def _merge(a: MessageDelta, b: MessageDelta) -> MessageDelta:
 async def chat_completions(request: Request) -> Response:
     st = _state(request)
     req: ChatCompletionRequest = await st.read_json(request, ChatCompletionRequest)
-    st.check_model(req.model)
+    lora = st.resolve_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if req.top_logprobs is not None and not req.logprobs:
@@ -135,8 +135,8 @@ async def chat_completions(request: Request) -> Response:
     params = await run_until_disconnect(request, st.constrain(params, plan.tools.structured(), so, field))
     params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await st.submit([(None, ids)], params, req.n, rid)
-    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.model_name}
+    streams = await st.submit([(None, ids)], params, req.n, rid, lora)
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": lora.name if lora else st.model_name}
     parsers = [plan.parser() for _ in range(len(streams))]
 
     def finish_reason(i: int, out) -> str | None:

@@ -40,7 +40,7 @@ async def start_turn(request: Request, st, fields: SamplingFields, messages: lis
     # streams too (the endpoints hold what they must parse whole: tool_adapter.py)
     params = await run_until_disconnect(request, st.constrain(params, tools.structured(), so, param=field))
     params = tools.gate(st, params)  # a grammar starts after the reasoning span
-    streams = await st.submit([(None, ids)], params, 1, request_id)
+    streams = await st.submit([(None, ids)], params, 1, request_id, st.resolve_model(fields.model))
     return Turn(streams, len(ids))
 
 

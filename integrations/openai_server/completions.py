@@ -33,7 +33,7 @@ def _check_samples(st: ServerState, num_prompts: int, n: int) -> None:
 async def completions(request: Request) -> Response:
     st = _state(request)
     req: CompletionRequest = await st.read_json(request, CompletionRequest)
-    st.check_model(req.model)
+    lora = st.resolve_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
     if req.suffix:
@@ -54,10 +54,10 @@ async def completions(request: Request) -> Response:
         st.check_length(len(ids), req.max_tokens, "prompt")
     params = await run_until_disconnect(request, st.constrain(params, None, so, field))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await st.submit(prompts, params, req.n, rid)
+    streams = await st.submit(prompts, params, req.n, rid, lora)
     n = req.n
     created = int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": lora.name if lora else st.model_name}
     echo_texts = []
     if req.echo:
         tok = st.engine.tokenizer

@@ -61,12 +61,12 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         raise from_engine(e, None) from None
 
 
-def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str) -> OutputStream:
+def submit_n(engine, prompt, params: SamplingParams, n: int, request_id: str, lora_request=None) -> OutputStream:
     """One prompt's ``n`` samples as one engine stream (engine-native n: the samples share the
     prompt's KV blocks; sample i is seeded ``seed + i`` when a seed is given)."""
     if n != params.n:
         params = msgspec.structs.replace(params, n=n)
-    return engine.generate(prompt, params, request_id=request_id)
+    return engine.generate(prompt, params, request_id=request_id, lora_request=lora_request)
 
 
 class Submission:

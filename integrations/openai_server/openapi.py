@@ -229,14 +229,14 @@ _DOC = {
 }
 
 
-def document(model_name: str | None = None, vocab_size: int | None = None) -> dict:
-    """The OpenAPI document; with ``model_name``, ``model`` is documented as that one name, with
-    ``vocab_size`` the range of token ids."""
+def document(model_name: str | None = None, vocab_size: int | None = None, adapters=()) -> dict:
+    """The OpenAPI document; with ``model_name``, ``model`` is documented as that name or one of the
+    LoRA ``adapters``' names, with ``vocab_size`` the range of token ids."""
     doc = copy.deepcopy(_DOC)
     schemas = doc["components"]["schemas"]
     if model_name is not None:
         for req in ("CompletionRequest", "ChatCompletionRequest"):
-            schemas[req]["properties"]["model"] = {"enum": [model_name]}
+            schemas[req]["properties"]["model"] = {"enum": [model_name, *adapters]}
     if vocab_size is not None:
         prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
         prompt[2]["items"]["maximum"] = vocab_size - 1

@@ -185,7 +185,7 @@ class _Response:
 async def create_response(request: Request) -> Response:
     st = _state(request)
     req: ResponsesRequest = await st.read_json(request, ResponsesRequest)
-    st.check_model(req.model)
+    lora = st.resolve_model(req.model)  # a LoRA adapter's name runs under it (start_turn)
     _check(req)
     history: list[dict] = []
     if req.previous_response_id is not None:
@@ -200,7 +200,7 @@ async def create_response(request: Request) -> Response:
     rid = f"resp_{uuid.uuid4().hex}"
     turn = await start_turn(request, st, req, system + conversation, tools, req.max_output_tokens,
                             bool(req.stream), rid, what="input")
-    resp = _Response(req, rid, st.model_name)
+    resp = _Response(req, rid, lora.name if lora else st.model_name)
 
     def keep(obj: dict, items: list[dict]) -> None:
         if req.store is not False:

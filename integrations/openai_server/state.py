@@ -92,10 +92,16 @@ class ServerState:
 
     # ------------------------------------------------------------ checks
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`).",
+    def resolve_model(self, name: str | None):
+        """The LoRARequest the ``model`` field names (None: the base model); an unknown name is 404."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.engine.get_lora(name)
+        if lora is None:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`"
+                                f"{' and its LoRA adapters' if self.engine.list_loras() else ''}).",
                            param="model", code="model_not_found")
+        return lora
 
     def check_length(self, num_prompt: int, max_tokens: int | None, what: str) -> None:
         limit = self.max_model_len
@@ -240,13 +246,13 @@ class ServerState:
         return params
 
     async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,
-                     request_id: str) -> Submission:
+                     request_id: str, lora_request=None) -> Submission:
         """Every sample of every prompt (choice index = prompt index * n + sample), or none."""
         streams: list = []
         try:
             for p, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
-                streams.append(submit_n(self.engine, prompt, params, n, f"{request_id}-{p}"))
+                streams.append(submit_n(self.engine, prompt, params, n, f"{request_id}-{p}", lora_request))
         except BaseException as e:
             await Submission(streams, n).aclose()
             if isinstance(e, (AsyncEngineError, APIError)):

@@ -26,7 +26,7 @@ def _tokenizer(st):
 async def tokenize(request: Request) -> Response:
     st = _state(request)
     req: TokenizeRequest = await st.read_json(request, TokenizeRequest)
-    st.check_model(req.model)
+    st.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     tok = _tokenizer(st)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
@@ -55,7 +55,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     st = _state(request)
     req: DetokenizeRequest = await st.read_json(request, DetokenizeRequest)
-    st.check_model(req.model)
+    st.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     tok = _tokenizer(st)
     if len(req.tokens) > st.max_model_len:
         raise APIError(400, f"at most max_model_len={st.max_model_len} tokens", param="tokens",

@@ -128,7 +128,7 @@ class _Connection:
 
     async def _submit(self, cid, frame: WSChat):
         st = self.st
-        st.check_model(frame.model)
+        lora = st.resolve_model(frame.model)
         max_tokens = frame.max_completion_tokens if frame.max_completion_tokens is not None else frame.max_tokens
         params = sampling_params(frame, max_tokens=max_tokens, logprobs=None, stream=True, limits=st.limits)
         st.check_params(params, 1)
@@ -141,7 +141,7 @@ class _Connection:
         st.check_length(len(ids), max_tokens, "messages")
         rid = f"ws-{uuid.uuid4().hex}"
         try:
-            stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid)
+            stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid, lora)
         except AsyncEngineError as e:
             raise from_engine(e, st.engine) from None
         self.request_ids[cid] = stream.request_id

@@ -129,6 +129,17 @@ def test_responses_store_flags_fail_before_loading(capsys):
     assert info.value.code == 2 and "--responses-store-ttl" in capsys.readouterr().err
 
 
+def test_lora_modules_flag_parses_name_path_and_fails_before_loading(capsys):
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "sql=/a/b", "chat=/c"])
+    assert args.lora_modules == [("sql", "/a/b"), ("chat", "/c")]
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--enable-lora", "--lora-modules", "no-equals-sign"])
+    assert info.value.code == 2 and "name=path" in capsys.readouterr().err
+    assert main(["serve", "--lora-modules", "sql=/a/b"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-modules needs --enable-lora" in err and "loading" not in err
+
+
 # ------------------------------------------------------------------------------ repetition guard
 
 
