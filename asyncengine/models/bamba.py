@@ -91,7 +91,7 @@ class BambaForCausalLM(HybridForCausalLM):
         rope = rope_parameters(c)
         rotary_dim = self.rotary_dim(c, head_dim, rope)
         if rotary_dim:
-            self.rotary = RotaryEmbedding(rotary_dim, max_positions, rope)
+            self.rotary = RotaryEmbedding(head_dim, max_positions, rope)  # it rotates rope's partial factor itself
         kv_index, state_index = self.number_layers(self.kinds)
         layers = []
         for i, kind in enumerate(self.kinds):

@@ -15,6 +15,7 @@ import pytest
 import websockets
 
 from asyncengine.engine.validation import RequestLimits
+from asyncengine.config import EngineConfig
 from asyncengine.integrations.openai_server.security import RedactQuerySecrets, redact
 from live_server import API_KEY, HANG_GUARD_S, MODEL, LiveServer, make_engine
 
@@ -380,20 +381,27 @@ def test_serve_flags_reach_the_engine_and_the_app(monkeypatch):
                      "--max-stop-strings", "2", "--max-stop-string-chars", "10", "--max-n", "2",
                      "--allowed-hosts", "llm.internal, other", "--allowed-origins", "https://app.example",
                      "--metrics-public"]) == 0
-    assert (seen["max_num_seqs"], seen["max_queued_requests"], seen["max_queued_tokens"]) == (8, 3, 500)
-    assert seen["limits"] == RequestLimits(max_request_bytes=1000, max_prompt_chars=900, max_stop_strings=2,
-                                           max_stop_string_chars=10, max_n=2)
+    cfg = seen["engine_config"]  # serve builds its EngineConfig once, from the flags (cli.args.engine_config_of)
+    assert (cfg.max_num_seqs, cfg.max_queued_requests, cfg.max_queued_tokens) == (8, 3, 500)
+    assert cfg.limits == RequestLimits(max_request_bytes=1000, max_prompt_chars=900, max_stop_strings=2,
+                                       max_stop_string_chars=10, max_n=2)
     assert seen["allowed_hosts"] == ["llm.internal", "other"] and seen["allowed_origins"] == ["https://app.example"]
     assert seen["metrics_public"] is True
-    # flags not given are not passed: EngineConfig's own defaults apply
-    assert "tp_vocab_parallel" not in seen and "ray_placement_strategy" not in seen
+    # flags not given keep EngineConfig's own defaults
+    default = EngineConfig(model=model)
+    assert (cfg.tp_vocab_parallel, cfg.ray_placement_strategy) == (default.tp_vocab_parallel,
+                                                                    default.ray_placement_strategy)
     seen.clear()
     assert cli.main(["serve", model, "--no-tp-vocab-parallel", "--ray-placement-strategy", "STRICT_SPREAD"]) == 0
-    assert seen["tp_vocab_parallel"] is False and seen["ray_placement_strategy"] == "STRICT_SPREAD"
+    cfg = seen["engine_config"]
+    assert cfg.tp_vocab_parallel is False and cfg.ray_placement_strategy == "STRICT_SPREAD"
     seen.clear()
     assert cli.main(["serve", model]) == 0
-    assert "max_queued_requests" not in seen and seen["limits"] == RequestLimits()
-    assert cli.main(["serve", model, "--max-n", "0"]) == 2  # a bad limit is a clear error, not a traceback
+    cfg = seen["engine_config"]
+    assert cfg.max_queued_requests == default.max_queued_requests and cfg.limits == RequestLimits()
+    with pytest.raises(SystemExit) as bad:  # a bad limit is a usage error at the flags' check, not a traceback
+        cli.main(["serve", model, "--max-n", "0"])
+    assert bad.value.code == 2
 
 
 def test_413_closes_the_connection(limited):
