@@ -12,6 +12,11 @@ from asyncengine.core.block_pool import BlockPool, KVBlock, hash_block
 from asyncengine.core.request import Request
 
 
+# a table entry that holds no pool block: a sliding-window block that left the window
+# (core/sliding_window_kv_cache_manager.py). Its id is 0 so the worker's table keeps its positions;
+# the attention masks every key outside the window, so what block 0 holds is read with weight zero.
+NULL_BLOCK = KVBlock(0)
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -128,16 +133,18 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * bs
+        self.remove_skipped_blocks(req, num_computed)  # before this step's new blocks: they may reuse them
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(blocks) - len(computed)
+        in_pool = [b for b in computed if b is not NULL_BLOCK]  # a sliding hit's early entries hold none
         # hit blocks sitting in the free queue stop being free once touched
-        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+        reclaimed = sum(1 for b in in_pool if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reclaimed:
             if not blocks:
                 del self.req_to_blocks[req.request_id]
             return None
         if computed:
-            self.pool.touch(computed)
+            self.pool.touch(in_pool)
             blocks.extend(computed)
             self._num_cached_blocks[req.request_id] = len(blocks)
         new = self.pool.get_new_blocks(need) if need > 0 else []
@@ -155,7 +162,8 @@ class KVCacheManager:
             return
         self._extend_hashes(req, n_full * self.block_size)
         for i in range(start, n_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+            if blocks[i] is not NULL_BLOCK:  # async scheduling may register a block after it left the window
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
         self._num_cached_blocks[req.request_id] = n_full
         if self.on_blocks_cached is not None:
             self.on_blocks_cached(req, blocks, start, n_full)
@@ -184,7 +192,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed([b for b in blocks if b is not NULL_BLOCK]))
+
+    def remove_skipped_blocks(self, req: Request, position: int) -> None:
+        """Free the request's blocks no query at ``position`` or later reads: none under full
+        attention (the sliding-window manager overrides it)."""
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -25,14 +25,12 @@ import logging
 
 from asyncengine.contracts.kv_cache_spec import kv_cache_groups
 from asyncengine.core.block_pool import KVBlock
-from asyncengine.core.kv_cache_manager import KVCacheManager
+from asyncengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from asyncengine.core.request import Request
 from asyncengine.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# the table entry of a block that left the window: id 0 (a real block; read only under the mask)
-NULL_BLOCK = KVBlock(0)
 
 
 class SlidingWindowKVCacheManager(KVCacheManager):
@@ -80,52 +78,6 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             if runs[hit - 1] >= hit - first:
                 return [NULL_BLOCK] * first + found[first:hit], hit * self.block_size
         return [], 0
-
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
-        """As the base, after freeing what left the window before this step's first position
-        (so this step's new blocks may reuse them); hit entries that are NULL_BLOCK take nothing."""
-        bs = self.block_size
-        computed = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(computed) * bs
-        self.remove_skipped_blocks(req, num_computed)
-        total = num_computed + num_new_tokens
-        need = -(-total // bs) - len(blocks) - len(computed)
-        real = [b for b in computed if b is not NULL_BLOCK]
-        reclaimed = sum(1 for b in real if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - reclaimed:
-            if not blocks:
-                del self.req_to_blocks[req.request_id]
-            return None
-        if computed:
-            self.pool.touch(real)
-            blocks.extend(computed)
-            self._num_cached_blocks[req.request_id] = len(blocks)
-        new = self.pool.get_new_blocks(need) if need > 0 else []
-        blocks.extend(new)
-        if self.enable_caching:
-            self._cache_full_blocks(req, blocks, min(total, req.num_tokens))
-        return new
-
-    def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_tokens: int) -> None:
-        """Register the request's newly full blocks, skipping any already freed (async scheduling
-        may register a block one step late, after it left the window)."""
-        n_full = num_tokens // self.block_size
-        start = self._num_cached_blocks.get(req.request_id, 0)
-        if n_full <= start:
-            return
-        self._extend_hashes(req, n_full * self.block_size)
-        for i in range(start, n_full):
-            if blocks[i] is not NULL_BLOCK:
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
-        self._num_cached_blocks[req.request_id] = n_full
-
-    def free(self, req: Request) -> None:
-        blocks = self.req_to_blocks.pop(req.request_id, None)
-        self._num_cached_blocks.pop(req.request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed([b for b in blocks if b is not NULL_BLOCK]))
 
     def group_stats(self) -> dict:
         return {"sliding_window": self.sliding_window}
