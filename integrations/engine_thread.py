@@ -178,6 +178,23 @@ class EngineBridge:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro_fn(self.engine, *args), loop))
 
 
+async def _embed(engine, texts: list, pooling, normalize, dimensions) -> list[list[float]]:
+    return await engine.embed(texts, pooling=pooling, normalize=normalize, dimensions=dimensions)
+
+
+def embed_texts(bridge: EngineBridge, texts, pooling=None, normalize=True, dimensions=None) -> list[list[float]]:
+    """``engine.embed`` from sync code (the embedding adapters' seam); no texts, no request."""
+    texts = list(texts)
+    return bridge.call(_embed, texts, pooling, normalize, dimensions) if texts else []
+
+
+async def aembed_texts(bridge: EngineBridge, texts, pooling=None, normalize=True,
+                       dimensions=None) -> list[list[float]]:
+    """``engine.embed`` from any event loop (the engine's own or another)."""
+    texts = list(texts)
+    return await bridge.acall(_embed, texts, pooling, normalize, dimensions) if texts else []
+
+
 _engines: dict[tuple, Any] = {}
 _engines_lock = threading.Lock()
 
@@ -204,4 +221,4 @@ def close_shared_engines() -> None:
         EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
 
 
-__all__ = ["EngineBridge", "host_loop", "shared_engine", "close_shared_engines"]
+__all__ = ["EngineBridge", "host_loop", "shared_engine", "close_shared_engines", "embed_texts", "aembed_texts"]
