@@ -37,7 +37,9 @@ def encode_vector(v: list[float], fmt: str):
 async def embeddings(request: Request) -> Response:
     st = _state(request)
     req: EmbeddingRequest = await st.read_json(request, EmbeddingRequest)
-    st.check_model(req.model)
+    if st.resolve_model(req.model) is not None:  # an unknown name is 404 there
+        raise APIError(400, f"embeddings are computed by the base model `{st.model_name}`, not under a LoRA "
+                            f"adapter: name the base model", param="model")
     if req.encoding_format not in ("float", "base64"):
         raise APIError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format")
     if req.dimensions is not None and req.dimensions < 1:
