@@ -2,6 +2,7 @@
 #ifndef AE_ATTENTION_ROWS_H
 #define AE_ATTENTION_ROWS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -22,7 +23,15 @@ struct attn_rows_args {
     float *acc;           /* out: nr rows of D */
     int klo, khi;         /* keys [klo, khi) only (a split over keys) */
     float *mo, *lo_out;   /* a split's partial: acc unnormalised, row maxima and sums here */
+    float softcap;        /* > 0: each scaled score s -> softcap * tanh(s / softcap) (Gemma 2); 0: off */
 };
+
+/* Soft-cap scores [j0, j1) in place: a scalar tanhf per score, so every ISA's loop caps a score to
+ * the same bits (a vector tanh would differ per ISA); a no-op where cap is 0. */
+static inline void attn_softcap(float *s, int j0, int j1, float cap) {
+    if (cap > 0.0f)
+        for (int j = j0; j < j1; j++) s[j] = cap * tanhf(s[j] / cap);
+}
 
 /* Normalise the rows (or hand the partial's maxima and sums to the merge). */
 static inline void attn_rows_finish(const struct attn_rows_args *A, const float *m, const float *l, int D) {

@@ -61,6 +61,33 @@ def test_attention_each_level(level, hq, hk, d, bs, dtype, window):
         torch.testing.assert_close(out[q0:q0 + n].double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d,bs", [
+    (8, 4, 64, 16),  # GQA 2 on the AVX-512 loop
+    (4, 1, 96, 16),  # MQA, AVX-512 loop at a head dim that is not 64
+    (6, 2, 40, 16),  # head dim % 32 != 0: the C / AVX2 loop at every level
+])
+def test_attention_softcap_each_level(level, hq, hk, d, bs, dtype, window):
+    """Gemma 2's soft-capping (scaled scores -> cap * tanh(s / cap), before the softmax) on every
+    level's loop, against dense fp64 and the torch fallback; q is scaled up so the cap bites."""
+    q, k_cache, v_cache, seqs = make_step(hq, hk, d, bs, dtype, seed=hq + d + bs + 1)
+    q = q * 4  # scores of several units: tanh far from linear at cap 1.5
+    batch = A.PagedBatch.build(seqs, bs)
+    scale, cap = d ** -0.5, 1.5
+    out, plain, ref = (torch.empty(q.shape, dtype=dtype) for _ in range(3))
+    A.paged_attention(q, k_cache, v_cache, batch, scale, out, window, softcap=cap)
+    A.paged_attention(q, k_cache, v_cache, batch, scale, plain, window)
+    A.paged_attention_torch(q, k_cache, v_cache, batch, scale, ref, window, softcap=cap)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for q0, n, c, blocks in seqs:
+        want = dense(q[q0:q0 + n], cached(k_cache, blocks, c + n, bs), cached(v_cache, blocks, c + n, bs), c,
+                     scale, window, softcap=cap)
+        torch.testing.assert_close(out[q0:q0 + n].double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    assert (out.float() - plain.float()).abs().max() > 0.1  # the cap changed the result
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_their_batch(level, dtype):
     """A sequence's rows get the same bits alone as among others (the batch-invariant mode relies on
