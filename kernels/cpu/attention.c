@@ -124,7 +124,13 @@ static inline __attribute__((always_inline)) void attn_rows(
                     s[j] = dot;
                 }
             }
-            attn_softcap(s, j0, j1, cap);
+            if (cap > 0.0f) { /* Gemma 2: the same bits on every ISA (attention_rows.h, simd.h) */
+                int j = j0;
+#ifdef __AVX2__
+                for (; ATTN_AVX2 && j + 8 <= j1; j += 8) _mm256_storeu_ps(s + j, ae_softcap8(_mm256_loadu_ps(s + j), cap));
+#endif
+                for (; j < j1; j++) s[j] = attn_softcap1(s[j], cap);
+            }
             for (int j = j0; j < j1; j++) mx = s[j] > mx ? s[j] : mx;
             float mnew = mx > m[r] ? mx : m[r];
             float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
