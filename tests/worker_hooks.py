@@ -74,6 +74,11 @@ def attention_windows(worker) -> list:
     return [layer.self_attn.sliding_window for layer in worker.model.layers]
 
 
+def attention_kernels(worker) -> bool:
+    """Whether the cpu backend attends in its C kernels (False: it fell back to the torch path)."""
+    return bool(getattr(worker.runner.attn_backend, "kernels", False))
+
+
 def runner_of(worker):
     """The worker's model runner (in-process executors only: the object itself comes back)."""
     return worker.runner

@@ -44,6 +44,7 @@ class CpuAttentionMetadata:
 class CpuBackend(AttentionBackend):
     name = "cpu"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,12 +58,7 @@ class CpuBackend(AttentionBackend):
                         "running the torch backend's attention", self._why_not())
 
     def prepare_softcap(self, cap: float) -> None:
-        """The C kernel does not soft-cap: a soft-capping model (Gemma 2) runs the torch backend's
-        attention, whose metadata then routes every layer there."""
-        if self.kernels:
-            log.info("attention_backend='cpu': the C kernel has no soft-capping (cap %s); running the torch "
-                     "backend's attention", cap)
-        self.kernels = self.supports_batch_invariant = False
+        pass  # forward takes softcap: the C kernel caps each score (and long prefills the torch path)
 
     def _why_not(self) -> str:
         if self.device.type != "cpu":
@@ -94,15 +90,15 @@ class CpuBackend(AttentionBackend):
                                     paged=kernel.PagedBatch.build(short, bs), prefills=prefills,
                                     num_decodes=batch.num_decodes, backend=self)
 
-    def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, sliding_window: int | None = None
-                ) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, sliding_window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype)
         kernel.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.paged, self.scale, out,
-                                sliding_window)
+                                sliding_window, softcap)
         if meta.prefills:
             tb = self.torch_backend
-            impl = tb.impl if sliding_window is None else tb._windowed(sliding_window)
+            impl = tb.impl if sliding_window is None and softcap is None else tb._windowed(sliding_window, softcap)
             for ch in meta.prefills:
                 a, b = ch.q_start, ch.q_end
                 out[a:b] = impl._prefill(q[a:b], k[a:b], v[a:b], k_cache, v_cache, ch)

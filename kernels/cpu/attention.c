@@ -78,7 +78,7 @@ static inline __m256 attn_dot8(const float *q, const void *kb, long j0, int D, i
 static inline __attribute__((always_inline)) void attn_rows(
         const float *qf, const int *qpos, int nr, const void *kc, const void *vc, const int32_t *table,
         long head_off, int bs, int D, int bf16, int window, float *acc, int klo, int khi, float *mo,
-        float *lo_out, int isa) {
+        float *lo_out, int isa, float cap) {
     float m[AE_ATTN_ROW_TILE], l[AE_ATTN_ROW_TILE];
     float s[AE_ATTN_MAX_BS];
     int pmin = 1 << 30, pmax = -1;
@@ -123,6 +123,13 @@ static inline __attribute__((always_inline)) void attn_rows(
                     for (int d = 0; d < D; d++) dot += q[d] * attn_load(kb, (long)j * D + d, bf16);
                     s[j] = dot;
                 }
+            }
+            if (cap > 0.0f) { /* Gemma 2: the same bits on every ISA (attention_rows.h, simd.h) */
+                int j = j0;
+#ifdef __AVX2__
+                for (; ATTN_AVX2 && j + 8 <= j1; j += 8) _mm256_storeu_ps(s + j, ae_softcap8(_mm256_loadu_ps(s + j), cap));
+#endif
+                for (; j < j1; j++) s[j] = attn_softcap1(s[j], cap);
             }
             for (int j = j0; j < j1; j++) mx = s[j] > mx ? s[j] : mx;
             float mnew = mx > m[r] ? mx : m[r];
@@ -172,7 +179,7 @@ static inline __attribute__((always_inline)) void attn_rows(
 static inline __attribute__((always_inline)) void attn_item(
         const void *q, long q_stride, void *out, const void *kc, const void *vc, const int32_t *table,
         int qstart, int ctx, int h, int r0, int r1, int g, int Hkv, int NB, int bs, int D, float scale,
-        int window, int bf16, int klo, int khi, float *part, int isa) {
+        int window, int bf16, int klo, int khi, float *part, int isa, float softcap) {
     float qf[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     uint16_t qb[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
     float acc[AE_ATTN_ROW_TILE * AE_ATTN_MAX_D];
@@ -188,9 +195,10 @@ static inline __attribute__((always_inline)) void attn_item(
     }
     struct attn_rows_args A = {qf, bf16 ? qb : NULL, scale, qpos, nr, kc, vc, table, (long)h * NB * bs * D, bs, D,
                                window, part ? part : acc, klo, khi, part ? part + (long)nr * D : NULL,
-                               part ? part + (long)nr * D + nr : NULL};
+                               part ? part + (long)nr * D + nr : NULL, softcap};
     if (!attn_rows_avx512(&A, bf16, isa))
-        attn_rows(qf, qpos, nr, kc, vc, table, A.head_off, bs, D, bf16, window, A.acc, klo, khi, A.mo, A.lo_out, isa);
+        attn_rows(qf, qpos, nr, kc, vc, table, A.head_off, bs, D, bf16, window, A.acc, klo, khi, A.mo, A.lo_out, isa,
+                  softcap);
     if (part) return;
     for (int r = 0; r < nr; r++) {
         int row = r0 + r, i = row / g, head = h * g + row % g;
@@ -271,13 +279,14 @@ static inline int attn_owner(const long *first, int n, long i) {
  *   block_ids[block_starts[s] .. block_starts[s+1]))
  *   query_starts, query_lens, context_lens: per sequence (context = tokens cached before its rows;
  *   this step's keys are already in the cache)
- *   window: sliding window (0 = none); bf16: q, out and cache are bfloat16 (else float32)
+ *   window: sliding window (0 = none); softcap: scaled scores -> softcap * tanh(s / softcap) before the
+ *   softmax (Gemma 2; 0 = none); bf16: q, out and cache are bfloat16 (else float32)
  *   parallel: run the items over the OpenMP threads (the caller decides: small steps stay serial)
  */
 void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache, const void *v_cache,
                    const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
                    const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
-                   int D, int NB, int bs, float scale, int window, int bf16, int parallel) {
+                   int D, int NB, int bs, float scale, int window, float softcap, int bf16, int parallel) {
     int g = Hq / Hkv;
     /* items: per sequence, Hkv x ceil(rows / tile) x splits; count them, then index through sums */
     long groups = 0;
@@ -338,7 +347,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
             /* constant head dims and cache type, so the compiler specialises attn_item's loops */
 #define AE_ATTN_CALL(DIM, BF16) attn_item(q, q_stride, out, k_cache, v_cache, table, query_starts[s], \
                                           context_lens[s], h, r0, r1, g, Hkv, NB, bs, DIM, scale, window, BF16, \
-                                          klo, khi, part, isa)
+                                          klo, khi, part, isa, softcap)
             if (D == 64) { if (bf16) AE_ATTN_CALL(64, 1); else AE_ATTN_CALL(64, 0); }
             else if (D == 128) { if (bf16) AE_ATTN_CALL(128, 1); else AE_ATTN_CALL(128, 0); }
             else { if (bf16) AE_ATTN_CALL(D, 1); else AE_ATTN_CALL(D, 0); }
@@ -388,9 +397,10 @@ void ae_attn_write_and_attend(const void *k, long k_stride, const void *v, long 
                               int T, const void *q, long q_stride, void *out, void *k_cache, void *v_cache,
                               const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
                               const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
-                              int D, int NB, int bs, float scale, int window, int bf16, int parallel) {
+                              int D, int NB, int bs, float scale, int window, float softcap, int bf16,
+                              int parallel) {
     ae_attn_write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, T, Hkv, D, NB, bs, bf16 ? 2 : 4);
     if (num_seqs > 0)
         ae_attn_paged(q, q_stride, out, k_cache, v_cache, block_ids, block_starts, query_starts, query_lens,
-                      context_lens, num_seqs, Hq, Hkv, D, NB, bs, scale, window, bf16, parallel);
+                      context_lens, num_seqs, Hq, Hkv, D, NB, bs, scale, window, softcap, bf16, parallel);
 }

@@ -17,10 +17,10 @@ from asyncengine.kernels.cpu.build import LazyBinding
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "ae_attn_paged": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
+    "ae_attn_paged": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _I, _I],
     "ae_attn_write_kv": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _I, _L, _I, _I],
     "ae_attn_write_and_attend": [_P, _L, _P, _L, _P, _I, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
-                                 _I, _I, _F, _I, _I, _I],
+                                 _I, _I, _F, _I, _F, _I, _I],
     "ae_attn_set_split": [_I],
 }
 MAX_HEAD_DIM = 512  # the kernel's per-thread buffers (attention.c AE_ATTN_MAX_D)
@@ -104,10 +104,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                    scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
+                    scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                    softcap: float | None = None) -> None:
     """Attend the rows of ``batch``'s sequences: q [T, Hq, D] (tokens any stride), written into the
     same rows of ``out`` ([T, Hq, D], contiguous); other rows of out are left alone. The step's own
-    keys must already be in the cache (:func:`write_kv`)."""
+    keys must already be in the cache (:func:`write_kv`). ``softcap`` (Gemma 2): scaled scores
+    -> ``softcap * tanh(s / softcap)`` before the softmax."""
     fns = _lib()
     hk, nb, bs, d = k_cache.shape
     hq = q.shape[1]
@@ -115,20 +117,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
           and q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and k_cache.is_contiguous()
           and v_cache.is_contiguous() and hq % hk == 0)
     if not ok:
-        paged_attention_torch(q, k_cache, v_cache, batch, scale, out, sliding_window)
+        paged_attention_torch(q, k_cache, v_cache, batch, scale, out, sliding_window, softcap)
         return
     if batch.num_seqs == 0:
         return
     fns["ae_attn_paged"](q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                          batch.block_ids.data_ptr(), batch.block_starts.data_ptr(), batch.query_starts.data_ptr(),
                          batch.query_lens.data_ptr(), batch.context_lens.data_ptr(), batch.num_seqs, hq, hk, d, nb,
-                         bs, scale, sliding_window or 0, int(q.dtype == torch.bfloat16),
+                         bs, scale, sliding_window or 0, softcap or 0.0, int(q.dtype == torch.bfloat16),
                          int(batch.work * hq * d >= PARALLEL_MIN_WORK))
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, batch: PagedBatch, scale: float,
-                     out: torch.Tensor, sliding_window: int | None = None) -> None:
+                     out: torch.Tensor, sliding_window: int | None = None, softcap: float | None = None) -> None:
     """:func:`write_kv` then :func:`paged_attention`, in one C call where both apply (a layer's
     attention costs one crossing into C)."""
     fns = _lib()
@@ -142,19 +144,20 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
           and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and hq % hk == 0)
     if not ok:
         write_kv(k, v, k_cache, v_cache, slot_mapping)
-        paged_attention(q, k_cache, v_cache, batch, scale, out, sliding_window)
+        paged_attention(q, k_cache, v_cache, batch, scale, out, sliding_window, softcap)
         return
     fns["ae_attn_write_and_attend"](
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), k.shape[0],
         q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         batch.block_ids.data_ptr(), batch.block_starts.data_ptr(), batch.query_starts.data_ptr(),
         batch.query_lens.data_ptr(), batch.context_lens.data_ptr(), batch.num_seqs, hq, hk, d, nb, bs, scale,
-        sliding_window or 0, int(dt == torch.bfloat16), int(batch.work * hq * d >= PARALLEL_MIN_WORK))
+        sliding_window or 0, softcap or 0.0, int(dt == torch.bfloat16), int(batch.work * hq * d >= PARALLEL_MIN_WORK))
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                          scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
-    """The same attention, one sequence at a time: gather its blocks, mask, softmax in fp32."""
+                          scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                          softcap: float | None = None) -> None:
+    """The same attention, one sequence at a time: gather its blocks, (soft-cap,) mask, softmax in fp32."""
     hk, nb, bs, d = k_cache.shape
     hq = q.shape[1]
     g = hq // hk
@@ -168,6 +171,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         vals = v_cache[:, blocks].reshape(hk, -1, d)[:, :total].float()
         qs = q[q0:q0 + n].float().view(n, hk, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
         scores = torch.matmul(qs, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, g, n, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(ctx, total).view(n, 1)
         key = torch.arange(total).view(1, total)
         hidden = key > pos

@@ -63,6 +63,7 @@ static inline RA_TGT __attribute__((always_inline)) void RA_FN(const struct attn
 #else
                 __m512 s = qk16_f32(A->qf + (long)r * D, kg[c >> 4], D, bf16);
 #endif
+                if (A->softcap > 0.0f) s = ae_softcap16(s, A->softcap); /* Gemma 2: same bits as the C loop */
                 int a = j0 > c ? j0 - c : 0, e = j1 - c < 16 ? j1 - c : 16;
                 __mmask16 mk = (__mmask16)(((1u << e) - 1u) & ~((1u << a) - 1u));
                 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk, s);

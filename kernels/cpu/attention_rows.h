@@ -2,6 +2,7 @@
 #ifndef AE_ATTENTION_ROWS_H
 #define AE_ATTENTION_ROWS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -22,7 +23,46 @@ struct attn_rows_args {
     float *acc;           /* out: nr rows of D */
     int klo, khi;         /* keys [klo, khi) only (a split over keys) */
     float *mo, *lo_out;   /* a split's partial: acc unnormalised, row maxima and sums here */
+    float softcap;        /* > 0: each scaled score s -> softcap * tanh(s / softcap) (Gemma 2); 0: off */
 };
+
+/* An optimisation barrier on a float: it must be rounded as written, not fused (-ffp-contract=fast). */
+#if defined(__x86_64__) || defined(__i386__)
+#define AE_FP_BARRIER(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define AE_FP_BARRIER(v) __asm__("" : "+w"(v))
+#else
+#define AE_FP_BARRIER(v) __asm__("" : "+m"(v))
+#endif
+
+/* One score soft-capped: cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), exp by the Cephes
+ * polynomial of simd.h's ae_exp8/ae_exp16 step for step (fmaf where they fuse), so the scalar loop
+ * and the vector loops (simd.h ae_softcap8/16) give the same bits. Absolute error ~1e-7 * cap. */
+static inline float attn_softcap1(float s, float cap) {
+    float x = s / cap;
+    x = x + x;
+    x = x < 88.3762626647949f ? x : 88.3762626647949f;
+    x = x > -88.3762626647949f ? x : -88.3762626647949f;
+    float fx = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
+    x = fmaf(-fx, 0.693359375f, x);
+    x = fmaf(-fx, -2.12194440e-4f, x);
+    float y = 1.9875691500E-4f;
+    y = fmaf(y, x, 1.3981999507E-3f);
+    y = fmaf(y, x, 8.3334519073E-3f);
+    y = fmaf(y, x, 4.1665795894E-2f);
+    y = fmaf(y, x, 1.6666665459E-1f);
+    y = fmaf(y, x, 5.0000001201E-1f);
+    float xx = x * x;
+    y = fmaf(y, xx, x + 1.0f);
+    uint32_t bits = (uint32_t)((int)fx + 127) << 23;
+    float p2;
+    memcpy(&p2, &bits, 4);
+    float e = y * p2;
+    AE_FP_BARRIER(e); /* no fma of this multiply into the add below */
+    float r = cap * (1.0f - 2.0f / (e + 1.0f));
+    AE_FP_BARRIER(r);
+    return r;
+}
 
 /* Normalise the rows (or hand the partial's maxima and sums to the merge). */
 static inline void attn_rows_finish(const struct attn_rows_args *A, const float *m, const float *l, int D) {

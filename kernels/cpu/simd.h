@@ -102,6 +102,29 @@ static inline AE_TGT_AVX512 __m512 ae_round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* Soft-capping cap * tanh(s / cap) on 8 / 16 lanes, tanh(x) = 1 - 2 / (exp(2x) + 1) with the exp
+ * above: the same operations as attention_rows.h's scalar attn_softcap1, so every ISA caps a score
+ * to the same bits (the empty asm keeps -ffp-contract from fusing exp's last multiply into the add). */
+static inline AE_TGT_AVX2 __m256 ae_softcap8(__m256 s, float cap) {
+    __m256 c = _mm256_set1_ps(cap), x = _mm256_div_ps(s, c);
+    __m256 e = ae_exp8(_mm256_add_ps(x, x));
+    __asm__("" : "+x"(e));
+    __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    __m256 r = _mm256_mul_ps(c, t);
+    __asm__("" : "+x"(r));
+    return r;
+}
+
+static inline AE_TGT_AVX512 __m512 ae_softcap16(__m512 s, float cap) {
+    __m512 c = _mm512_set1_ps(cap), x = _mm512_div_ps(s, c);
+    __m512 e = ae_exp16(_mm512_add_ps(x, x));
+    __asm__("" : "+v"(e));
+    __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    __m512 r = _mm512_mul_ps(c, t);
+    __asm__("" : "+v"(r));
+    return r;
+}
+
 static inline AE_TGT_AVX512 float ae_hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 static inline AE_TGT_AVX2 float ae_hsum8(__m256 v) {

@@ -30,7 +30,7 @@ void ae_attn_write_and_attend(const void *k, long k_stride, const void *v, long 
                               int T, const void *q, long q_stride, void *out, void *k_cache, void *v_cache,
                               const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
                               const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
-                              int D, int NB, int bs, float scale, int window, int bf16, int parallel);
+                              int D, int NB, int bs, float scale, int window, float softcap, int bf16, int parallel);
 
 /* One decoder layer's weights and KV cache (the Python side fills an array of these once). */
 typedef struct {
@@ -93,7 +93,7 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
         ae_attn_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n, att,
                                  L->k_cache, L->v_cache, b->block_ids, b->block_starts, b->query_starts,
                                  b->query_lens, b->context_lens, b->num_seqs, Hq, Hkv, D, dm->num_blocks,
-                                 dm->block_size, dm->scale, L->window, 0, b->attn_parallel);
+                                 dm->block_size, dm->scale, L->window, 0.0f, 0, b->attn_parallel);
         rc |= gemm(L->act_int8, L->o_type, att, T, q_size, L->o, H, NULL, x, nt);
         ae_ops_add_rms_norm(x, res, res, h, L->post_norm, T, H, dm->eps, 0, 0);
         rc |= gemm(L->act_int8, L->gate_up_type, h, T, H, L->gate_up, 2 * I, NULL, gu, nt);

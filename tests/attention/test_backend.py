@@ -1,6 +1,6 @@
-"""The backend seam's soft-capping contract (Gemma 2): torch caps, cpu falls back to the torch
-path (its C kernel has none), a backend without it refuses at start with a ConfigError; and the
-torch path's capped, windowed prefill equals a dense reference."""
+"""The backend seam's soft-capping contract (Gemma 2): torch and cpu (in its C kernel) cap, a
+backend without it refuses at start with a ConfigError; and both paths' capped, windowed attention
+equals a dense reference."""
 from __future__ import annotations
 
 import pytest
@@ -16,12 +16,12 @@ SHAPES = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, num_blocks
               device=torch.device("cpu"))
 
 
-def test_cpu_falls_back_to_torch_for_softcap():
+def test_cpu_keeps_its_kernel_for_softcap():
     b = CpuBackend(**SHAPES)
     b.prepare_softcap(50.0)
-    assert not b.kernels and not b.supports_batch_invariant
+    assert b.kernels and b.supports_batch_invariant  # no fallback to the torch path
     meta = b.build_metadata(StepBatch([SeqChunk(0, 3, 0, [0])], [0, 1, 2]))
-    assert isinstance(meta.backend, TorchBackend)  # every layer goes to the torch path
+    assert meta.backend is b
 
 
 def test_a_backend_without_softcap_refuses():
@@ -29,14 +29,20 @@ def test_a_backend_without_softcap_refuses():
         TritonBackend.prepare_softcap(object.__new__(TritonBackend), 50.0)
 
 
+@pytest.mark.parametrize("cls,long_prefill", [(TorchBackend, False), (CpuBackend, False), (CpuBackend, True)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_torch_softcap_and_window_match_dense(window):
+def test_softcap_and_window_match_dense(window, cls, long_prefill, monkeypatch):
+    """The cpu backend caps in C, and in the torch path for chunks past its kernel's query length."""
+    if long_prefill:
+        monkeypatch.setattr("asyncengine.attention.cpu_backend.KERNEL_MAX_QUERY_LEN", 4)
     torch.manual_seed(0)
-    b = TorchBackend(**SHAPES)
+    b = cls(**SHAPES)
     n, cap = 11, 2.0
     q, k, v = torch.randn(n, 4, 16) * 3, torch.randn(n, 2, 16), torch.randn(n, 2, 16)
     caches = b.allocate_kv_caches(1)[0]
     meta = b.build_metadata(StepBatch([SeqChunk(0, n, 0, [0, 1, 2])], list(range(n))))
+    if cls is CpuBackend:
+        assert b.kernels and len(meta.prefills) == int(long_prefill)  # C kernel, or the torch prefill path
     out = b.forward(q, k, v, caches, meta, window, softcap=cap).view(n, 4, 16)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, kk) * b.scale

@@ -61,6 +61,33 @@ def test_attention_each_level(level, hq, hk, d, bs, dtype, window):
         torch.testing.assert_close(out[q0:q0 + n].double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d,bs", [
+    (8, 4, 64, 16),  # GQA 2 on the AVX-512 loop
+    (4, 1, 96, 16),  # MQA, AVX-512 loop at a head dim that is not 64
+    (6, 2, 40, 16),  # head dim % 32 != 0: the C / AVX2 loop at every level
+])
+def test_attention_softcap_each_level(level, hq, hk, d, bs, dtype, window):
+    """Gemma 2's soft-capping (scaled scores -> cap * tanh(s / cap), before the softmax) on every
+    level's loop, against dense fp64 and the torch fallback; q is scaled up so the cap bites."""
+    q, k_cache, v_cache, seqs = make_step(hq, hk, d, bs, dtype, seed=hq + d + bs + 1)
+    q = q * 4  # scores of several units: tanh far from linear at cap 1.5
+    batch = A.PagedBatch.build(seqs, bs)
+    scale, cap = d ** -0.5, 1.5
+    out, plain, ref = (torch.empty(q.shape, dtype=dtype) for _ in range(3))
+    A.paged_attention(q, k_cache, v_cache, batch, scale, out, window, softcap=cap)
+    A.paged_attention(q, k_cache, v_cache, batch, scale, plain, window)
+    A.paged_attention_torch(q, k_cache, v_cache, batch, scale, ref, window, softcap=cap)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for q0, n, c, blocks in seqs:
+        want = dense(q[q0:q0 + n], cached(k_cache, blocks, c + n, bs), cached(v_cache, blocks, c + n, bs), c,
+                     scale, window, softcap=cap)
+        torch.testing.assert_close(out[q0:q0 + n].double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    assert (out.float() - plain.float()).abs().max() > 0.1  # the cap changed the result
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_their_batch(level, dtype):
     """A sequence's rows get the same bits alone as among others (the batch-invariant mode relies on
@@ -180,3 +207,53 @@ def test_set_isa_refuses_what_the_cpu_cannot_run():
         with pytest.raises(ValueError, match="cannot execute"):
             isa.set_isa(isa.ISAS[best + 1])
     assert isa.set_isa("auto") == isa.cpu_isa()
+
+
+_CAP_HARNESS = r"""
+#include <math.h>
+#include <stdio.h>
+#include "attention_rows.h"
+#include "simd.h"
+int main(void) {
+    long bad8 = 0, bad16 = 0;
+    double worst = 0;
+    const float caps[] = {50.0f, 30.0f, 5.0f, 1.5f};
+    for (int ci = 0; ci < 4; ci++) {
+        const float cap = caps[ci];
+        for (long i = 0; i < 400000; i += 16) {
+            float in[16], o8[16], o16[16];
+            for (int k = 0; k < 16; k++) in[k] = ((float)(i + k) - 200000.0f) * 2.5e-5f * cap * (ci + 1);
+            _mm256_storeu_ps(o8, ae_softcap8(_mm256_loadu_ps(in), cap));
+            _mm256_storeu_ps(o8 + 8, ae_softcap8(_mm256_loadu_ps(in + 8), cap));
+            _mm512_storeu_ps(o16, ae_softcap16(_mm512_loadu_ps(in), cap));
+            for (int k = 0; k < 16; k++) {
+                const float s = attn_softcap1(in[k], cap);
+                bad8 += s != o8[k];
+                bad16 += s != o16[k];
+                const double err = fabs((double)s - cap * tanh((double)in[k] / cap)) / cap;
+                worst = err > worst ? err : worst;
+            }
+        }
+    }
+    printf("%ld %ld %g\n", bad8, bad16, worst);
+    return 0;
+}
+"""
+
+
+def test_softcap_same_bits_on_every_loop(tmp_path):
+    """The soft-cap of the scalar loop (attention_rows.h) and of the AVX2 / AVX-512 loops (simd.h)
+    give the same bits for every score, built with the kernels' own flags, and stay within 1e-6 of
+    cap * tanh(s / cap) relative to the cap."""
+    if isa.ISAS.index(isa.cpu_isa()) < isa.ISAS.index("avx512_vnni"):
+        pytest.skip(f"this CPU runs at most {isa.cpu_isa()}: the harness runs the AVX-512 loop")
+    src = tmp_path / "cap.c"
+    src.write_text(_CAP_HARNESS)
+    flags = [f for f in build._flags() if f not in ("-shared", "-fPIC", "-fopenmp")]
+    cc = subprocess.run([build._compiler(), *flags, f"-I{build.SOURCE_DIR}", str(src), "-o", str(tmp_path / "cap"),
+                         "-lm"], capture_output=True, text=True, timeout=300)
+    assert cc.returncode == 0, cc.stderr
+    bad8, bad16, worst = subprocess.run([str(tmp_path / "cap")], capture_output=True, text=True,
+                                        timeout=300, check=True).stdout.split()
+    assert (int(bad8), int(bad16)) == (0, 0)
+    assert float(worst) < 1e-6

@@ -26,13 +26,16 @@ def kernels_built():
         pytest.fail(f"the CPU kernels did not build here: {build.build_error()}", pytrace=False)
 
 
-def dense(q, keys, vals, ctx, scale, window):
-    """q: [n, Hq, D] at positions ctx.., keys/vals: [ctx + n, Hkv, D]; causal (and windowed), fp64."""
+def dense(q, keys, vals, ctx, scale, window, softcap=None):
+    """q: [n, Hq, D] at positions ctx.., keys/vals: [ctx + n, Hkv, D]; causal (and windowed, and
+    soft-capped: scores -> softcap * tanh(scores / softcap)), fp64."""
     n, hq, d = q.shape
     total, hk = keys.shape[0], keys.shape[1]
     g = hq // hk
     kd, vd = keys.double().repeat_interleave(g, 1), vals.double().repeat_interleave(g, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kd) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(ctx, total)[:, None]
     key = torch.arange(total)[None, :]
     allowed = key <= pos

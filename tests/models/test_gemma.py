@@ -4,8 +4,8 @@ Tiny random checkpoints (model_utils.ARCHS): a sliding layer (window 16, shorter
 3-60-token prompts plus outputs) then a global one, each with its own rope base; a score scale
 from ``query_pre_attn_scalar`` that is not ``head_dim ** -0.5``; Gemma 3's q/k norms; Gemma 2's
 attention and final-logit soft-caps (small enough to change tokens). The regimes of test_parity.py
-(a batch, chunked prefill, preemption) on the cpu backend (Gemma 2 falls back to the torch path
-there: the C kernel does not soft-cap) and the torch backend; prefix-cache hits and n > 1.
+(a batch, chunked prefill, preemption) on the cpu backend (its C kernel soft-caps Gemma 2's scores:
+no fallback to the torch path) and the torch backend; prefix-cache hits and n > 1.
 """
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_parity(arch, backend, regime, tiny_model_dir, tiny_reference):
     requests, refs = tiny_reference(arch)
     llm = LLM(tiny_model_dir(arch), dtype="float32", attention_backend=backend, **REGIMES[regime])
-    from worker_hooks import attention_windows
+    from worker_hooks import attention_kernels, attention_windows
 
     assert llm.engine.collective_rpc(attention_windows)[0] == [16, None]
+    if backend == "cpu":  # the C kernels attend (Gemma 2 soft-caps there), no torch fallback
+        assert llm.engine.collective_rpc(attention_kernels)[0] is True
     counts = record(f"{arch}/{backend}/{regime}", compare(run(llm, requests), refs))
     assert counts["exact"] + counts["near_tie"] == len(requests)
     if regime == "preempt":
