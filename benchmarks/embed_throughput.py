@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from single_stream import cpu_info  # the CPU model and SIMD flags, as every benchmark records them
+
 import torch
 import transformers
 
@@ -88,6 +90,7 @@ def main() -> int:
                 rates[name].append(args.batch * args.batches / (time.perf_counter() - t))
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"BERT {args.hidden}x{args.layers}, batch {args.batch}, {args.threads} threads, {args.rounds} rounds")
+    print(f"  cpu {json.dumps(cpu_info())}")
     for k, v in rates.items():
         print(f"  {k:22s} median {med[k]:8.1f} emb/s  spread {min(v):.1f}..{max(v):.1f}")
     print(f"  ratio (ours/st medians) {med['asyncengine'] / med['sentence-transformers']:.2f}x;"

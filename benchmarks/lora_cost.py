@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
+
+from single_stream import cpu_info  # the CPU model and SIMD flags, as every benchmark records them
 
 
 def make_adapters(model_dir: str, out: str, n: int, rank: int) -> list[str]:
@@ -71,7 +72,7 @@ def main() -> None:
     print(json.dumps({"model": a.model, "batch": a.batch, "adapters": a.adapters, "rank": a.rank,
                       "dtype": a.dtype, "base_ms_per_step": round(base_s * 1e3, 2),
                       "lora_ms_per_step": round(lora_s * 1e3, 2), "ratio": round(lora_s / base_s, 2),
-                      "cpu": platform.processor() or platform.machine()}))
+                      "cpu": cpu_info()}))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
+
+from single_stream import cpu_info  # the CPU model and SIMD flags, as every benchmark records them
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ def main() -> None:
         rows["batch64_loop_ms"] = timed(lambda: loop_moe(moe, x64), a.reps) * 1e3
     rows["batch1_ratio"] = rows["batch1_moe_ms"] / rows["batch1_dense_same_active_ms"]
     rows["batch64_speedup"] = rows["batch64_loop_ms"] / rows["batch64_grouped_ms"]
-    result = {"config": vars(a), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+    result = {"config": vars(a), "cpu": cpu_info(), "torch": torch.__version__,
               **{k2: round(v, 4) for k2, v in rows.items()}}
     print(json.dumps(result, indent=1))
     if a.out:
