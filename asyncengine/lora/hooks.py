@@ -3,7 +3,8 @@
 to that adapter's rows, grouped (grouped.py). The model's own code is unchanged; a step with
 adapters goes the torch path (the native C decode step takes no adapters: ``lora_active``).
 
-Not yet: tensor or pipeline parallelism (the adapters would need the base weights' shards)."""
+Under tensor parallelism each rank holds its slice of every adapter (sharding.py); not yet under
+pipeline parallelism."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from asyncengine.errors import ConfigError
 from asyncengine.lora.grouped import add_lora, row_groups
 from asyncengine.lora.peft_adapter import LoRAAdapter, load_peft_adapter
+from asyncengine.lora.sharding import full_shapes, shard_adapter
 from asyncengine.lora.slots import LinearSlots, LoRASlots
 
 # (block, fused layer, the PEFT modules fused into it, in their output order)
@@ -24,8 +26,8 @@ class LoRAModel:
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        if getattr(getattr(model, "tp", None), "size", 1) > 1 or not getattr(getattr(model, "pp", None), "is_last", True):
-            raise ConfigError("LoRA adapters do not run under tensor or pipeline parallelism yet")
+        if getattr(getattr(model, "pp", None), "size", 1) > 1:
+            raise ConfigError("LoRA adapters do not run under pipeline parallelism yet")
         if not hasattr(model, "lora_active"):
             raise ConfigError(f"LoRA adapters run on Llama-family models only, not {type(model).__name__}")
         self.model, self.max_lora_rank = model, max_lora_rank
@@ -44,6 +46,9 @@ class LoRAModel:
                 lin.register_forward_hook(self._hook(ls))
                 layers.append(ls)
         self.slots = LoRASlots(layers, max_loras, max_cpu_loras or max_loras)
+        self.sharded = getattr(getattr(model, "tp", None), "size", 1) > 1
+        if self.sharded:  # adapters are checked whole, then cut as the base weights are
+            self.shapes = full_shapes(model)
 
     def _hook(self, ls: LinearSlots):
         def hook(module, inputs, out):
@@ -55,6 +60,8 @@ class LoRAModel:
     def load(self, name: str, lora_id: int, path: str) -> LoRAAdapter:
         """Read, check and keep an adapter in host memory (ConfigError if it does not fit this model)."""
         adapter = load_peft_adapter(name, lora_id, path, self.shapes, self.max_lora_rank)
+        if self.sharded:
+            adapter = shard_adapter(adapter, self.model)
         self.slots.add(adapter)
         return adapter
 
