@@ -193,3 +193,21 @@ def test_update_weights_in_place(arch, tiny_model_dir, tiny_reference):
         assert run(llm, requests) == want_a
         llm.update_weights(b)
         assert run(llm, requests) == fresh_b
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_update_weights_on_tensor_and_expert_parallel_ranks(ep, tiny_model_dir):
+    """TP=2 (each rank a column slice of every expert) or TP=2 + EP (4 whole experts each): the
+    fused transformers tensors and the shared expert are cut per rank; tokens as one rank on B (Qwen2-MoE)."""
+    a, b = tiny_model_dir("qwen2_moe"), tiny_model_dir("qwen2_moe", seed=1)
+    requests = [([5, 6, 7, 8, 9], 6), ([11, 12], 5)]
+    with LLM(b, dtype="float32", **REGIMES["generous"]) as llm:
+        want_b = run(llm, requests)
+    with LLM(a, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+             enable_expert_parallel=ep, num_threads=1, **REGIMES["generous"]) as llm:
+        want_a = run(llm, requests)
+        assert want_a != want_b
+        llm.update_weights(_hf_state_dict(b))
+        assert run(llm, requests) == want_b
+        llm.update_weights(a)
+        assert run(llm, requests) == want_a
