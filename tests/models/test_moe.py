@@ -166,7 +166,7 @@ def _hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_update_weights_in_place(arch, tiny_model_dir, tiny_reference):
     """Load A, update_weights with B's tensors (transformers' state_dict, then A's and B's files by
     path): the tokens equal a fresh engine on B and transformers on B; a partial update of one
