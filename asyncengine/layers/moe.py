@@ -129,6 +129,24 @@ class SparseMoE(nn.Module):
             dst.copy_(tensor)
         self._filled.add((expert, kind))
 
+    # an expert tensor as a part of ``w13`` / ``w2`` (the in-place weight update's key for it)
+    _PARTS = ("gate", "up", "down")
+
+    def part_of(self, expert: int, kind: str) -> int:
+        return 3 * expert + self._PARTS.index(kind)
+
+    def part_shape(self, part: int) -> tuple[int, int]:
+        """The shape this rank holds of the expert tensor :meth:`part_of` numbered ``part``."""
+        return (self.hidden, self.shard.inter) if part % 3 == 2 else (self.shard.inter, self.hidden)
+
+    def load_part(self, part: int, tensor: torch.Tensor) -> None:
+        """:meth:`load_expert` of an already-sliced tensor named by its :meth:`part_of` number."""
+        self.load_expert(part // 3, self._PARTS[part % 3], tensor, True)
+
+    def parts_complete(self, parts: set[int]) -> bool:
+        kinds = (0, 1, 2) if self.gated else (1, 2)
+        return all(3 * e + k in parts for e in range(self.shard.expert_start, self.shard.expert_stop) for k in kinds)
+
     def load_stacked(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """All experts at once, stacked as [E, 2I, H] ([gate | up]) and [E, H, I] (Granite)."""
         i = self.full_inter

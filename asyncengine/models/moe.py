@@ -31,6 +31,8 @@ from asyncengine.models.weight_loading import check_complete, load_tensor
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(layers\.\d+\.mlp)\.(input_linear|output_linear)\.weight$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# transformers 5's in-memory experts (``named_parameters``): [E, 2I, H] ([gate | up]) and [E, H, I]
+_FUSED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 class PartialMLP(MLP):
@@ -125,6 +127,40 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
         if local is None:
             return None
         return dict(self.named_modules()).get(local)
+
+    def weight_targets(self, weights):
+        """As Llama's, plus the experts, for the in-place weight update (the loader takes them
+        before this): each expert tensor, per-expert or stacked (Granite's ``input_linear``,
+        transformers 5's ``experts.gate_up_proj``), becomes one (per-expert name, part of ``w13`` /
+        ``w2``) entry per expert this rank owns (:meth:`SparseMoE.part_of`); the per-expert name
+        lets the caller take this rank's slice with :meth:`weight_shard`."""
+        def split():
+            for name, tensor in weights:
+                name = self._rename(name)
+                bare = name.removeprefix("model.")
+                st, fu = _STACKED.match(bare), _FUSED_EXPERTS.match(bare)
+                if st is None and fu is None:
+                    yield name, tensor
+                    continue
+                prefix = (st or fu).group(1)
+                if (st or fu).group(2) in ("input_linear", "gate_up_proj"):
+                    half = tensor.shape[1] // 2
+                    for e in range(tensor.shape[0]):
+                        yield f"{prefix}.experts.{e}.gate_proj.weight", tensor[e, :half]
+                        yield f"{prefix}.experts.{e}.up_proj.weight", tensor[e, half:]
+                else:
+                    for e in range(tensor.shape[0]):
+                        yield f"{prefix}.experts.{e}.down_proj.weight", tensor[e]
+
+        for name, tensor in split():
+            m = _EXPERT.match(name.removeprefix("model."))
+            if m is None:
+                yield from super().weight_targets([(name, tensor)])
+                continue
+            moe, e, kind = self._moe_of(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
+            if moe is not None and moe.owns(e):
+                leaf = "w2" if kind == "down" else "w13"
+                yield name, f"{self.local_name(m.group(1))}.{leaf}", moe.part_of(e, kind), tensor
 
     def load_weights(self, weights) -> None:
         params = dict(self.named_parameters())
@@ -234,7 +270,8 @@ class GraniteMoeForCausalLM(MoeLlamaForCausalLM):
     ``embedding_multiplier``, each branch x ``residual_multiplier``, the softmax scale
     ``attention_multiplier``, logits / ``logits_scaling``."""
 
-    renames = {".block_sparse_moe.router.layer.": ".mlp.gate.", ".block_sparse_moe.": ".mlp."}
+    renames = {".block_sparse_moe.router.layer.": ".mlp.gate.", ".block_sparse_moe.router.": ".mlp.gate.",
+               ".block_sparse_moe.": ".mlp."}
     num_experts_field = "num_local_experts"
     router_kind = "topk_softmax"
 

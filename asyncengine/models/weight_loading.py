@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine.layers.linear import Linear
+from asyncengine.layers.moe import SparseMoE
 
 
 def load_tensor(model: torch.nn.Module, modules: dict, params: dict, name: str, target: str,
@@ -17,6 +18,8 @@ def load_tensor(model: torch.nn.Module, modules: dict, params: dict, name: str, 
     try:
         if isinstance(layer, Linear) and leaf in ("weight", "bias"):
             (layer.load if leaf == "weight" else layer.load_bias)(tensor, shard)
+        elif isinstance(layer, SparseMoE) and leaf in ("w13", "w2") and shard is not None:
+            layer.load_part(shard, tensor)  # one expert's gate/up/down (this rank's slice)
         elif target in params and shard is None:
             p = params[target]
             if p.shape != tensor.shape:

@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from asyncengine.layers.linear import Linear, QuantizedTensor, VocabEmbedding
+from asyncengine.layers.moe import SparseMoE
 from asyncengine.models.weight_loading import check_complete, load_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,6 +111,8 @@ def _expected_shape(modules: dict, params: dict, target: str, shard: int | None)
         rows = layer.parts[shard] if shard is not None else \
             (layer.valid_rows if isinstance(layer, VocabEmbedding) else layer.out_features)
         return (rows, layer.in_features) if leaf == "weight" else (rows,)
+    if isinstance(layer, SparseMoE) and leaf in ("w13", "w2") and shard is not None:
+        return layer.part_shape(shard)
     if target in params and shard is None:
         return tuple(params[target].shape)
     return None
@@ -124,7 +127,7 @@ def _targets(model, pairs, unclaimed: list[str]):
             bare = name.removeprefix("model.")
             if "rotary_emb.inv_freq" not in name and bare != "lm_head.weight":
                 unclaimed.append(name)
-        yield from got
+        yield from ((*t, name) for t in got)
 
 
 def stage(model, update: WeightUpdate, tp_size: int = 1) -> Staged:
@@ -138,13 +141,14 @@ def stage(model, update: WeightUpdate, tp_size: int = 1) -> Staged:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     staged, keys = Staged(), set()
-    for name, target, shard, tensor in _targets(model, pairs, staged.unclaimed):
+    for name, target, shard, tensor, orig in _targets(model, pairs, staged.unclaimed):
         if isinstance(tensor, QuantizedTensor):
             raise ValueError(f"{name}: update_weights takes dense tensors")
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}: dtype {str(tensor.dtype).removeprefix('torch.')} is not a floating "
                              f"dtype the model can take (float32, bfloat16, float16)")
-        if sharded and not pre_sliced:
+        # a tensor read whole from a path (no slice of its own: a stacked expert tensor) is cut here
+        if sharded and (not pre_sliced or model.weight_shard(orig) is None):
             try:
                 tensor = _slice(tensor, model.weight_shard(name), model.tp.rank == model.tp.size - 1)
             except ValueError as e:
@@ -159,12 +163,23 @@ def stage(model, update: WeightUpdate, tp_size: int = 1) -> Staged:
             raise ValueError(f"{name}: holds NaN or infinite values")
         keys.add(f"{target}#{shard}")
         staged.entries.append((name, target, shard, tensor))
+    _expert_keys(modules, keys)
     if not update.partial:
         try:
             check_complete(modules, params, keys)
         except KeyError as e:
             raise ValueError(f"update_weights: {e.args[0]} (pass partial=True to update only some)") from None
     return staged
+
+
+def _expert_keys(modules: dict, keys: set[str]) -> None:
+    """Count a MoE layer's ``w13`` / ``w2`` as covered once every expert part this rank owns is."""
+    for n, m in modules.items():
+        if isinstance(m, SparseMoE):
+            parts = {int(k.rpartition("#")[2]) for k in keys if k.startswith((f"{n}.w13#", f"{n}.w2#"))
+                     and not k.endswith("#None")}
+            if m.parts_complete(parts):
+                keys |= {f"{n}.w13#None", f"{n}.w2#None"}
 
 
 @torch.no_grad()

@@ -157,3 +157,57 @@ async def test_expert_parallel_on_ray(ray_cluster, tiny_model_dir, tiny_referenc
             eng.complete({"prompt_token_ids": ids}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             for ids, n in requests)), 180)
         print(f"[moe] ray tp2+ep: {compare([o.outputs[0].token_ids for o in outs], refs)}")
+
+
+def _hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    """transformers' own in-memory names (transformers 5: ``experts.gate_up_proj`` [E, 2I, H])."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+def test_update_weights_in_place(arch, tiny_model_dir, tiny_reference):
+    """Load A, update_weights with B's tensors (transformers' state_dict, then A's and B's files by
+    path): the tokens equal a fresh engine on B and transformers on B; a partial update of one
+    expert tensor alone applies; a wrong expert shape is refused and A keeps serving."""
+    from asyncengine.errors import WeightUpdateError
+
+    requests, refs_b = tiny_reference(arch, seed=1)
+    requests, refs_b = requests[:6], refs_b[:6]
+    a, b = tiny_model_dir(arch), tiny_model_dir(arch, seed=1)
+    with LLM(b, dtype="float32", **REGIMES["generous"]) as llm:
+        fresh_b = run(llm, requests)
+    compare(fresh_b, refs_b)
+    with LLM(a, dtype="float32", **REGIMES["generous"]) as llm:
+        want_a = run(llm, requests)
+        assert want_a != fresh_b
+        sd = _hf_state_dict(b)
+        bad = {k: (v[:, :-1] if ".experts." in k else v) for k, v in sd.items()}
+        with pytest.raises(WeightUpdateError, match="shape"):
+            llm.update_weights(bad)
+        assert run(llm, requests) == want_a
+        llm.update_weights(sd)
+        assert run(llm, requests) == fresh_b
+        llm.update_weights(a)
+        assert run(llm, requests) == want_a
+        llm.update_weights(b)
+        assert run(llm, requests) == fresh_b
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_update_weights_on_tensor_and_expert_parallel_ranks(ep, tiny_model_dir):
+    """TP=2 (each rank a column slice of every expert) or TP=2 + EP (4 whole experts each): the
+    fused transformers tensors and the shared expert are cut per rank; tokens as one rank on B (Qwen2-MoE)."""
+    a, b = tiny_model_dir("qwen2_moe"), tiny_model_dir("qwen2_moe", seed=1)
+    requests = [([5, 6, 7, 8, 9], 6), ([11, 12], 5)]
+    with LLM(b, dtype="float32", **REGIMES["generous"]) as llm:
+        want_b = run(llm, requests)
+    with LLM(a, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+             enable_expert_parallel=ep, num_threads=1, **REGIMES["generous"]) as llm:
+        want_a = run(llm, requests)
+        assert want_a != want_b
+        llm.update_weights(_hf_state_dict(b))
+        assert run(llm, requests) == want_b
+        llm.update_weights(a)
+        assert run(llm, requests) == want_a
