@@ -224,6 +224,9 @@ class Qwen2MoeForCausalLM(MoeLlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(MoeLlamaForCausalLM):
     qk_norm = True
+    # the stored name: ``num_experts`` is only an alias of the config class, which a worker process's
+    # plain copy of the config (loader: SimpleNamespace of to_dict()) does not keep
+    num_experts_field = "num_local_experts"
 
 
 class OlmoeAttention(Attention):

@@ -96,18 +96,19 @@ def test_rank_loads_its_experts(tiny_model_dir, ep):
         torch.testing.assert_close(part.gate.weight, full.gate.weight, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ep", [False, True])
-def test_tensor_and_expert_parallel_match_one_rank(tiny_model_dir, tiny_reference, ep):
-    requests, refs = tiny_reference("qwen2_moe")
+# Qwen3-MoE: its worker ranks rebuild the config from to_dict(), where num_experts is only an alias
+@pytest.mark.parametrize("arch,ep", [("qwen2_moe", False), ("qwen2_moe", True), ("qwen3_moe", True)])
+def test_tensor_and_expert_parallel_match_one_rank(tiny_model_dir, tiny_reference, arch, ep):
+    requests, refs = tiny_reference(arch)
     requests, refs = requests[:8], refs[:8]
-    llm = LLM(tiny_model_dir("qwen2_moe"), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
+    llm = LLM(tiny_model_dir(arch), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp",
               enable_expert_parallel=ep, num_threads=1, **REGIMES["chunked"])
     try:
         from worker_hooks import moe_local_experts
 
         assert llm.engine.collective_rpc(moe_local_experts) == [[4 if ep else 8] * 2] * 2
         counts = compare(run(llm, requests), refs)
-        print(f"[moe] qwen2_moe/tp2/ep={ep}: {counts}")
+        print(f"[moe] {arch}/tp2/ep={ep}: {counts}")
     finally:
         llm.shutdown()
 
