@@ -199,6 +199,15 @@ _engines: dict[tuple, Any] = {}
 _engines_lock = threading.Lock()
 
 
+def bridge_of(adapter, model: str) -> EngineBridge:
+    """A framework adapter's bridge (LangChain, LlamaIndex: chat and embeddings), made on first use:
+    to the app's own engine (``adapter.engine``), or to the one shared per model and options."""
+    if adapter._bridge is None:
+        engine = adapter.engine if adapter.engine is not None else shared_engine(model, adapter.engine_options)
+        adapter._bridge = EngineBridge(engine)
+    return adapter._bridge
+
+
 def shared_engine(model: str, engine_options: dict | None = None):
     """The process's AsyncLLMEngine for (model, options), built on first use and then shared."""
     from asyncengine.config import EngineConfig  # lazy: the engine and its model code load only when serving starts
@@ -221,4 +230,4 @@ def close_shared_engines() -> None:
         EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
 
 
-__all__ = ["EngineBridge", "host_loop", "shared_engine", "close_shared_engines", "embed_texts", "aembed_texts"]
+__all__ = ["EngineBridge", "bridge_of", "host_loop", "shared_engine", "close_shared_engines", "embed_texts", "aembed_texts"]

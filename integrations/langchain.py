@@ -37,7 +37,7 @@ from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
-from .engine_thread import EngineBridge, close_shared_engines, shared_engine
+from .engine_thread import EngineBridge, bridge_of, close_shared_engines, shared_engine
 from .tool_calls import ToolPlan, assistant_turn, response_format_params, with_tools_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -169,10 +169,7 @@ class ChatAsyncEngine(BaseChatModel):
 
     @property
     def bridge(self) -> EngineBridge:
-        if self._bridge is None:
-            self._bridge = EngineBridge(self.engine if self.engine is not None
-                                        else shared_engine(self.model, self.engine_options))
-        return self._bridge
+        return bridge_of(self, self.model)
 
     def _model_for(self, kwargs: dict) -> tuple[str, EngineBridge]:
         """A per-call ``model=`` (LangChain's model override) runs on that model's shared engine."""

@@ -16,7 +16,7 @@ from typing import Any
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, aembed_texts, embed_texts, shared_engine
+from .engine_thread import EngineBridge, aembed_texts, bridge_of, embed_texts
 
 
 class AsyncEngineEmbeddings(BaseModel, Embeddings):
@@ -55,10 +55,7 @@ class AsyncEngineEmbeddings(BaseModel, Embeddings):
 
     @property
     def bridge(self) -> EngineBridge:
-        if self._bridge is None:
-            self._bridge = EngineBridge(self.engine if self.engine is not None
-                                        else shared_engine(self.model, self.engine_options))
-        return self._bridge
+        return bridge_of(self, self.model)
 
     def _opts(self) -> tuple:
         return self.pooling, self.normalize, self.dimensions

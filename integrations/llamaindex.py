@@ -26,7 +26,7 @@ from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
-from .engine_thread import EngineBridge, shared_engine
+from .engine_thread import EngineBridge, bridge_of
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
@@ -72,10 +72,7 @@ class AsyncEngineLLM(LLM):
 
     @property
     def bridge(self) -> EngineBridge:
-        if self._bridge is None:
-            self._bridge = EngineBridge(self.engine if self.engine is not None
-                                        else shared_engine(self.model, self.engine_options))
-        return self._bridge
+        return bridge_of(self, self.model)
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -16,7 +16,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from pydantic import Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, aembed_texts, embed_texts, shared_engine
+from .engine_thread import EngineBridge, aembed_texts, bridge_of, embed_texts
 
 
 class AsyncEngineEmbedding(BaseEmbedding):
@@ -51,10 +51,7 @@ class AsyncEngineEmbedding(BaseEmbedding):
 
     @property
     def bridge(self) -> EngineBridge:
-        if self._bridge is None:
-            self._bridge = EngineBridge(self.engine if self.engine is not None
-                                        else shared_engine(self.model_name, self.engine_options))
-        return self._bridge
+        return bridge_of(self, self.model_name)
 
     def _opts(self) -> tuple:
         return self.pooling, self.normalize, self.dimensions
