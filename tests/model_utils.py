@@ -170,9 +170,12 @@ class Reference:
     margins: list[float]  # top-2 logit gap at each generated position
 
 
-def hf_greedy(model_dir: str, requests) -> list[Reference]:
-    """transformers generate(), one request at a time, greedy, fp32, EOS ignored."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def hf_greedy(model_dir: str, requests, attn_implementation: str | None = None) -> list[Reference]:
+    """transformers generate(), one request at a time, greedy, fp32, EOS ignored. ``"eager"``: the
+    reference's own attention math where a version's default would skip part of it (transformers
+    5.17 runs Gemma 2 on sdpa, without its soft-cap; 5.24 refuses sdpa for it)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation=attn_implementation)
     model.eval()
     refs = []
     with torch.inference_mode():

@@ -51,6 +51,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_sliding_window: bool = False  # layers with a window refuse a backend without (at start)
+    supports_softcap: bool = False  # Gemma 2's score soft-cap: forward then gets ``softcap``
     # batch-invariant mode (EngineConfig.batch_invariant): a backend that supports it computes each
     # query row over its keys in one order, whatever the batch, chunking or cache hits; the runner
     # sets batch_invariant after asking
@@ -85,14 +86,6 @@ class AttentionBackend(ABC):
                 return torch.zeros(s, dtype=dt, device=dev)
         return [(alloc(shape, self.dtype, self.device), alloc(shape, self.dtype, self.device))
                 for _ in range(num_layers)]
-
-    def prepare_softcap(self, cap: float) -> None:
-        """Called at start for a model that soft-caps its attention scores (Gemma 2): set up for it
-        (forward then gets ``softcap``), or refuse with a ConfigError saying why."""
-        from asyncengine.errors import ConfigError  # lazy: only the refusal needs it
-
-        raise ConfigError(f"attention_backend={self.name!r} has no attention soft-capping (this model caps "
-                          f"its scores at {cap}): use attention_backend='torch' or 'cpu'")
 
     @abstractmethod
     def build_metadata(self, batch: StepBatch) -> Any:

@@ -44,6 +44,7 @@ class CpuAttentionMetadata:
 class CpuBackend(AttentionBackend):
     name = "cpu"
     supports_sliding_window = True
+    supports_softcap = True  # the C kernel caps each score (and long prefills the torch path)
     supports_softcap = True
 
     def __init__(self, *args, **kwargs) -> None:
@@ -56,9 +57,6 @@ class CpuBackend(AttentionBackend):
         if not self.kernels:
             log.warning("attention_backend='cpu': the C kernels are unavailable for this engine (%s); "
                         "running the torch backend's attention", self._why_not())
-
-    def prepare_softcap(self, cap: float) -> None:
-        pass  # forward takes softcap: the C kernel caps each score (and long prefills the torch path)
 
     def _why_not(self) -> str:
         if self.device.type != "cpu":

@@ -21,6 +21,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
     supports_softcap = True
+    supports_softcap = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,9 +66,6 @@ class TorchBackend(AttentionBackend):
                 softcap: float | None = None) -> torch.Tensor:
         impl = self.impl if sliding_window is None and softcap is None else self._windowed(sliding_window, softcap)
         return impl.forward(q, k, v, kv_cache, meta)
-
-    def prepare_softcap(self, cap: float) -> None:
-        pass  # forward takes softcap
 
     def _windowed(self, window: int | None, softcap: float | None = None) -> TorchPagedAttention:
         """The same attention limited to the last ``window`` positions (Mistral, Qwen2's sliding

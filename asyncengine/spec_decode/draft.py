@@ -17,7 +17,7 @@ import torch
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
 from asyncengine.attention.kv_cache import kv_cache_zeros
-from asyncengine.attention.selector import get_backend
+from asyncengine.attention.selector import get_model_backend
 from asyncengine.spec_decode.proposer import Proposer, Rows
 
 
@@ -31,11 +31,10 @@ class DraftModelProposer(Proposer):
         self.device = device
         a = model.args
         # the draft's own paged cache, laid out by the same attention backend as the target's
-        self.backend = get_backend(backend_name, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                                   head_dim=a.head_dim, block_size=block_size, num_blocks=num_blocks,
-                                   dtype=dtype, device=device, scale=getattr(a, "attn_scale", None))
-        if getattr(a, "attn_softcap", None):  # a Gemma 2 draft: the backend caps, falls back or refuses
-            self.backend.prepare_softcap(a.attn_softcap)
+        self.backend = get_model_backend(backend_name, a, num_heads=model.num_heads,
+                                         num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
+                                         block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                                         device=device, scale=getattr(a, "attn_scale", None))
         self.kv_caches = self.backend.allocate_kv_caches(a.num_layers, kv_cache_zeros)
         self.computed: dict[str, int] = {}  # req_id -> positions [0, n) of valid draft KV
         self.num_tokens_processed = 0  # every position the draft ran on (tests: no recompute)

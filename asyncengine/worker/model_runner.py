@@ -33,11 +33,10 @@ from asyncengine.attention.backend import StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.attention.kv_cache import kv_cache_zeros
 from asyncengine.config.attention import backend_info
-from asyncengine.attention.selector import get_backend
+from asyncengine.attention.selector import get_model_backend, model_backend_name
 from asyncengine.config import EngineConfig
 from asyncengine.contracts.kv_cache_spec import KVCacheConfig
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
-from asyncengine.errors import ConfigError
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
 from asyncengine.layers import batch_invariant
@@ -128,22 +127,17 @@ class ModelRunner:
         self.proposer = None  # spec_decode/proposer.py: n-gram lookup or a draft model
         if spec is not None:
             self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
-                                          self.dtype, config.attention_backend_name)
+                                          self.dtype, self.attn_backend.name)
 
     def _attention_backend(self, config: EngineConfig, a):
         """The backend for this model's attention: its scale, soft-cap and windows checked at start."""
-        backend = get_backend(
-            config.attention_backend_name, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        name = model_backend_name(config.attention_backend, config.attention_backend_name, a)
+        backend = get_model_backend(
+            name, a, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=a.head_dim, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
             device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=min(self.num_blocks, -(-a.max_positions // self.block_size)),
             scale=getattr(a, "attn_scale", None))  # Gemma: query_pre_attn_scalar ** -0.5
-        if getattr(a, "attn_softcap", None):  # Gemma 2: the backend soft-caps, falls back, or refuses
-            backend.prepare_softcap(a.attn_softcap)
-        if not backend.supports_sliding_window and any(w is not None for w in a.layer_windows):
-            raise ConfigError(f"attention_backend={backend.name!r} has no sliding-window attention "
-                              f"(this model's layers use windows {sorted({w for w in a.layer_windows if w})}): "
-                              f"use attention_backend='torch' or 'cpu'")
         if config.batch_invariant:
             batch_invariant.check_backend(backend)
             backend.batch_invariant = True

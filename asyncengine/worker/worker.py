@@ -162,7 +162,7 @@ class Worker:
         ``gpu_memory_utilization`` of the device leaves beyond it (and beyond memory torch does not
         own: the CUDA context, other processes)."""
         from asyncengine.attention.backend import SeqChunk, StepBatch  # lazy: only on this path (loading, profiling, a configuration)
-        from asyncengine.attention.selector import get_backend  # lazy: only on this path (loading, profiling, a configuration)
+        from asyncengine.attention.selector import get_model_backend, model_backend_name  # lazy: only on this path (loading, profiling, a configuration)
         from asyncengine.worker.cuda_utils import kv_cache_budget  # lazy: CUDA graphs / pipeline parallel only when configured
 
         c, m = self.config, self.model
@@ -172,12 +172,11 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(dev)
         n = max(1, min(c.max_num_batched_tokens, a.max_positions))
         nb = -(-n // c.block_size)
-        backend = get_backend(c.attention_backend_name, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                              head_dim=a.head_dim, block_size=c.block_size, num_blocks=nb, dtype=c.torch_dtype,
-                              device=dev, max_num_tokens=n, max_num_seqs=1, max_blocks_per_seq=nb,
-                              scale=getattr(a, "attn_scale", None))
-        if getattr(a, "attn_softcap", None):
-            backend.prepare_softcap(a.attn_softcap)
+        name = model_backend_name(c.attention_backend, c.attention_backend_name, a)
+        backend = get_model_backend(name, a, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                                    head_dim=a.head_dim, block_size=c.block_size, num_blocks=nb,
+                                    dtype=c.torch_dtype, device=dev, max_num_tokens=n, max_num_seqs=1,
+                                    max_blocks_per_seq=nb, scale=getattr(a, "attn_scale", None))
         caches = backend.allocate_kv_caches(a.num_layers)
         meta = backend.build_metadata(StepBatch(seqs=[SeqChunk(0, n, 0, list(range(nb)))],
                                                 slot_mapping=list(range(n))))

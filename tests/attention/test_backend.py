@@ -3,30 +3,44 @@ backend without it refuses at start with a ConfigError; and both paths' capped, 
 equals a dense reference."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
 from asyncengine.attention.cpu_backend import CpuBackend
+from asyncengine.attention.selector import get_model_backend, model_backend_name
 from asyncengine.attention.torch_backend import TorchBackend
-from asyncengine.attention.triton_backend import TritonBackend
 from asyncengine.errors import ConfigError
 
+PLAIN = SimpleNamespace(attn_softcap=None, layer_windows=[None, None])
+GEMMA2 = SimpleNamespace(attn_softcap=50.0, layer_windows=[4, None])
+WINDOWED = SimpleNamespace(attn_softcap=None, layer_windows=[4, None])
 SHAPES = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=16, dtype=torch.float32,
               device=torch.device("cpu"))
 
 
 def test_cpu_keeps_its_kernel_for_softcap():
-    b = CpuBackend(**SHAPES)
-    b.prepare_softcap(50.0)
-    assert b.kernels and b.supports_batch_invariant  # no fallback to the torch path
+    b = get_model_backend("cpu", GEMMA2, **SHAPES)
+    assert isinstance(b, CpuBackend) and b.kernels and b.supports_batch_invariant  # no fallback to the torch path
     meta = b.build_metadata(StepBatch([SeqChunk(0, 3, 0, [0])], [0, 1, 2]))
     assert meta.backend is b
 
 
-def test_a_backend_without_softcap_refuses():
-    with pytest.raises(ConfigError, match="soft-capping"):
-        TritonBackend.prepare_softcap(object.__new__(TritonBackend), 50.0)
+@pytest.mark.parametrize("args,what", [(GEMMA2, "soft-capping"), (WINDOWED, "sliding-window")])
+def test_a_backend_without_what_the_model_needs_refuses_before_it_is_built(args, what):
+    with pytest.raises(ConfigError, match=what):
+        get_model_backend("triton", args, **SHAPES)  # on CPU: refused before triton's CUDA-only init
+
+
+@pytest.mark.parametrize("args,want", [(PLAIN, "triton"), (GEMMA2, "torch"), (WINDOWED, "torch")])
+def test_auto_picks_a_backend_that_runs_the_model(args, want):
+    """auto resolved to triton on a GPU falls back to torch for a Gemma (found on an H200: auto
+    refused every Gemma); a backend the user named is kept, to be refused with the reason."""
+    assert model_backend_name("auto", "triton", args) == want
+    assert model_backend_name("triton", "triton", args) == "triton"
+    assert model_backend_name("auto", "cpu", args) == "cpu"
 
 
 @pytest.mark.parametrize("cls,long_prefill", [(TorchBackend, False), (CpuBackend, False), (CpuBackend, True)])

@@ -120,7 +120,7 @@ def make_paged_batch(
     rows = total + pad_tokens
     if strided_q:  # q as a slice of a wider fused projection: row stride != Hq * D
         base = torch.randn(rows, num_q_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
-        q = base[:, :num_q_heads]
+        q = base.to(device)[:, :num_q_heads]  # sliced on the device: a copy there would be contiguous
     else:
         q = torch.randn(rows, num_q_heads, head_dim, generator=g).to(dtype)
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
