@@ -119,7 +119,8 @@ class EngineCore:
 
         impl = check_architecture(self.model_info.hf_config, config.model_impl)
         # the dtype and why, the kernels (the CLI's ready line)
-        self.kernels = describe(config, via_transformers=impl == TRANSFORMERS_BACKEND)
+        self.kernels = describe(config, via_transformers=impl == TRANSFORMERS_BACKEND,
+                                attention=self.executor.collective_rpc("attention_backend_name")[0])
         # a P/D prefill core's transfer server as bound (port 0: the OS's choice), for decode cores
         self.kv_transfer_address: str | None = (self.executor.collective_rpc("kv_transfer_address")[0]
                                                 if config.kv_role == "prefill" else None)

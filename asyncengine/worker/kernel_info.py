@@ -5,11 +5,12 @@ from __future__ import annotations
 from asyncengine.config import EngineConfig
 
 
-def describe(config: EngineConfig, via_transformers: bool = False) -> str:
+def describe(config: EngineConfig, via_transformers: bool = False, attention: str | None = None) -> str:
     """E.g. "float32 (auto: block-quantized weights run fp32/int8 kernels); int8 activations x
     quantized weights on avx512_vnni; cpu attention". ``via_transformers``: the model runs through
     the Transformers backend (models/transformers_backend.py), which the line says: it is slower
-    than a native model (transformers' per-op code, no native decode step)."""
+    than a native model (transformers' per-op code, no native decode step). ``attention``: the
+    backend the workers built (auto can fall back for a model); the config's resolution otherwise."""
     dtype = str(config.torch_dtype).removeprefix("torch.")
     parts = [f"{dtype} ({config.dtype_reason})"]
     if config.torch_device.type == "cpu" and config.block_quantized_weights:
@@ -23,7 +24,7 @@ def describe(config: EngineConfig, via_transformers: bool = False) -> str:
             # the fp32 kernel's SIMD is fixed at build time (-march=native); the int8 one's at run time
             parts.append(f"int8 activations x quantized weights on {isa}" if mode == "int8"
                          else "fp32 activations x quantized weights")
-    parts.append(f"{config.attention_backend_name} attention")
+    parts.append(f"{attention or config.attention_backend_name} attention")
     if via_transformers:
         parts.append("model code from transformers (Transformers backend; no native decode step)")
     return "; ".join(parts)

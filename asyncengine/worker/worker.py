@@ -239,6 +239,10 @@ class Worker:
 
         return weight_nbytes(self.model)
 
+    def attention_backend_name(self) -> str:
+        """The backend this rank's model runs on: auto may have fallen back for the model (Gemma on CUDA)."""
+        return self.runner.attn_backend.name
+
     def kv_transfer_address(self) -> str | None:
         """Where this rank serves its P/D transfers (``host:port`` as bound; None: nowhere)."""
         conn = self.runner.kv_connector if self.runner is not None else None

@@ -54,6 +54,8 @@ def test_the_description_names_dtype_activations_isa_and_attention(monkeypatch):
     assert "int8 activations" in describe(EngineConfig(model="/models/x.gguf", device="cpu"))
     dense = EngineConfig(model="/models/hf", device="cpu", dtype="float32", attention_backend="cpu")
     assert describe(dense) == "float32 (asked for); cpu attention"
+    # the backend the workers built, where auto fell back for the model (a Gemma on CUDA: torch)
+    assert describe(dense, attention="torch") == "float32 (asked for); torch attention"
 
 
 
