@@ -52,3 +52,23 @@ def kv_cache_groups(layer_windows) -> list[KVCacheGroup]:
         kinds.setdefault(w, []).append(i)
     order = sorted(kinds, key=lambda w: -1 if w is None else w)
     return [KVCacheGroup(sliding_window=w, layers=tuple(kinds[w])) for w in order]
+
+
+def block_table_groups(layer_windows) -> list[KVCacheGroup]:
+    """The block tables of a model mixing attention kinds (vLLM's hybrid allocator): each kind's
+    layers cut into groups of ``size`` layers, ``size`` the smallest kind's layer count (a kind's
+    last group may be short). Each group has its own block table; layer ``j`` of every group uses
+    the same cache tensor ``j``, so a pool block costs ``size`` layers' worth and one id serves one
+    group. One kind only: one group of every layer (the single-table layout)."""
+    kinds = kv_cache_groups(layer_windows)
+    if len(kinds) <= 1:
+        return kinds
+    size = min(len(k.layers) for k in kinds)
+    return [KVCacheGroup(sliding_window=k.sliding_window, layers=k.layers[i:i + size])
+            for k in kinds for i in range(0, len(k.layers), size)]
+
+
+def layers_per_block(layer_windows) -> int:
+    """The cache tensors a pool block spans: every layer (one kind), else one group's size."""
+    groups = block_table_groups(layer_windows)
+    return max((len(g.layers) for g in groups), default=0) if len(groups) > 1 else len(layer_windows)

@@ -20,7 +20,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
-from asyncengine.core.sliding_window_kv_cache_manager import make_kv_cache_manager, max_request_len
+from asyncengine.core.grouped_kv_cache_manager import make_kv_cache_manager, max_request_len
 from asyncengine.contracts.kv_sizing import plan_kv_blocks
 from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from asyncengine.core.request import Request
