@@ -67,8 +67,3 @@ def block_table_groups(layer_windows) -> list[KVCacheGroup]:
     return [KVCacheGroup(sliding_window=k.sliding_window, layers=k.layers[i:i + size])
             for k in kinds for i in range(0, len(k.layers), size)]
 
-
-def layers_per_block(layer_windows) -> int:
-    """The cache tensors a pool block spans: every layer (one kind), else one group's size."""
-    groups = block_table_groups(layer_windows)
-    return max((len(g.layers) for g in groups), default=0) if len(groups) > 1 else len(layer_windows)

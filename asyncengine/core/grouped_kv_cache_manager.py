@@ -129,7 +129,12 @@ class GroupedKVCacheManager(KVCacheManager):
             reclaimed += sum(1 for b in hit if b is not NULL_BLOCK and b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reclaimed:
             return None
+        # hold every group's hit blocks before any group takes new ones: a free cached block one
+        # group hits must not be evicted for another group's new blocks
+        held = [b for hit in hits for b in hit if b is not NULL_BLOCK]
+        self.pool.touch(held)
         news = [sub.allocate_slots(req, num_new_tokens, hit) for sub, hit in zip(self.groups, hits)]
+        self.pool.free_blocks(held)  # each group took its own reference
         assert all(new is not None for new in news), "a group's allocation failed after the pool check"
         fresh = self._fresh.setdefault(rid, [[] for _ in self.groups[1:]])
         for ids, new in zip(fresh, news[1:]):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from asyncengine.contracts.kv_cache_spec import block_table_groups, layers_per_block
+from asyncengine.contracts.kv_cache_spec import block_table_groups
 from asyncengine.core.grouped_kv_cache_manager import GroupedKVCacheManager, make_kv_cache_manager
 from asyncengine.core.kv_cache_manager import NULL_BLOCK
 from asyncengine.errors import ConfigError
@@ -54,7 +54,7 @@ def test_block_table_groups_cut_kinds_to_equal_groups():
     groups = block_table_groups(gemma3)
     assert [(g.sliding_window, g.layers) for g in groups] == [
         (None, (5, 11)), (8, (0, 1)), (8, (2, 3)), (8, (4, 6)), (8, (7, 8)), (8, (9, 10))]
-    assert layers_per_block(gemma3) == 2 and layers_per_block([None] * 4) == 4 and layers_per_block([8] * 3) == 3
+    assert len(block_table_groups([None] * 4)) == 1 and len(block_table_groups([8] * 3)) == 1
     short = block_table_groups([None, None, 8, 8, 8])  # the last sliding group is short
     assert [g.layers for g in short] == [(0, 1), (2, 3), (4,)]
     assert [g.layers for g in block_table_groups([None, 8])] == [(0,), (1,)]
@@ -171,6 +171,10 @@ class GroupedMachine(RuleBasedStateMachine):
         assert kv.num_free_blocks + len({b.block_id for b in held}) == NUM_BLOCKS  # nothing leaked
         for b in set(held):  # a block is referenced exactly as often as tables name it
             assert b.ref_cnt == sum(1 for x in held if x is b)
+        by_group = [{b.block_id for blocks in sub.req_to_blocks.values() for b in blocks if b is not NULL_BLOCK}
+                    for sub in kv.groups]
+        for g, ids in enumerate(by_group):  # a block serves one group's layers at a time
+            assert not ids & set().union(*by_group[:g], *by_group[g + 1:])
         for sub in kv.groups:
             assert set(sub.req_to_blocks) == set(self.running)
         for rid in self.decoding:
