@@ -147,8 +147,9 @@ class GroupedMachine(RuleBasedStateMachine):
         if not self.running:
             return
         r = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        decode = r.num_computed_tokens >= r.num_prompt_tokens  # (the step ending a prefill holds its chunk)
         if step(self.kv, r, max(1, min(chunk, r.num_tokens - r.num_computed_tokens))):
-            if r.num_computed_tokens >= r.num_prompt_tokens:
+            if decode:
                 self.decoding.add(r.request_id)
         elif r.request_id in self.decoding:  # no room for a decode: preempt it, as the scheduler would
             self.finish(r)
