@@ -9,17 +9,14 @@ import mmap
 import torch
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
-    layers; core/kv_sizing.py). A model mixing full and sliding layers: one group's layers (its
-    groups share the tensors, worker/kv_groups.py)."""
-    from asyncengine.contracts.kv_cache_spec import block_table_groups  # lazy: only when the cache is sized or allocated
+    layers; core/kv_sizing.py). ``num_layers``: the cache tensors a block spans, when not every
+    layer's (per-group tables: one group's, worker/kv_groups.py)."""
     from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block  # lazy: only when the cache is sized or allocated
 
     a = model.args
-    groups = block_table_groups(getattr(a, "layer_windows", ()))
-    layers = max(len(g.layers) for g in groups) if len(groups) > 1 else len(model.layers)
-    shape = KVModelShape(layers, model.num_kv_heads, a.head_dim, max_model_len=0)
+    shape = KVModelShape(num_layers or len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
     return bytes_per_block(shape, block_size, dtype.itemsize)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from asyncengine.contracts.kv_cache_spec import block_table_groups
+from asyncengine.contracts.kv_cache_spec import block_table_groups, one_table_reason, table_groups
 from asyncengine.core.block_pool import BlockPool, KVBlock
 from asyncengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from asyncengine.core.request import Request
@@ -182,26 +182,21 @@ class GroupedKVCacheManager(KVCacheManager):
                 "kv_group_windows": [w or 0 for w in self.windows]}
 
 
-def check_grouped_config(config) -> None:
-    """What the sliding manager refuses, and pipeline parallelism (each stage would report its own
-    layers' groups, the core plans one set)."""
-    check_sliding_config(config)
-    if config.pipeline_parallel_size > 1:
-        raise ConfigError("pipeline parallelism is not supported for models mixing full and sliding-window layers "
-                          "(per-group block tables): leave pipeline_parallel_size at 1")
-
-
 def make_kv_cache_manager(config, layer_windows, num_blocks: int) -> KVCacheManager:
     """The manager for a model without state layers, by its attention kinds: all full -> the plain
     one; all sliding over one window -> :class:`SlidingWindowKVCacheManager`; mixed -> one table
-    per group (:class:`GroupedKVCacheManager`)."""
-    groups = block_table_groups(layer_windows)
+    per group (:class:`GroupedKVCacheManager`), or one plain table when what the engine runs needs
+    one (``contracts.kv_cache_spec.one_table_reason``: speculative decoding, KV offload, P/D,
+    pipeline parallelism)."""
+    groups = table_groups(config, layer_windows)
     caching = config.enable_prefix_caching
     if len(groups) == 1 and groups[0].sliding_window is not None:
         check_sliding_config(config)
         return SlidingWindowKVCacheManager(num_blocks, config.block_size, groups[0].sliding_window, caching)
+    if len(block_table_groups(layer_windows)) > len(groups):
+        log.info("KV cache: a model mixing full and sliding layers keeps one table with every block under %s",
+                 one_table_reason(config))
     if len(groups) > 1:
-        check_grouped_config(config)
         log.info("KV cache: %d block tables of %d layers each (%s)", len(groups), len(groups[0].layers),
                  ", ".join(f"window {g.sliding_window}: layers {list(g.layers)}" for g in groups))
         return GroupedKVCacheManager(num_blocks, config.block_size, [g.sliding_window for g in groups], caching)

@@ -22,7 +22,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
 from asyncengine.core.grouped_kv_cache_manager import make_kv_cache_manager, max_request_len
 from asyncengine.contracts.kv_sizing import plan_kv_blocks
-from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec, block_table_groups
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec, table_groups
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
@@ -43,7 +43,7 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget. A model
     mixing full and sliding layers is planned in whole-model blocks like any other, and its pool
     gets as many of its one-group blocks as that memory holds (core/grouped_kv_cache_manager.py)."""
-    groups = block_table_groups(spec.layer_windows)
+    groups = table_groups(config, spec.layer_windows)
     size = max(len(g.layers) for g in groups) if len(groups) > 1 else 0
     layers = len(spec.layer_windows)
     per_block = spec.bytes_per_block * layers // size if size else spec.bytes_per_block

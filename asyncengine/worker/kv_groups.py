@@ -12,12 +12,13 @@ one attention metadata per group from the same rows with that group's table. Mod
 touched: each layer's cache is a :class:`GroupKV` (a (k, v) tuple that knows its group), and the
 step's metadata is a :class:`GroupedMeta` whose ``backend.forward`` hands the layer's own group's
 metadata to the real backend. The native decode step and CUDA graphs take one table only: the
-runner runs without them for these models (logged).
+runner runs without them for these models (logged). Speculative decoding, KV offload, P/D and
+pipeline parallelism keep one table with every block instead (``kv_cache_spec.one_table_reason``).
 """
 from __future__ import annotations
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
-from asyncengine.contracts.kv_cache_spec import block_table_groups
+from asyncengine.contracts.kv_cache_spec import KVCacheGroup, table_groups
 
 
 class GroupKV(tuple):
@@ -29,18 +30,23 @@ class GroupKV(tuple):
         return t
 
 
-def num_groups(layer_windows) -> int:
-    return len(block_table_groups(layer_windows))
+def groups_of(config, model) -> list[KVCacheGroup]:
+    """The engine's block tables over this model's layers (the core decides the same way)."""
+    return table_groups(config, getattr(model.args, "layer_windows", ()))
 
 
-def allocate_kv_caches(backend, layer_windows, num_layers: int, alloc) -> list:
+def layers_per_block(groups: list[KVCacheGroup]) -> int | None:
+    """The cache tensors one block spans with several tables (None: every layer's)."""
+    return max(len(g.layers) for g in groups) if len(groups) > 1 else None
+
+
+def allocate_kv_caches(backend, groups: list[KVCacheGroup], num_layers: int, alloc) -> list:
     """The runner's cache: one (k, v) per layer, or with several groups one :class:`GroupKV` per
     layer, layer ``j`` of each group on the shared tensor pair ``j``."""
-    groups = block_table_groups(layer_windows)
     if len(groups) <= 1:
         return backend.allocate_kv_caches(num_layers, alloc)
-    tensors = backend.allocate_kv_caches(max(len(g.layers) for g in groups), alloc)
-    caches: list[GroupKV | None] = [None] * len(layer_windows)
+    tensors = backend.allocate_kv_caches(layers_per_block(groups), alloc)
+    caches: list[GroupKV | None] = [None] * num_layers
     for g, group in enumerate(groups):
         for j, layer in enumerate(group.layers):
             caches[layer] = GroupKV(*tensors[j], g)

@@ -52,7 +52,7 @@ from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
-from asyncengine.worker.kv_groups import allocate_kv_caches, grouped_metadata, num_groups
+from asyncengine.worker.kv_groups import allocate_kv_caches, grouped_metadata, groups_of
 from asyncengine.worker.step_layout import StepLayout, classify, lay_out, row_lora_ids
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,12 @@ class ModelRunner:
         # this stage's attention layers only (a.num_layers is the whole model's: pipeline parallel
         # holds a slice; hybrids count their attention layers there)
         # models mixing full and sliding layers: one block table per group, layers sharing tensors
-        self.kv_groups = num_groups(a.layer_windows)
-        self.kv_caches = allocate_kv_caches(self.attn_backend, a.layer_windows,
+        self.kv_groups = groups_of(config, model)
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_groups,
                                             a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
-        if self.kv_groups > 1:
+        if len(self.kv_groups) > 1:
             log.info("KV cache: %d block tables, one per group; the native decode step and CUDA graphs take one "
-                     "table, so they stay off for this model", self.kv_groups)
+                     "table, so they stay off for this model", len(self.kv_groups))
         # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
         self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
                                                   functools.partial(kv_fingerprint, config))
@@ -110,7 +110,7 @@ class ModelRunner:
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
                 and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None
                 and not getattr(model, "is_moe", False)  # MoE: per-step expert groups, not capturable
-                and self.kv_groups <= 1):  # a graph replays one block table
+                and len(self.kv_groups) <= 1):  # a graph replays one block table
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
@@ -304,7 +304,7 @@ class ModelRunner:
             and not getattr(self.model, "lora_active", False) else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
             return self.graphs.run(graph_size, lay.input_ids, lay.positions, lay.seqs, lay.slots)
-        if self.kv_groups > 1:  # a metadata per group (worker/kv_groups.py): the native step declines it
+        if len(self.kv_groups) > 1:  # a metadata per group (worker/kv_groups.py): the native step declines it
             meta = grouped_metadata(self.attn_backend, lay, [*decodes, *(st for st, _ in prefills),
                                                              *(st for st, _ in specs)], self.block_size)
         else:

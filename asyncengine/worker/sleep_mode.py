@@ -110,7 +110,7 @@ def allocate_kv(runner) -> None:
 
     model = runner.model
     n = model.args.num_layers if runner.pp.size == 1 else len(model.layers)
-    runner.kv_caches = allocate_kv_caches(runner.attn_backend, getattr(model.args, "layer_windows", ()), n, kv_cache_zeros)
+    runner.kv_caches = allocate_kv_caches(runner.attn_backend, runner.kv_groups, n, kv_cache_zeros)
     runner.state_cache = StateCache.for_model(model, runner.config.max_num_seqs, runner.dtype, runner.device)
 
 

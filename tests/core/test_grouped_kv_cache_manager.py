@@ -114,14 +114,22 @@ def test_prefix_hit_is_what_every_group_serves():
     kv.pool.check_invariants()
 
 
-def test_refused_configs():
+def test_what_needs_one_table_keeps_one(caplog):
+    """Speculative decoding, KV offload, P/D and pipeline parallelism read or move whole tables:
+    a mixed model keeps one plain table under them (every block, as before per-group tables)."""
     from asyncengine.config import EngineConfig
+    from asyncengine.core.kv_cache_manager import KVCacheManager
 
-    with pytest.raises(ConfigError, match="KV offload"):
-        make_kv_cache_manager(EngineConfig(model="unused", block_size=BS, kv_offload_bytes=2**20), (None, 8), 40)
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        make_kv_cache_manager(EngineConfig(model="unused", block_size=BS, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2}), (None, 8), 40)
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    for options in (dict(kv_offload_bytes=2**20), dict(speculative_config=spec)):
+        cfg = EngineConfig(model="unused", block_size=BS, **options)
+        with caplog.at_level("INFO"):
+            assert type(make_kv_cache_manager(cfg, (None, 8), 40)) is KVCacheManager
+    assert "keeps one table with every block under speculative decoding" in caplog.text
+    cfg = EngineConfig(model="unused", block_size=BS)
+    assert type(make_kv_cache_manager(cfg, (None, 8), 40)) is GroupedKVCacheManager
+    with pytest.raises(ConfigError, match="speculative decoding"):  # all sliding: refused as before
+        make_kv_cache_manager(EngineConfig(model="unused", block_size=BS, speculative_config=spec), (8, 8), 40)
 
 
 class GroupedMachine(RuleBasedStateMachine):

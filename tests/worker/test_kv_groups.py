@@ -15,7 +15,8 @@ import pytest
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.core.grouped_kv_cache_manager import GroupedKVCacheManager
-from asyncengine.errors import ConfigError
+from asyncengine.contracts.kv_cache_spec import block_table_groups
+from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.worker.kv_groups import GroupKV, allocate_kv_caches
 from model_utils import compare, model_hook
 
@@ -40,12 +41,12 @@ def test_layers_of_each_group_share_tensors():
         def allocate_kv_caches(self, n, alloc):
             return [(f"k{i}", f"v{i}") for i in range(n)]
 
-    caches = allocate_kv_caches(Backend(), [8, 8, 8, 8, 8, None], 6, None)
+    caches = allocate_kv_caches(Backend(), block_table_groups([8, 8, 8, 8, 8, None]), 6, None)
     assert all(isinstance(c, GroupKV) for c in caches)
     assert [c.group for c in caches] == [1, 2, 3, 4, 5, 0] and {tuple(c) for c in caches} == {("k0", "v0")}
     k, v = caches[0]  # still a (k, v) pair to the backends
     assert (k, v) == ("k0", "v0")
-    assert allocate_kv_caches(Backend(), [None, None], 2, None) == [("k0", "v0"), ("k1", "v1")]
+    assert allocate_kv_caches(Backend(), block_table_groups([None, None]), 2, None) == [("k0", "v0"), ("k1", "v1")]
 
 
 @pytest.mark.parametrize("shape,backend", [(s, "cpu") for s in SHAPES] + [("gemma3", "torch")])
@@ -100,10 +101,9 @@ def test_sliding_groups_hold_their_window_only(tiny_model_dir, hf_reference):
     assert kv.num_free_blocks == kv.pool.num_blocks
 
 
-def test_speculative_decoding_and_offload_are_refused(tiny_model_dir):
-    d = tiny_model_dir("gemma3")
-    with pytest.raises(ConfigError, match="speculative decoding is not supported with sliding-window"):
-        LLM(d, dtype="float32", block_size=BS, num_kv_blocks=24,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="KV offload"):
-        LLM(d, dtype="float32", block_size=BS, num_kv_blocks=24, kv_offload_bytes=2**20)
+def test_speculative_decoding_keeps_one_table(tiny_model_dir):
+    """A draft model reads the target's table: with one configured, a mixed model keeps one
+    (tests/models/test_gemma.py runs Gemma 2 as its own draft)."""
+    llm = LLM(tiny_model_dir("gemma3"), dtype="float32", block_size=BS, num_kv_blocks=24,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert type(llm.engine.kv) is KVCacheManager and llm.engine.num_blocks == 24
