@@ -178,8 +178,11 @@ class GroupedKVCacheManager(KVCacheManager):
         return lo
 
     def group_stats(self) -> dict:
+        """Scalars (the stats feed metrics): the group count and blocks held by the sliding groups."""
+        sliding = [sub for sub, w in zip(self.groups, self.windows) if w is not None]
         return {"kv_cache_groups": len(self.groups),
-                "kv_group_windows": [w or 0 for w in self.windows]}
+                "kv_sliding_group_blocks": sum(1 for sub in sliding for blocks in sub.req_to_blocks.values()
+                                               for b in blocks if b is not NULL_BLOCK)}
 
 
 def make_kv_cache_manager(config, layer_windows, num_blocks: int) -> KVCacheManager:

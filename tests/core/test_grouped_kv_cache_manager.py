@@ -74,9 +74,23 @@ def test_sliding_groups_free_while_the_full_group_keeps_all():
     # every group's table keeps one entry per logical block (positions kept)
     assert {len(sub.req_to_blocks["a"]) for sub in kv.groups} == {-(-r.num_computed_tokens // BS)}
     assert len(set(kv.block_ids("a")) & {i for t in kv.group_block_ids("a") for i in t} - {0}) == 0
+    assert kv.group_stats() == {"kv_cache_groups": 3,
+                                "kv_sliding_group_blocks": kv.held_blocks("a", 1) + kv.held_blocks("a", 2)}
     kv.free(r)
     assert kv.num_free_blocks == NUM_BLOCKS and not kv.req_to_blocks
     kv.pool.check_invariants()
+
+
+def test_longest_request_fits_every_group_at_once():
+    from asyncengine.config import EngineConfig
+
+    kv = GroupedKVCacheManager(NUM_BLOCKS, BS, WINDOWS)  # 60 blocks
+    chunked = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=8)
+    # under chunked prefill a sliding group holds at most (8 + 10) / 4 + 2 = 7 blocks: 60 - 14 for the full one
+    assert kv.max_request_len(chunked, 10_000) == (NUM_BLOCKS - 2 * 7) * BS
+    whole = EngineConfig(model="unused", block_size=BS, enable_chunked_prefill=False, max_num_batched_tokens=10_000)
+    assert kv.max_request_len(whole, 10_000) == NUM_BLOCKS // 3 * BS  # a whole prompt: every group every block
+    assert kv.max_request_len(chunked, 50) == 50
 
 
 def test_allocation_is_all_groups_or_none():
