@@ -126,6 +126,12 @@ def test_prefix_hit_is_what_every_group_serves():
     kv.free(b)
     assert kv.num_free_blocks == NUM_BLOCKS
     kv.pool.check_invariants()
+    # new weights: every group forgets its prefixes, and a new request's hashes chain from the new root
+    assert kv.get_computed_blocks(req("e", prompt))[1] > 0
+    kv.reset_prefix_cache([])
+    assert kv.get_computed_blocks(req("f", prompt))[1] == 0 and not kv.pool.cached
+    g = req("g", prompt)
+    assert step(kv, g, 40) and kv.get_computed_blocks(req("h", prompt))[1] == 36
 
 
 def test_what_needs_one_table_keeps_one(caplog):
