@@ -93,6 +93,23 @@ def test_longest_request_fits_every_group_at_once():
     assert kv.max_request_len(chunked, 50) == 50
 
 
+def test_the_pool_holds_the_memory_of_whole_model_blocks():
+    """Sizing prices whole-model blocks as for any model; the pool gets that memory in one-group blocks."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.contracts.kv_cache_spec import KVCacheSpec
+    from asyncengine.engine_core.core import num_kv_blocks_for
+
+    windows = (8, 8, None, 8, 8, None)  # groups of 2 layers: full (2, 5), sliding (0, 1), (3, 4)
+    spec = KVCacheSpec(block_size=BS, bytes_per_block=2 * 1000, available_bytes=None, layer_windows=windows)
+    pinned = EngineConfig(model="unused", block_size=BS, num_kv_blocks=10)
+    assert num_kv_blocks_for(pinned, spec, 4096) == 30
+    by_bytes = EngineConfig(model="unused", block_size=BS, kv_cache_bytes=6000 * 7)
+    assert num_kv_blocks_for(by_bytes, spec, 4096) == 21  # 7 whole-model blocks of 6 layers = 21 of 2
+    one = EngineConfig(model="unused", block_size=BS, num_kv_blocks=10, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    assert num_kv_blocks_for(one, spec, 4096) == 10  # one table: blocks of every layer
+
+
 def test_allocation_is_all_groups_or_none():
     kv = GroupedKVCacheManager(7, BS, WINDOWS)
     r = req("a", list(range(3, 15)))  # 12 tokens: 3 blocks per group = 9 > 7
