@@ -107,3 +107,16 @@ def test_speculative_decoding_keeps_one_table(tiny_model_dir):
     llm = LLM(tiny_model_dir("gemma3"), dtype="float32", block_size=BS, num_kv_blocks=24,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert type(llm.engine.kv) is KVCacheManager and llm.engine.num_blocks == 24
+
+
+def test_sleep_and_wake_rebuild_the_grouped_cache(tiny_model_dir):
+    """Level 1 drops the cache; waking rebuilds it with the layers of each group sharing tensors."""
+    llm = LLM(tiny_model_dir(*SHAPES["gemma3"][:1], **SHAPES["gemma3"][1]), dtype="float32", block_size=BS,
+              num_kv_blocks=24, max_num_batched_tokens=32)
+    prompt, params = tokens(random.Random(4), 70), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.sleep(1)
+    llm.wake_up()
+    caches = llm.engine.executor.worker.runner.kv_caches
+    assert [c.group for c in caches] == [1, 2, 3, 4, 5, 0] and len({id(c[0]) for c in caches}) == 1
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == before
