@@ -9,13 +9,14 @@ import mmap
 import torch
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
-    layers; core/kv_sizing.py)."""
+    layers; core/kv_sizing.py). ``num_layers``: the cache tensors a block spans, when not every
+    layer's (per-group tables: one group's, worker/kv_groups.py)."""
     from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block  # lazy: only when the cache is sized or allocated
 
     a = model.args
-    shape = KVModelShape(len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
+    shape = KVModelShape(num_layers or len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
     return bytes_per_block(shape, block_size, dtype.itemsize)
 
 

@@ -52,3 +52,40 @@ def kv_cache_groups(layer_windows) -> list[KVCacheGroup]:
         kinds.setdefault(w, []).append(i)
     order = sorted(kinds, key=lambda w: -1 if w is None else w)
     return [KVCacheGroup(sliding_window=w, layers=tuple(kinds[w])) for w in order]
+
+
+def block_table_groups(layer_windows) -> list[KVCacheGroup]:
+    """The block tables of a model mixing attention kinds (vLLM's hybrid allocator): each kind's
+    layers cut into groups of ``size`` layers, ``size`` the smallest kind's layer count (a kind's
+    last group may be short). Each group has its own block table; layer ``j`` of every group uses
+    the same cache tensor ``j``, so a pool block costs ``size`` layers' worth and one id serves one
+    group. One kind only: one group of every layer (the single-table layout)."""
+    kinds = kv_cache_groups(layer_windows)
+    if len(kinds) <= 1:
+        return kinds
+    size = min(len(k.layers) for k in kinds)
+    return [KVCacheGroup(sliding_window=k.sliding_window, layers=k.layers[i:i + size])
+            for k in kinds for i in range(0, len(k.layers), size)]
+
+
+
+def one_table_reason(config) -> str | None:
+    """Why a model mixing full and sliding layers keeps one table with every block (None: a table
+    per group): what moves or reads whole tables, or holds only some layers."""
+    if config.speculative is not None:
+        return "speculative decoding (a draft model reads the target's table)"
+    if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
+        return "KV offload / P/D disaggregation (they move one table's blocks)"
+    if config.pipeline_parallel_size > 1:
+        return "pipeline parallelism (each stage holds some layers)"
+    return None
+
+
+def table_groups(config, layer_windows) -> list[KVCacheGroup]:
+    """The block tables an engine keeps, the one decision the core and the workers share: per
+    group (:func:`block_table_groups`), or one full table over every layer when
+    :func:`one_table_reason` says so."""
+    groups = block_table_groups(layer_windows)
+    if len(groups) > 1 and one_table_reason(config):
+        return [KVCacheGroup(sliding_window=None, layers=tuple(range(len(layer_windows))))]
+    return groups

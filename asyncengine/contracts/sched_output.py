@@ -24,6 +24,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (-1: the model has none)
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    # models mixing full and sliding layers: block tables of KV-cache groups 1.. (block_ids is
+    # group 0's; core/grouped_kv_cache_manager.py); empty: one group
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -35,6 +38,8 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     # pipeline parallel: the tokens sampled since the request's last step (the stages that do not
     # sample learn them here); empty otherwise
     new_token_ids: list[int] = []
+    # models mixing full and sliding layers: new ids of KV-cache groups 1.. (empty: one group)
+    new_group_block_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

@@ -70,6 +70,14 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    # ---- models mixing full and sliding layers only (core/grouped_kv_cache_manager.py): groups 1..
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        return []
+
+    def take_new_group_block_ids(self, request_id: str) -> list[list[int]]:
+        return []
+
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
         """Hash the request's full blocks among its first ``num_tokens`` (known) tokens, once each."""
         bs = self.block_size

@@ -295,16 +295,16 @@ class Scheduler:
             new_tokens = self.pp_in_flight.send(req) if self.pipeline_parallel else []
             if rid in new_ids:
                 new_data.append(NewRequestData(
-                    req_id=rid, prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
-                    block_ids=self.kv.block_ids(rid), num_computed_tokens=req.num_computed_tokens,
+                    req_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
+                    output_token_ids=list(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
+                    block_ids=self.kv.block_ids(rid), group_block_ids=self.kv.group_block_ids(rid),
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
                     num_external_tokens=req.num_external_tokens, state_slot=self.kv.state_slot(rid),
                     lora_request=req.lora_request))
             else:
-                cached_data.append(CachedRequestData(req_id=rid, new_block_ids=new_blocks[rid],
-                                                     num_computed_tokens=req.num_computed_tokens,
-                                                     new_token_ids=new_tokens))
+                cached_data.append(CachedRequestData(
+                    req_id=rid, new_block_ids=new_blocks[rid], num_computed_tokens=req.num_computed_tokens,
+                    new_group_block_ids=self.kv.take_new_group_block_ids(rid), new_token_ids=new_tokens))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             if self.samples.held and self.kv.at_fork_point(req):

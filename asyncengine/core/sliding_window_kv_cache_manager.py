@@ -15,22 +15,15 @@ Prefix hits: the hash chain of a block still names its whole prefix, so a hit of
 needs only the blocks of the window before position ``L * bs`` to be cached; those before it
 enter the table as :data:`NULL_BLOCK`.
 
-Models mixing full and sliding layers (Qwen2 with ``max_window_layers``, Gemma 2/3) need one
-table per group on the worker; until the worker takes per-group tables they keep every block in
-one table (:func:`make_kv_cache_manager` logs it).
+Models mixing full and sliding layers (Qwen2 with ``max_window_layers``, Gemma 2/3) keep one
+table per group, each group one of these managers (core/grouped_kv_cache_manager.py).
 """
 from __future__ import annotations
 
-import logging
-
-from asyncengine.contracts.kv_cache_spec import kv_cache_groups
 from asyncengine.core.block_pool import KVBlock
 from asyncengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from asyncengine.core.request import Request
 from asyncengine.errors import ConfigError
-
-log = logging.getLogger(__name__)
-
 
 
 class SlidingWindowKVCacheManager(KVCacheManager):
@@ -102,18 +95,3 @@ def check_sliding_config(config) -> None:
     if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
         raise ConfigError("KV offload and P/D disaggregation move whole block tables, and a sliding-window request's "
                           "table has freed blocks: leave kv_offload_bytes, kv_offload_dir and kv_role unset")
-
-
-def make_kv_cache_manager(config, layer_windows, num_blocks: int) -> KVCacheManager:
-    """The manager for a model without state layers, by its attention kinds: all layers sliding over
-    one window -> :class:`SlidingWindowKVCacheManager`; otherwise the plain one (one table)."""
-    groups = kv_cache_groups(layer_windows)
-    caching = config.enable_prefix_caching
-    if len(groups) == 1 and groups[0].sliding_window is not None:
-        check_sliding_config(config)
-        return SlidingWindowKVCacheManager(num_blocks, config.block_size, groups[0].sliding_window, caching)
-    if any(g.sliding_window is not None for g in groups):
-        log.info("KV cache: %d groups (%s); a model mixing full and sliding layers keeps every block in one table "
-                 "(the worker takes one table per request; docs/sliding_window.md)", len(groups),
-                 ", ".join(f"window {g.sliding_window}: {len(g.layers)} layers" for g in groups))
-    return KVCacheManager(num_blocks, config.block_size, caching)

@@ -20,9 +20,9 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
-from asyncengine.core.sliding_window_kv_cache_manager import make_kv_cache_manager, max_request_len
+from asyncengine.core.grouped_kv_cache_manager import make_kv_cache_manager, max_request_len
 from asyncengine.contracts.kv_sizing import plan_kv_blocks
-from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec, table_groups
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
@@ -40,9 +40,16 @@ log = logging.getLogger(__name__)
 
 def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> int:
     """The KV-cache policy (core/kv_sizing.py) applied to what a block costs on a rank (its share
-    of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget."""
-    return plan_kv_blocks(config, spec.bytes_per_block, max_model_len, spec.available_bytes,
-                          spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
+    of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget. A model
+    mixing full and sliding layers is planned in whole-model blocks like any other, and its pool
+    gets as many of its one-group blocks as that memory holds (core/grouped_kv_cache_manager.py)."""
+    groups = table_groups(config, spec.layer_windows)
+    size = max(len(g.layers) for g in groups) if len(groups) > 1 else 0
+    layers = len(spec.layer_windows)
+    per_block = spec.bytes_per_block * layers // size if size else spec.bytes_per_block
+    n = plan_kv_blocks(config, per_block, max_model_len, spec.available_bytes,
+                       spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
+    return n * layers // size if size else n
 
 
 class EngineCore:

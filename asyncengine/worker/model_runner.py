@@ -51,6 +51,7 @@ from asyncengine.worker.sampler import Sampler, SamplerOutput
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
+from asyncengine.worker.kv_groups import allocate_kv_caches, grouped_metadata, groups_of
 from asyncengine.worker.step_layout import StepLayout, classify, lay_out, row_lora_ids
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,13 @@ class ModelRunner:
         # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
         # this stage's attention layers only (a.num_layers is the whole model's: pipeline parallel
         # holds a slice; hybrids count their attention layers there)
-        self.kv_caches = self.attn_backend.allocate_kv_caches(
-            a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
+        # models mixing full and sliding layers: one block table per group, layers sharing tensors
+        self.kv_groups = groups_of(config, model)
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_groups,
+                                            a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
+        if len(self.kv_groups) > 1:
+            log.info("KV cache: %d block tables, one per group; the native decode step and CUDA graphs take one "
+                     "table, so they stay off for this model", len(self.kv_groups))
         # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
         self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
                                                   functools.partial(kv_fingerprint, config))
@@ -102,7 +108,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
                 and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None
-                and not getattr(model, "is_moe", False)):  # MoE: per-step expert groups, not capturable
+                and not getattr(model, "is_moe", False)  # MoE: per-step expert groups, not capturable
+                and len(self.kv_groups) <= 1):  # a graph replays one block table
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
@@ -172,7 +179,8 @@ class ModelRunner:
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens, sampling_params=nr.sampling_params,
                 bad_words_token_ids=nr.bad_words_token_ids, state_slot=nr.state_slot,
-                lora_id=self.lora.ensure(nr.lora_request) if self.lora is not None else 0)
+                lora_id=self.lora.ensure(nr.lora_request) if self.lora is not None else 0,
+                group_block_ids=[list(t) for t in nr.group_block_ids])
             if self.proposer is not None:
                 self.proposer.add(nr.req_id, nr.num_computed_tokens - nr.num_external_tokens)
             if nr.sampling_params.structured_outputs is not None:
@@ -187,6 +195,8 @@ class ModelRunner:
         for cr in so.cached_requests:
             st = self.requests[cr.req_id]
             st.block_ids.extend(cr.new_block_ids)
+            for table, new in zip(st.group_block_ids, cr.new_group_block_ids):
+                table.extend(new)
             if feed and cr.new_token_ids:
                 st.output_ids.extend(cr.new_token_ids)
             # with speculation the scheduler counts in-flight drafts as accepted (>=): the runner
@@ -288,7 +298,11 @@ class ModelRunner:
             and not getattr(self.model, "lora_active", False) else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
             return self.graphs.run(graph_size, lay.input_ids, lay.positions, lay.seqs, lay.slots)
-        meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))
+        if len(self.kv_groups) > 1:  # a metadata per group (worker/kv_groups.py): the native step declines it
+            meta = grouped_metadata(self.attn_backend, lay, [*decodes, *(st for st, _ in prefills),
+                                                             *(st for st, _ in specs)], self.block_size)
+        else:
+            meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))
         stage = {} if self.state_cache is None else {
             "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], lay.ssm_chunks)}
         if self.link is not None and not self.pp.is_first:  # the previous stage's stream

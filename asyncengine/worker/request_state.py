@@ -3,7 +3,7 @@ own latest samples included), its block table and its true position. The schedul
 changed; the runner's helpers (grammar, speculation, prompt logprobs) read and advance this."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncengine.sampling_params import SamplingParams
 
@@ -22,6 +22,8 @@ class RunnerRequestState:
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (worker/state_cache.py)
     lora_id: int = 0  # its LoRA adapter (0: the base model)
     pool_state: object | None = None  # a pooling request's partial embedding (worker/pooling.py)
+    # models mixing full and sliding layers: the tables of KV-cache groups 1.. (worker/kv_groups.py)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ import sys
 
 from asyncengine.attention.kv_cache import kv_cache_zeros
 from asyncengine.errors import ConfigError
+from asyncengine.worker.kv_groups import allocate_kv_caches
 
 TAGS = ("weights", "kv_cache")
 
@@ -109,7 +110,7 @@ def allocate_kv(runner) -> None:
 
     model = runner.model
     n = model.args.num_layers if runner.pp.size == 1 else len(model.layers)
-    runner.kv_caches = runner.attn_backend.allocate_kv_caches(n, kv_cache_zeros)
+    runner.kv_caches = allocate_kv_caches(runner.attn_backend, runner.kv_groups, n, kv_cache_zeros)
     runner.state_cache = StateCache.for_model(model, runner.config.max_num_seqs, runner.dtype, runner.device)
 
 

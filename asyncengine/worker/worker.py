@@ -22,6 +22,7 @@ from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.platforms.onednn_caches import bound_onednn_caches
 from asyncengine.worker.cpu_threads import ThreadGovernor
 from asyncengine.attention.kv_cache import kv_bytes_per_block
+from asyncengine.worker.kv_groups import groups_of, layers_per_block
 from asyncengine.worker.model_runner import ModelRunner
 from asyncengine.errors import ConfigError
 
@@ -146,7 +147,9 @@ class Worker:
         budget = None
         if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             budget = self.profile_kv_budget()
-        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        # several block tables: a block spans one group's layers (worker/kv_groups.py)
+        layers = layers_per_block(groups_of(c, self.model))
+        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype, layers)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
         state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0

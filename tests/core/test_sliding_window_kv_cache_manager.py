@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from asyncengine.contracts.kv_cache_spec import kv_cache_groups
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
-from asyncengine.core.sliding_window_kv_cache_manager import (NULL_BLOCK, SlidingWindowKVCacheManager,
-                                                               make_kv_cache_manager)
+from asyncengine.core.grouped_kv_cache_manager import GroupedKVCacheManager, make_kv_cache_manager
+from asyncengine.core.sliding_window_kv_cache_manager import NULL_BLOCK, SlidingWindowKVCacheManager
 from asyncengine.errors import ConfigError
 from asyncengine.sampling_params import SamplingParams
 
@@ -100,8 +100,8 @@ def test_mixed_and_refused_configs(caplog):
 
     cfg = EngineConfig(model="unused", block_size=BS, enable_prefix_caching=True)
     with caplog.at_level("INFO"):
-        assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is KVCacheManager  # one table, logged
-    assert "keeps every block in one table" in caplog.text
+        assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is GroupedKVCacheManager  # a table per group
+    assert "2 block tables" in caplog.text
     assert type(make_kv_cache_manager(cfg, (None, None), NUM_BLOCKS)) is KVCacheManager
     assert make_kv_cache_manager(cfg, (16, 16), NUM_BLOCKS).sliding_window == 16
     with pytest.raises(ConfigError, match="KV offload"):
