@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.multimodal import MultiModalInput
 from asyncengine.lora_request import LoRARequest
 from asyncengine.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
     state_slot: int = -1  # hybrid models: the request's Mamba state slot (-1: the model has none)
     lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    mm_inputs: list[MultiModalInput] | None = None  # its images' encoder inputs (multimodal models)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -58,6 +58,8 @@ class PromptIntake:
             if isinstance(text, str) and self.tokenizer is not None:
                 proc.check_text(text)
             size, payload = (len(text) if isinstance(text, str) else 0), text
+            if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+                size = 0  # images are processed with the prompt, in make_request: keep the dict whole
         long_text = size > limits.off_loop_chars and self.tokenizer is not None
         long_stops = sum(len(x) for x in params.stop or ()) > STOP_CHARS_OFF_LOOP and self.tokenizer is not None
         if long_text or long_stops or params.structured_outputs is not None:
