@@ -52,6 +52,9 @@ def open_image(data: bytes, limits: ImageLimits):
         raise InvalidRequestError(f"the image is over {limits.max_bytes} bytes")
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError:
+        raise InvalidRequestError("the image declares more pixels than Pillow will decode (a decompression "
+                                  "bomb)") from None
     except Exception as e:  # UnidentifiedImageError, a bomb warning, a broken header
         raise InvalidRequestError(f"not a readable image ({type(e).__name__})") from None
     return normalize(img, limits)
