@@ -43,9 +43,8 @@ def split_images(messages: list, engine) -> tuple[list, list]:
         if not isinstance(content, list) or not any(p.type == "image_url" for p in content):
             out.append(m)
             continue
-        if token is None:
-            if mm is None or engine.tokenizer is None:
-                raise APIError(400, "this model takes no images", param=f"messages[{i}].content")
+        if mm is None or engine.tokenizer is None:
+            raise APIError(400, "this model takes no images", param=f"messages[{i}].content")
         token = engine.tokenizer.convert_ids_to_tokens(mm.image_token_id)
         parts = []
         for j, p in enumerate(content):
