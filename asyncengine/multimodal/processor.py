@@ -100,3 +100,23 @@ class MultiModalProcessor:
             inputs.append(MultiModalInput(hash=digest, offset=len(out), length=n, data=data, shape=list(px.shape)))
             out.extend([tok] * n)
         return out, inputs
+
+    def check_prepared(self, ids: list[int], inputs) -> list[MultiModalInput]:
+        """Inputs :meth:`process` made (passed back as a prompt's ``mm_inputs``), checked against
+        the ids they go with, so that no hand-made one reaches the encoder malformed."""
+        inputs = list(inputs)
+        if len(inputs) > self.limits.max_images:
+            raise InvalidRequestError(f"{len(inputs)} images in one prompt, over the limit of {self.limits.max_images}")
+        for m in inputs:
+            if not isinstance(m, MultiModalInput) or m.length != self.tokens_per_image or m.offset < 0 \
+                    or ids[m.offset:m.end] != [self.image_token_id] * m.length \
+                    or len(m.data) != 4 * _prod(m.shape):
+                raise InvalidRequestError("mm_inputs do not match this prompt (make them with prepare_images)")
+        return inputs
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

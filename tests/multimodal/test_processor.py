@@ -43,3 +43,15 @@ def test_refusals(llava_dir):
         mm.process([5, tok], {"image": [image(1), image(2)]})
     with pytest.raises(InvalidRequestError, match="only 'image'"):
         mm.process([5], {"video": []})
+
+
+def test_prepared_inputs_are_checked_against_their_ids(llava_dir):
+    mm = MultiModalProcessor(llava_dir, read_hf_config(llava_dir), ImageLimits(max_images=2))
+    ids, inputs = mm.process([5, mm.image_token_id, 6], {"image": [image(1)]})
+    assert mm.check_prepared(ids, inputs) == inputs
+    import msgspec
+
+    for bad in (msgspec.structs.replace(inputs[0], offset=0), msgspec.structs.replace(inputs[0], data=b"x"),
+                msgspec.structs.replace(inputs[0], length=3), "not an input"):
+        with pytest.raises(InvalidRequestError, match="do not match"):
+            mm.check_prepared(ids, [bad])
