@@ -42,8 +42,8 @@ class MultiModalProcessor:
     @classmethod
     def of(cls, config, model_info) -> "MultiModalProcessor | None":
         """The processor of an engine's model (EngineConfig's image limits), or None: no images."""
-        if vision_info(model_info.hf_config) is None:
-            return None
+        if vision_info(model_info.hf_config) is None or getattr(config, "model_impl", "auto") == "transformers":
+            return None  # (the Transformers backend runs the text model alone: it takes no images)
         limits = ImageLimits(max_images=config.limit_mm_per_prompt, max_pixels=config.mm_max_pixels)
         return cls(model_info.path, model_info.hf_config, limits)
 
