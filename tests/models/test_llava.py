@@ -46,6 +46,10 @@ def _params(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def _num_encoded(worker) -> int:
+    return worker.runner.encoder_cache.num_encoded
+
+
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_llava_parity(llava, regime):
     d, (refs, prompt_ids) = llava
@@ -54,6 +58,8 @@ def test_llava_parity(llava, regime):
                         use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompt_ids  # placeholders expanded as transformers does
     compare([o.outputs[0].token_ids for o in outs], refs)
+    # four distinct images (the first comes twice): each encoded once, whatever the chunks or preemptions
+    assert llm.engine.collective_rpc(_num_encoded) == [4]
     stats = llm.engine.stats()
     if regime == "preempt":
         assert stats["num_preemptions"] > 0
