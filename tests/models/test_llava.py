@@ -85,3 +85,27 @@ def test_same_image_hits_the_prefix_cache_another_does_not(llava):
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
     llm.shutdown()
+
+
+def test_images_cross_to_an_engine_core_process(llava):
+    """engine_core_process=True: the images' encoder inputs cross the core's pipe (msgspec) and the
+    async front end processes them on a worker thread; the same tokens as transformers."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+
+    d, (refs, _) = llava
+    picked = [0, 1, 3]
+
+    async def main():
+        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
+                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
+        async with eng:
+            async def one(i):
+                text, images, n = REQUESTS[i]
+                async for out in eng.generate(_prompt(text, images), _params(n)):
+                    pass
+                return out.outputs[0].token_ids
+            return await asyncio.gather(*(one(i) for i in picked))
+
+    compare(asyncio.run(main()), [refs[i] for i in picked])
