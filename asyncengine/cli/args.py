@@ -165,6 +165,11 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allowed-origins", type=_csv, default=(),
                    help="browser origins (https://app.example) allowed to call the API besides this "
                         "server's own; also turns CORS on for them (comma-separated; default: none)")
+    s.add_argument("--allowed-media-domains", type=_csv, default=(),
+                   help="hosts whose http(s) image URLs chat requests may name (comma-separated; default: none, "
+                        "only data: URLs)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a folder whose image files chat requests may name as file: URLs (default: none)")
     g = s.add_argument_group("request limits (RequestLimits, asyncengine/engine/validation.py)")
     g.add_argument("--max-request-bytes", type=int, default=None, help="HTTP body / websocket frame (default 4 MiB)")
     g.add_argument("--max-prompt-chars", type=int, default=None,

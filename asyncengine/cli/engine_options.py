@@ -204,6 +204,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  type=POSITIVE_INT, commands=("serve",)),
     EngineOption("max_cpu_loras", "LoRA adapters kept loaded in host memory (least recently used out)",
                  type=POSITIVE_INT, default_text="--max-loras", commands=("serve",)),
+    EngineOption("limit_mm_per_prompt", "images one prompt may carry (vision-language models; docs/multimodal.md)",
+                 type=int),
+    EngineOption("mm_max_pixels", "decoded pixels of one image (width x height), checked before decoding",
+                 type=POSITIVE_INT),
+    EngineOption("mm_encoder_cache_tokens", "image-encoder output rows the worker keeps for reuse", type=int),
 )
 
 # EngineConfig fields deliberately not on the command line, and why

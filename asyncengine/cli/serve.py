@@ -85,7 +85,16 @@ def run_serve(args) -> int:
                      responses_store_ttl_s=args.responses_store_ttl,
                      training_endpoints=args.enable_training_endpoints,
                      training_weights_dir=args.training_weights_dir, on_loaded=status_warm,
-                     lora_modules=args.lora_modules, warm_up=warm_up_wanted(args), chat_config=chat)
+                     lora_modules=args.lora_modules, warm_up=warm_up_wanted(args), chat_config=chat,
+                     media_policy=media_policy(args))
     except BaseException:
         status.done("stopped")
         raise
+
+
+def media_policy(args):
+    """--allowed-media-domains / --allowed-local-media-path as the server's MediaPolicy."""
+    from asyncengine.integrations.openai_server.media import MediaPolicy  # lazy: the server's modules only when serving
+
+    return MediaPolicy(allowed_domains=tuple(d.lower() for d in args.allowed_media_domains),
+                       allowed_local_path=args.allowed_local_media_path)

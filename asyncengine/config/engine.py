@@ -17,6 +17,7 @@ from asyncengine.config.attention import AttentionBackendName, backend_info, che
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
+from asyncengine.config.multimodal import check_multimodal
 from asyncengine.config.sub_configs import SubConfigViews
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ def check_device(device: str) -> None:
 
 def resolve_device(device: str) -> torch.device:
     import torch
-
     check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,7 +116,6 @@ class EngineConfig(SubConfigViews):
     # torch intra-op threads: None = torch's default, lowered while other processes keep cores busy
     # (one CPU worker: worker/cpu_threads.py); a number pins it
     num_threads: int | None = None
-    # async engine
     async_scheduling: bool = True  # schedule step N+1 while step N executes
     max_queued_requests: int | None = 4096
     max_queued_tokens: int | None = None
@@ -224,6 +223,9 @@ class EngineConfig(SubConfigViews):
     max_cpu_loras: int | None = None  # None = max_loras
     model_impl: Literal["auto", "native", "transformers"] = "auto"  # Transformers backend: docs/models.md
     enable_expert_parallel: bool = False  # MoE (issue 33): TP ranks hold 1/N of the experts whole
+    limit_mm_per_prompt: int = 8  # images (issue 37, docs/multimodal.md): these three; config/multimodal.py
+    mm_max_pixels: int = 4096 * 4096  # decoded pixels of one image, checked before it is decoded
+    mm_encoder_cache_tokens: int = 8192  # encoder output rows the worker keeps (worker/encoder_cache.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -253,11 +255,9 @@ class EngineConfig(SubConfigViews):
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-        if self.limits is None:
-            self.limits = RequestLimits()
+        self.limits = RequestLimits() if self.limits is None else self.limits
         if self.grammar_limits is None:
             from asyncengine.config.grammar_limits import GrammarLimits  # lazy: config stays cheap to import (front ends, the CLI's help)
-
             self.grammar_limits = GrammarLimits()
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -278,7 +278,6 @@ class EngineConfig(SubConfigViews):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         from asyncengine.config.speculative import SpeculativeConfig  # lazy: config stays cheap to import (front ends, the CLI's help)
-
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative is not None and self.world_size > 1:
             raise ConfigError("speculative decoding is not supported with tensor_parallel_size or "
@@ -297,6 +296,7 @@ class EngineConfig(SubConfigViews):
             self._check_quantization_device("cuda")
         self._check_kv_offload()
         check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        check_multimodal(self.limit_mm_per_prompt, self.mm_max_pixels, self.mm_encoder_cache_tokens)
         if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
             raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
 

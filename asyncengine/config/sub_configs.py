@@ -13,6 +13,7 @@ view (``EngineConfig.<name>``)  type                       handed to
 ``parallel_config``             :class:`ParallelConfig`    executors, workers, data-parallel cores
 ``kv_transfer_config``          :class:`KVTransferConfig`  KV connectors (offload, P/D)
 ``lora_config``                 :class:`LoRAConfig`        LoRA slots and admission (lora/, core/)
+``multimodal_config``           :class:`MultiModalConfig`  image limits (multimodal/), encoder cache
 ``speculative``                 ``SpeculativeConfig``      spec decode (config/speculative.py)
 ==============================  =========================  =========================================
 
@@ -128,6 +129,14 @@ class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_cpu_loras: int | None  # None: max_loras
 
 
+class MultiModalConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Images: what one prompt may carry (multimodal/) and the worker's encoder cache (worker/)."""
+
+    limit_mm_per_prompt: int
+    mm_max_pixels: int
+    mm_encoder_cache_tokens: int
+
+
 # view attribute on EngineConfig -> its type
 VIEWS: dict[str, type[msgspec.Struct]] = {
     "model_config": ModelConfig,
@@ -136,6 +145,7 @@ VIEWS: dict[str, type[msgspec.Struct]] = {
     "parallel_config": ParallelConfig,
     "kv_transfer_config": KVTransferConfig,
     "lora_config": LoRAConfig,
+    "multimodal_config": MultiModalConfig,
 }
 
 # fields parsed into a config object of their own, which the parts read instead of the field
@@ -196,3 +206,7 @@ class SubConfigViews:
     @functools.cached_property
     def lora_config(self) -> LoRAConfig:
         return build(LoRAConfig, self)
+
+    @functools.cached_property
+    def multimodal_config(self) -> MultiModalConfig:
+        return build(MultiModalConfig, self)

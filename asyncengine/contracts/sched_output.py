@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncengine.contracts.connector_messages import KVConnectorMetadata, KVConnectorOutput
+from asyncengine.contracts.multimodal import MultiModalInput
 from asyncengine.lora_request import LoRARequest
 from asyncengine.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # models mixing full and sliding layers: block tables of KV-cache groups 1.. (block_ids is
     # group 0's; core/grouped_kv_cache_manager.py); empty: one group
     group_block_ids: list[list[int]] = []
+    mm_inputs: list[MultiModalInput] | None = None  # its images' encoder inputs (multimodal models)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

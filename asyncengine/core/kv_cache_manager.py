@@ -90,7 +90,7 @@ class KVCacheManager:
                 toks = req.prompt_token_ids[start:start + bs]
             else:
                 toks = [req.token_id_at(p) for p in range(start, start + bs)]
-            hashes.append(hash_block(hashes[-1] if hashes else self.hash_root, toks, req.cache_salt))
+            hashes.append(hash_block(hashes[-1] if hashes else self.hash_root, toks, req.block_extra(start, start + bs)))
 
     def reset_prefix_cache(self, requests) -> None:
         """Forget every cached prefix, also those of blocks running ``requests`` still hold (the

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from asyncengine.contracts.multimodal import MultiModalInput, block_extra
 from asyncengine.lora_request import LoRARequest
 from asyncengine.sampling_params import SamplingParams, resolve_unset
 
@@ -55,6 +56,8 @@ class Request:
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] | None = None
     lora_request: LoRARequest | None = None  # its adapter (its id is part of cache_salt: processor)
+    # images: each one's encoder input and placeholder run (multimodal/; their hashes key the prefix cache)
+    mm_inputs: list[MultiModalInput] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -120,8 +123,14 @@ class Request:
                 sampling_params=params, eos_token_ids=self.eos_token_ids, max_tokens=self.max_tokens,
                 priority=self.priority, arrival_time=self.arrival_time, cache_salt=self.cache_salt,
                 bad_words_token_ids=self.bad_words_token_ids, parent_id=self.request_id,
-                kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request))
+                kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request,
+                mm_inputs=self.mm_inputs))
         return children
+
+    def block_extra(self, start: int, stop: int) -> str | None:
+        """What a block's hash adds to its tokens: the cache salt and the images it overlaps."""
+        mm = block_extra(self.mm_inputs, start, stop)
+        return f"{self.cache_salt or ''}{mm}" if mm else self.cache_salt
 
     def token_id_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

@@ -300,7 +300,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(rid), group_block_ids=self.kv.group_block_ids(rid),
                     eos_token_ids=sorted(req.eos_token_ids), bad_words_token_ids=req.bad_words_token_ids,
                     num_external_tokens=req.num_external_tokens, state_slot=self.kv.state_slot(rid),
-                    lora_request=req.lora_request))
+                    lora_request=req.lora_request, mm_inputs=req.mm_inputs))
             else:
                 cached_data.append(CachedRequestData(
                     req_id=rid, new_block_ids=new_blocks[rid], num_computed_tokens=req.num_computed_tokens,

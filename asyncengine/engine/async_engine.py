@@ -26,6 +26,7 @@ from asyncengine.engine.busy_loop import BusyLoop
 from asyncengine.engine.core_client import CoreClient
 from asyncengine.engine.lora_registry import NamedLoRAs
 from asyncengine.engine.output_processor import OutputProcessor
+from asyncengine.multimodal.processor import MultiModalProcessor
 from asyncengine.engine.processor import InputProcessor, check_lora_request
 from asyncengine.engine.protocol import EngineClient
 from asyncengine.engine.prompt_intake import PromptIntake, check_params
@@ -56,7 +57,8 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         self.limits = config.limits
         self.processor = InputProcessor(self.tokenizer, self.client.vocab_size, self.client.max_model_len,
                                         self.client.eos_token_ids, self.limits,
-                                        self.client.model_info.generation_config)
+                                        self.client.model_info.generation_config,
+                                        mm=MultiModalProcessor.of(self.config, self.client.model_info))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.intake = PromptIntake(self.processor, self.limits)
         self.admission = Admission(config)

@@ -19,6 +19,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
 from asyncengine.engine.pooling import embed_requests
+from asyncengine.multimodal.processor import MultiModalProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType, check_lora_request
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.lora_request import LoRARequest
@@ -49,7 +50,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
                                         self.engine.eos_token_ids, self.config.limits,
-                                        self.engine.model_info.generation_config)
+                                        self.engine.model_info.generation_config,
+                                        mm=MultiModalProcessor.of(self.config, self.engine.model_info))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -22,8 +22,9 @@ PromptType = str | Sequence[int] | Mapping
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids,
-                 limits: RequestLimits | None = None, generation_config: dict | None = None) -> None:
+                 limits: RequestLimits | None = None, generation_config: dict | None = None, mm=None) -> None:
         self.tokenizer = tokenizer
+        self.mm = mm  # a vision-language model's MultiModalProcessor (multimodal/processor.py), else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,6 +81,18 @@ class InputProcessor:
         raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, "
                                   f"not {type(prompt).__name__}")
 
+    def _multimodal(self):
+        if self.mm is None:
+            raise InvalidRequestError("this model takes no images (multi_modal_data)")
+        return self.mm
+
+    def prepare_images(self, prompt: Mapping) -> dict:
+        """A prompt with ``multi_modal_data`` as a prompt whose images are processed (``mm_inputs``)
+        and placeholders expanded: the slow part (decoding, resizing), for a worker thread."""
+        text, ids = self.tokenize(prompt)
+        ids, inputs = self._multimodal().process(ids, prompt["multi_modal_data"])
+        return {"prompt_token_ids": ids, "mm_inputs": inputs, **({"prompt": text} if text is not None else {})}
+
     def _check_ids(self, ids) -> list[int]:
         if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Sequence):
             raise InvalidRequestError(f"prompt_token_ids must be a list of integers, not {type(ids).__name__}")
@@ -96,6 +109,11 @@ class InputProcessor:
         # the cheap checks first: a request over a limit costs no tokenization
         params = validation.check_sampling_params(params, self.limits, self.vocab_size, self.eos_token_ids)
         text, ids = self.tokenize(prompt)
+        mm_inputs = None
+        if isinstance(prompt, Mapping) and prompt.get("mm_inputs") is not None:  # prepare_images made them
+            mm_inputs = self._multimodal().check_prepared(ids, prompt["mm_inputs"])
+        elif isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            ids, mm_inputs = self._multimodal().process(ids, prompt["multi_modal_data"])  # placeholders expanded
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
@@ -118,7 +136,7 @@ class InputProcessor:
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, priority=priority,
                       cache_salt=lora_salt(cache_salt, lora_request), bad_words_token_ids=bad_words,
-                      lora_request=lora_request,
+                      lora_request=lora_request, mm_inputs=mm_inputs or None,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         return req, text
 

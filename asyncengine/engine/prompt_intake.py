@@ -46,8 +46,8 @@ class PromptIntake:
     def precheck(self, prompt, params: SamplingParams) -> tuple[str, object]:
         """The cheap checks, on the loop; returns (kind, payload): kind "now" (payload: the prompt
         to submit at once, chat already rendered), or for the work done later by :meth:`prepare`:
-        "chat" (messages to render), "text" (to tokenize), "ready" (only the stop automaton or the
-        grammar is long to build)."""
+        "chat" (messages to render), "text" (to tokenize), "images" (to decode and process), "ready"
+        (only the stop automaton or the grammar is long to build)."""
         proc, limits = self.processor, self.limits
         if is_chat(prompt):
             messages = validation.check_messages(prompt, limits, proc.max_model_len)
@@ -58,6 +58,8 @@ class PromptIntake:
             if isinstance(text, str) and self.tokenizer is not None:
                 proc.check_text(text)
             size, payload = (len(text) if isinstance(text, str) else 0), text
+            if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+                return "images", prompt  # decoded and processed on a worker thread (prepare)
         long_text = size > limits.off_loop_chars and self.tokenizer is not None
         long_stops = sum(len(x) for x in params.stop or ()) > STOP_CHARS_OFF_LOOP and self.tokenizer is not None
         if long_text or long_stops or params.structured_outputs is not None:
@@ -78,6 +80,8 @@ class PromptIntake:
             prompt = payload
             if kind == "chat":
                 prompt = {"prompt_token_ids": await asyncio.to_thread(proc.render_chat, payload)}
+            elif kind == "images":  # decoding and the image processor: off the loop
+                prompt = await asyncio.to_thread(proc.prepare_images, payload)
             elif kind == "text":
                 _, ids = await asyncio.to_thread(proc.tokenize, payload)
                 prompt = {"prompt": payload, "prompt_token_ids": ids}

@@ -27,6 +27,7 @@ import msgspec
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
+from asyncengine.contracts.multimodal import MultiModalInput
 from asyncengine.contracts.sched_output import EngineCoreOutputs
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine_core.core_control import Control, ControlResult, PendingCalls, run_control
@@ -58,20 +59,23 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
     kv_transfer_params: dict[str, str] | None = None
     lora_request: LoRARequest | None = None
+    mm_inputs: list[MultiModalInput] | None = None
 
     @classmethod
     def of(cls, r: Request) -> "EngineCoreRequest":
         return cls(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling_params=r.sampling_params,
                    eos_token_ids=sorted(r.eos_token_ids), max_tokens=r.max_tokens, priority=r.priority,
                    arrival_time=r.arrival_time, cache_salt=r.cache_salt, bad_words_token_ids=r.bad_words_token_ids,
-                   kv_transfer_params=r.kv_transfer_params, lora_request=r.lora_request)
+                   kv_transfer_params=r.kv_transfer_params, lora_request=r.lora_request,
+                   mm_inputs=r.mm_inputs)
 
     def to_request(self) -> Request:
         return Request(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                        sampling_params=self.sampling_params, eos_token_ids=frozenset(self.eos_token_ids),
                        max_tokens=self.max_tokens, priority=self.priority, arrival_time=self.arrival_time,
                        cache_salt=self.cache_salt, bad_words_token_ids=self.bad_words_token_ids,
-                       kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request)
+                       kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request,
+                       mm_inputs=self.mm_inputs)
 
 
 class CoreModelInfo(msgspec.Struct):

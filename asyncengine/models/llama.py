@@ -213,13 +213,14 @@ class LlamaForCausalLM(nn.Module):
         return self.args.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta, intermediate=None):
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta, intermediate=None, inputs_embeds=None):
         """The last stage's final hidden states; another stage's ``(hidden, residual)`` (for the
-        next, which gets them as ``intermediate``). ``kv_caches``: this stage's layers' only."""
+        next, which gets them as ``intermediate``). ``kv_caches``: this stage's layers' only.
+        ``inputs_embeds``: the rows to start from instead of ``input_ids``' (images: models/llava.py)."""
         if intermediate is not None:
             x, residual = intermediate
         else:
-            x, residual = self.embed(input_ids), None
+            x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         rope = self.rotary.lookup(positions, x.dtype)
         if self.native_step is not None and intermediate is None and not self.lora_active \
                 and self.native_step.accepts(x.shape[0], meta):

@@ -141,11 +141,24 @@ def read_hf_config(path: str):
 TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 
+# vision-language checkpoints we serve with their images: the text part stands for the config (so
+# every reader of the LM's sizes finds them), the vision facts ride along as a plain dict ``llava``
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+_VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy",
+                "projector_hidden_act", "multimodal_projector_bias")
+
+
 def text_part(config):
     """A multimodal config's ``text_config`` (still naming the multimodal architecture, so the
-    registry picks the class that skips the vision weights); any other config as it is."""
+    registry picks the class that skips the vision weights, or runs them: ``llava``); any other
+    config as it is."""
     archs = list(getattr(config, "architectures", None) or ())
     text = getattr(config, "text_config", None)
+    if text is not None and VISION_ARCHITECTURES.intersection(archs):
+        text.architectures = archs
+        text.llava = {k: getattr(config, k) for k in _VISION_KEYS if hasattr(config, k)}
+        text.llava["vision_config"] = config.vision_config.to_dict()
+        return text
     if text is None or not TEXT_PART_ARCHITECTURES.intersection(archs):
         return config
     text.architectures = archs

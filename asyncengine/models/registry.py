@@ -21,6 +21,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "asyncengine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "asyncengine.models.gemma:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "asyncengine.models.gemma:Gemma3ForConditionalGeneration",  # text only
+    # vision-language: CLIP tower + projector + our Llama (models/llava.py)
+    "LlavaForConditionalGeneration": "asyncengine.models.llava:LlavaForConditionalGeneration",
     "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
     # mixture of experts (models/moe.py)
     "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",

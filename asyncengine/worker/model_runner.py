@@ -43,6 +43,7 @@ from asyncengine.layers import batch_invariant
 from asyncengine.layers.moe import SparseMoE, take_expert_load
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
+from asyncengine.worker.encoder_cache import EncoderCache
 from asyncengine.worker.grammar import Grammar
 from asyncengine.worker.pooling import pool_spans, pooling_spans
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
@@ -112,6 +113,9 @@ class ModelRunner:
                 and len(self.kv_groups) <= 1):  # a graph replays one block table
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
+        # vision-language models: the image encoder's outputs by image hash (worker/encoder_cache.py)
+        self.encoder_cache = EncoderCache.for_model(model, self.device, self.dtype,
+                                                    config.multimodal_config.mm_encoder_cache_tokens)
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
         if config.enable_lora:
             from asyncengine.lora.hooks import LoRAModel  # lazy: only LoRA serving needs it
@@ -161,6 +165,9 @@ class ModelRunner:
         """Forget every request (the core abandoned them all): their states, prompt-logprob marks
         and the draft model's computed positions."""
         self.requests.clear()
+        if self.encoder_cache is not None:
+            self.encoder_cache.inputs.clear()
+            self.encoder_cache.users.clear()
         self._prompt_logprob_ids.clear()
         self._pooling_ids.clear()
         if self.proposer is not None:
@@ -173,7 +180,11 @@ class ModelRunner:
             self._pooling_ids.discard(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
+            if self.encoder_cache is not None:
+                self.encoder_cache.forget(rid)
         for nr in so.new_requests:
+            if self.encoder_cache is not None:
+                self.encoder_cache.add(nr.req_id, nr.mm_inputs, nr.num_computed_tokens)
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
@@ -294,8 +305,10 @@ class ModelRunner:
         nd = lay.num_decodes
         if self.lora is not None:
             self.lora.set_rows(row_lora_ids(lay, decodes, prefills, specs))
+        mm = None if self.encoder_cache is None else self.encoder_cache.step_embeds(
+            [st.req_id for st in (*decodes, *(st for st, _ in prefills), *(st for st, _ in specs))], lay.seqs)
         graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(lay.seqs) \
-            and not getattr(self.model, "lora_active", False) else None
+            and not getattr(self.model, "lora_active", False) and mm is None else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
             return self.graphs.run(graph_size, lay.input_ids, lay.positions, lay.seqs, lay.slots)
         if len(self.kv_groups) > 1:  # a metadata per group (worker/kv_groups.py): the native step declines it
@@ -305,6 +318,8 @@ class ModelRunner:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))
         stage = {} if self.state_cache is None else {
             "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], lay.ssm_chunks)}
+        if mm is not None:
+            stage["mm_embeds"] = mm
         if self.link is not None and not self.pp.is_first:  # the previous stage's stream
             t_wait = time.perf_counter()
             stage["intermediate"] = self.link.recv(lay.num_rows)

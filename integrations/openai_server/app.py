@@ -184,7 +184,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
               metrics_public: bool = False, on_engine_dead=None, max_connections: int = 512,
               ws_idle_timeout_s: float = 600.0, responses_store_size: int = DEFAULT_SIZE,
               responses_store_ttl_s: float = DEFAULT_TTL_S, chat_config=None, training_endpoints: bool = False,
-              training_weights_dir: str | None = None, lora_modules=()) -> Starlette:
+              training_weights_dir: str | None = None, lora_modules=(), media_policy=None) -> Starlette:
     """The OpenAI-compatible ASGI app around ``engine`` (an AsyncLLMEngine).
 
     served_model_name: the ``model`` clients must name (default: the engine's model).
@@ -209,6 +209,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         /update_weights may read checkpoints.
     lora_modules: (name, path) LoRA adapters registered at start (``--lora-modules``; a bad one stops
         the start); with ``enable_lora`` the app serves /v1/load_lora_adapter too (lora_routes.py).
+    media_policy: which image URLs beyond data: URLs chat requests may name (media.py; default none).
     Request limits are the engine's (``EngineConfig.limits``).
     """
     from .websocket import ws_chat  # lazy: route modules load when the app is built (start-up time)
@@ -223,6 +224,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     st = ServerState(engine, str(name), policy,
                      Path(web_chat_dir) if web_chat_dir is not None else find_web_chat_dir(), chat_config)
     st.responses = ResponseStore(responses_store_size, responses_store_ttl_s)
+    if media_policy is not None:  # image URLs chat requests may name (media.py: MediaPolicy)
+        st.media = media_policy
     install_log_redaction()
 
     @contextlib.asynccontextmanager

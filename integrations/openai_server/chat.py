@@ -16,7 +16,7 @@ from asyncengine.config.request_limits import RequestLimitError
 from asyncengine.structured import StructuredOutputsParams
 
 from ..chat_parsers import MessageDelta, OutputParser, ParsedMessage, reasoning_format
-from . import guided
+from . import guided, media
 from .chat_render import template_kwargs
 from .completions import sse_events, whole_response
 from .errors import APIError
@@ -128,14 +128,20 @@ async def chat_completions(request: Request) -> Response:
     st.check_params(params, req.n)  # before the messages are rendered
     plan = ChatPlan(st, req)
     plan.check_generation()
-    ids = await plan.prompt(st, req.messages)
-    st.check_length(len(ids), max_tokens, "messages")
+    messages, image_urls = media.split_images(req.messages, st.engine)  # image parts: the image token
+    ids = await plan.prompt(st, messages)
+    mm_data = None
+    if image_urls:  # fetched or read as the server's flags allow; decoded and checked by the engine
+        mm = media.processor_of(st.engine)
+        mm_data = {"image": await media.load_sources(image_urls, st.media, mm.limits.max_bytes)}
+    n_prompt = len(ids) + len(image_urls) * (media.processor_of(st.engine).tokens_per_image - 1 if image_urls else 0)
+    st.check_length(n_prompt, max_tokens, "messages")
     so, field = guided.requested(req)
     # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
     params = await run_until_disconnect(request, st.constrain(params, plan.tools.structured(), so, field))
     params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await st.submit([(None, ids)], params, req.n, rid, lora)
+    streams = await st.submit([(None, ids)], params, req.n, rid, lora, multi_modal_data=mm_data)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": lora.name if lora else st.model_name}
     parsers = [plan.parser() for _ in range(len(streams))]
 
@@ -161,7 +167,7 @@ async def chat_completions(request: Request) -> Response:
 
         first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(len(streams))]
-        return SSEResponse(sse_events(st, head, streams, len(ids), include_usage, first, choice))
+        return SSEResponse(sse_events(st, head, streams, n_prompt, include_usage, first, choice))
 
     def whole_choice(i: int, out, c) -> dict:
         parsers[i].feed(c.text)
@@ -169,4 +175,4 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": {"content": chat_logprobs(c.logprobs, k, st.token_bytes)} if k is not None else None,
                 "finish_reason": finish_reason(i, out), "stop_reason": c.stop_reason}
 
-    return await whole_response(request, st, streams, head, len(ids), whole_choice)
+    return await whole_response(request, st, streams, head, n_prompt, whole_choice)

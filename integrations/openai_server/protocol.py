@@ -76,9 +76,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
     stream_options: StreamOptions | None = None
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | None = None  # {"url": "data:image/png;base64,..."} (media.py)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):

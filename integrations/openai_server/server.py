@@ -12,7 +12,8 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
           allowed_origins=(), metrics_public: bool = False, on_loaded=None, warm_up: bool = True,
           max_connections: int = 512, ws_idle_timeout_s: float = 600.0, responses_store_size: int = 1024,
           responses_store_ttl_s: float = 3600.0, chat_config=None, training_endpoints: bool = False,
-          training_weights_dir: str | None = None, engine_config=None, lora_modules=(), **engine_kwargs) -> int:
+          training_weights_dir: str | None = None, engine_config=None, lora_modules=(), media_policy=None,
+          **engine_kwargs) -> int:
     """Serve ``model`` (a name, HF folder or .gguf; None = the default model) until interrupted.
 
     api_key: require ``Authorization: Bearer <key>`` on everything but /health and the chat page
@@ -24,6 +25,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
     up, before the server listens. responses_store_size / responses_store_ttl_s: the Responses API's
     store (build_app). training_endpoints / training_weights_dir: see build_app (training.py).
     lora_modules: (name, path) LoRA adapters served by name from the start (needs enable_lora).
+    media_policy: the image URLs chat requests may name beyond data: URLs (media.py: MediaPolicy).
     Other keyword arguments go to EngineConfig (``limits=RequestLimits(...)`` bounds what
     one request may cost; ``prefill_cores``/``decode_cores`` serve through a PDEngine,
     engine/pd_client.py); or ``engine_config``: an EngineConfig already built (the CLI's), used as
@@ -57,7 +59,7 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, d
                     bind_host=host, metrics_public=metrics_public, on_engine_dead=stop,
                     max_connections=max_connections, ws_idle_timeout_s=ws_idle_timeout_s,
                     responses_store_size=responses_store_size, responses_store_ttl_s=responses_store_ttl_s,
-                    chat_config=chat_config, training_endpoints=training_endpoints,
+                    chat_config=chat_config, training_endpoints=training_endpoints, media_policy=media_policy,
                     training_weights_dir=training_weights_dir, lora_modules=lora_modules)
     _before_listening(app, engine, warm_up, on_loaded)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"

@@ -18,6 +18,7 @@ from asyncengine.errors import AsyncEngineError, InvalidRequestError
 from . import chat_render
 from .errors import APIError, from_engine
 from .generation import Submission, TokenBytes, submit_n
+from .media import MediaPolicy
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, decode
 from .responses_store import ResponseStore
@@ -85,6 +86,7 @@ class ServerState:
         self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once started
         self.responses = ResponseStore()  # the Responses API's (build_app sizes it)
+        self.media = MediaPolicy()  # which image URLs chat requests may name (media.py; build_app sets it)
 
     @property
     def max_model_len(self) -> int:
@@ -246,12 +248,15 @@ class ServerState:
         return params
 
     async def submit(self, prompts: list[tuple[str | None, list[int]]], params, n: int,
-                     request_id: str, lora_request=None) -> Submission:
-        """Every sample of every prompt (choice index = prompt index * n + sample), or none."""
+                     request_id: str, lora_request=None, multi_modal_data=None) -> Submission:
+        """Every sample of every prompt (choice index = prompt index * n + sample), or none.
+        ``multi_modal_data``: the images of a one-prompt chat request (media.py)."""
         streams: list = []
         try:
             for p, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
+                if multi_modal_data is not None:
+                    prompt["multi_modal_data"] = multi_modal_data
                 streams.append(submit_n(self.engine, prompt, params, n, f"{request_id}-{p}", lora_request))
         except BaseException as e:
             await Submission(streams, n).aclose()

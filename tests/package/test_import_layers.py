@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("asyncengine.layers",)),
     ("scheduler and KV-cache manager", ("asyncengine.core",)),
     ("structured outputs", ("asyncengine.structured",)),
+    # images to encoder inputs and placeholder tokens (front-end code: no torch)
+    ("multimodal input", ("asyncengine.multimodal",)),
     ("contracts: what crosses the executor seam", ("asyncengine.contracts",)),
     ("configuration and the machine", ("asyncengine.config", "asyncengine.platforms")),
     ("kernels", ("asyncengine.kernels",)),  # leaf compute: they know no config, no model

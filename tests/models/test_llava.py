@@ -1,0 +1,111 @@
+"""LLaVA-1.5 (models/llava.py) token-exact against transformers' own processor + model (fp32,
+greedy, the near-tie rule): images alone, mixed with text-only requests, with prefill chunks that
+start and end inside an image's placeholder run, and under preemption (recompute re-encodes or
+reuses the cached encoder output). The prefix cache keys blocks by image hash: the same image
+reuses them, the same text with another image does not."""
+from __future__ import annotations
+
+import pytest
+
+from model_utils import compare
+from vlm_utils import TOKENS_PER_IMAGE, hf_llava_greedy, image, make_tiny_llava
+
+from asyncengine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# (text, images, max tokens): one image, two, an image first, and text-only rows between them
+REQUESTS = [
+    ("The quick <image> brown fox", [image(1)], 10),
+    ("def f(x):", [], 8),
+    ("<image>\nParis is the capital of", [image(2, (64, 30))], 12),
+    ("Two: <image> and <image>, compare", [image(3), image(4, (20, 20))], 9),
+    ("The lazy dog", [], 6),
+    ("<image> again the first", [image(1)], 7),
+]
+REGIMES = {
+    "alone": dict(num_kv_blocks=256, block_size=16),
+    # chunks of 8 tokens, blocks of 4: chunks start and end inside 16-token placeholder runs
+    "chunked": dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8),
+    # 22 blocks of 4 = 88 slots: the longest request fits, the batch does not (recompute)
+    "preempt": dict(num_kv_blocks=22, block_size=4),
+}
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    d = make_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+    return d, hf_llava_greedy(d, REQUESTS)
+
+
+def _prompt(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _num_encoded(worker) -> int:
+    return worker.runner.encoder_cache.num_encoded
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_llava_parity(llava, regime):
+    d, (refs, prompt_ids) = llava
+    llm = LLM(d, dtype="float32", device="cpu", **REGIMES[regime])
+    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+                        use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompt_ids  # placeholders expanded as transformers does
+    compare([o.outputs[0].token_ids for o in outs], refs)
+    # four distinct images (the first comes twice): each encoded once, whatever the chunks or preemptions
+    assert llm.engine.collective_rpc(_num_encoded) == [4]
+    stats = llm.engine.stats()
+    if regime == "preempt":
+        assert stats["num_preemptions"] > 0
+    else:
+        assert stats["num_preemptions"] == 0
+    llm.shutdown()
+
+
+def test_same_image_hits_the_prefix_cache_another_does_not(llava):
+    d, _ = llava
+    llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    text = "<image> describe this picture please"
+    first = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    s1 = llm.engine.stats()
+    same = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    s2 = llm.engine.stats()
+    hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
+    n = len(same.prompt_token_ids)
+    assert hits == (n - 1) // 4 * 4 and hits >= TOKENS_PER_IMAGE  # all but the block of the last token
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    other = llm.generate(_prompt(text, [image(8)]), _params(6), use_tqdm=False)[0]
+    s3 = llm.engine.stats()
+    assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    llm.shutdown()
+
+
+def test_images_cross_to_an_engine_core_process(llava):
+    """engine_core_process=True: the images' encoder inputs cross the core's pipe (msgspec) and the
+    async front end processes them on a worker thread; the same tokens as transformers."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+
+    d, (refs, _) = llava
+    picked = [0, 1, 3]
+
+    async def main():
+        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
+                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
+        async with eng:
+            async def one(i):
+                text, images, n = REQUESTS[i]
+                async for out in eng.generate(_prompt(text, images), _params(n)):
+                    pass
+                return out.outputs[0].token_ids
+            return await asyncio.gather(*(one(i) for i in picked))
+
+    compare(asyncio.run(main()), [refs[i] for i in picked])

@@ -1,0 +1,73 @@
+"""A tiny random LLaVA-1.5 checkpoint (CLIP tower + projector + Llama LM) saved with its processor,
+Pillow-made images, and transformers' own greedy reference (its processor + model), for the
+multimodal tests."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+import transformers
+
+from model_utils import Reference, save_tiny_tokenizer, scale_weights
+
+IMAGE_SIZE, PATCH = 28, 7
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2  # 16: CLIP's class token dropped ("default" strategy)
+
+
+def make_tiny_llava(out_dir: str, seed: int = 0) -> str:
+    save_tiny_tokenizer(out_dir, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
+    tc = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=520, max_position_embeddings=1024,
+                                  rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                                  tie_word_embeddings=False)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_seq_length=TOKENS_PER_IMAGE,
+                                   image_token_index=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    scale_weights(model)
+    model.save_pretrained(out_dir)
+    ip = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=PATCH, image_token="<image>",
+                                vision_feature_select_strategy="default",
+                                num_additional_image_tokens=1).save_pretrained(out_dir)
+    return out_dir
+
+
+def image(seed: int, size=(40, 50), mode: str = "RGB"):
+    """A random-pixel Pillow image (``size`` = width, height)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    return img if mode == "RGB" else img.convert(mode)
+
+
+def png_bytes(img, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def hf_llava_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
+    """transformers' processor + LlavaForConditionalGeneration.generate, one request at a time,
+    greedy, fp32, EOS ignored. ``requests``: (text with <image> marks, images, max tokens).
+    Returns (references, the processor's prompt ids: placeholders expanded)."""
+    proc = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs, prompts = [], []
+    with torch.inference_mode():
+        for text, images, max_tokens in requests:
+            inp = proc(text=text, images=images or None, return_tensors="pt")
+            out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            n = inp["input_ids"].shape[1]
+            margins = [float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits]
+            refs.append(Reference(out.sequences[0, n:].tolist(), margins))
+            prompts.append(inp["input_ids"][0].tolist())
+    return refs, prompts
