@@ -122,18 +122,20 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._started: dict[str, float] = {}  # scheduled for the first time since take_outputs(): id -> when
         self.dtype = str(config.torch_dtype).removeprefix("torch.")  # what front ends report ("float32")
-        from asyncengine.worker.kernel_info import describe  # lazy: the worker's weight code loads only for an update
-
-        impl = check_architecture(self.model_info.hf_config, config.model_impl)
-        # the dtype and why, the kernels (the CLI's ready line)
-        self.kernels = describe(config, via_transformers=impl == TRANSFORMERS_BACKEND,
-                                attention=self.executor.collective_rpc("attention_backend_name")[0])
+        self.kernels = self._describe_kernels(config)  # the dtype and why, the kernels (the CLI's ready line)
         # a P/D prefill core's transfer server as bound (port 0: the OS's choice), for decode cores
         self.kv_transfer_address: str | None = (self.executor.collective_rpc("kv_transfer_address")[0]
                                                 if config.kv_role == "prefill" else None)
         log.info("engine core: %s executor, TP=%d, PP=%d, %d KV blocks of %d tokens, max_model_len %d, %s",
                  config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size,
                  num_blocks, plan.block_size, self.max_model_len, self.kernels)
+
+    def _describe_kernels(self, config: EngineConfig) -> str:
+        from asyncengine.worker.kernel_info import describe  # lazy: the worker's weight code loads only for an update
+
+        impl = check_architecture(self.model_info.hf_config, config.model_impl)
+        return describe(config, via_transformers=impl == TRANSFORMERS_BACKEND,
+                        attention=self.executor.collective_rpc("attention_backend_name")[0])
 
     @property
     def vocab_size(self) -> int:
