@@ -352,15 +352,18 @@ class ModelRunner:
                 output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
         """Sample the rows (one per entry of ``sample_states``), each after its ``output_ids``
         (penalties, seeded draw position), within what its grammar allows."""
-        logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
-        self.grammar.apply(logits, sample_states, spec_drafts)
+        logits = self.model.compute_logits(self._rows(hidden, sample_rows))
         smeta = SamplingMetadata.build(
             params=[st.sampling_params for st in sample_states],
             prompt_token_ids=[st.prompt_ids for st in sample_states],
             output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
             vocab_size=self.vocab_size, device=self.device, generator=self.generator)
-        return self.sampler(logits, smeta)
+        if not smeta.fast_greedy or self.grammar.active:  # a plain greedy batch: argmax of the model's dtype
+            logits = logits.float()
+        self.grammar.apply(logits, sample_states, spec_drafts)
+        # the logits are this step's own: the sampler may process them in place
+        return self.sampler(logits, smeta, owned=True)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans) -> dict:
         """Every rank runs the LM head over the spans (a collective under tensor parallelism);

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from asyncengine.worker.cuda_utils import to_host_list
+from asyncengine.worker.sampler_ops import argmax_rows
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -111,18 +112,22 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless: all per-step state is in :class:`SamplingMetadata`."""
+    """Stateless: all per-step state is in :class:`SamplingMetadata`.
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    ``owned=True``: the caller hands ``logits`` over (a fresh float32 tensor it no longer reads),
+    so they are processed in place instead of in a private copy."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, owned: bool = False) -> SamplerOutput:
         V = meta.vocab_size
         if logits.shape[-1] > V:  # padded vocabulary
             logits = logits[:, :V]
-        if meta.fast_greedy:
-            ids = logits.argmax(dim=-1)
+        if meta.fast_greedy:  # any dtype: argmax_rows compares bf16 as exactly as float32
+            ids = argmax_rows(logits)
             return SamplerOutput(to_host_list(ids), None, ids)
 
-        # a private float32 copy: processed in place below, never the caller's tensor
-        logits = logits.to(torch.float32, copy=True)
+        # float32, processed in place below: a private copy unless the caller handed them over
+        owned = owned and logits.dtype == torch.float32 and logits.is_contiguous()
+        logits = logits.to(torch.float32, copy=not owned)
         raw_logprobs = None
         if meta.logprob_rows:
             lp_src = logits if meta.logprob_rows_t is None else \
@@ -131,9 +136,9 @@ class Sampler:
         process_logits(logits, meta)
 
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
-            greedy_ids = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
+            greedy_ids = argmax_rows(logits) if meta.greedy_mask is not None else None
             sampled = self._sample_random(logits, meta)
             if greedy_ids is not None:
                 sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
