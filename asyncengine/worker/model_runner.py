@@ -49,6 +49,7 @@ from asyncengine.worker.pooling import pool_spans, pooling_spans
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
+from asyncengine.worker.sampling_batch import SamplingBatch
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
@@ -116,6 +117,8 @@ class ModelRunner:
         self._pooling_ids: set[str] = set()  # pooling (embedding) requests, the same kind of gate
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # the sampler's per-row tables and penalty token ids, kept across steps
+        self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, self.generator)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
         # mixture-of-experts layers count the tokens routed to each expert (stats' load balance)
         self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -162,6 +165,7 @@ class ModelRunner:
         self.requests.clear()
         self._prompt_logprob_ids.clear()
         self._pooling_ids.clear()
+        self.sampling.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -170,9 +174,11 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._prompt_logprob_ids.discard(rid)
             self._pooling_ids.discard(rid)
+            self.sampling.forget(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
         for nr in so.new_requests:
+            self.sampling.forget(nr.req_id)  # a re-sent request starts afresh
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
@@ -332,7 +338,7 @@ class ModelRunner:
             req_ids, sampled_ids, logprobs, num_drafts = accept_drafts(
                 out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.proposer)
         elif sample_rows:
-            out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
+            out = self._sample(hidden, sample_rows, sample_states)
             sampled = out.sampled_token_ids
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=self.device))
@@ -349,16 +355,20 @@ class ModelRunner:
         return req_ids, sampled_ids, logprobs, num_drafts
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[RunnerRequestState],
-                output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
+                output_ids: list[list[int]] | None = None, spec_drafts: dict[int, list[int]] | None = None
+                ) -> SamplerOutput:
         """Sample the rows (one per entry of ``sample_states``), each after its ``output_ids``
-        (penalties, seeded draw position), within what its grammar allows."""
+        (penalties, seeded draw position; None: each state's own), within what its grammar allows."""
         logits = self.model.compute_logits(self._rows(hidden, sample_rows))
-        smeta = SamplingMetadata.build(
-            params=[st.sampling_params for st in sample_states],
-            prompt_token_ids=[st.prompt_ids for st in sample_states],
-            output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
-            bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-            vocab_size=self.vocab_size, device=self.device, generator=self.generator)
+        if output_ids is None:  # one row per request: the persistent batch
+            smeta = self.sampling.metadata(sample_states)
+        else:  # draft rows: each after its own drafts, built from the lists
+            smeta = SamplingMetadata.build(
+                params=[st.sampling_params for st in sample_states],
+                prompt_token_ids=[st.prompt_ids for st in sample_states],
+                output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
+                bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
+                vocab_size=self.vocab_size, device=self.device, generator=self.generator)
         if not smeta.fast_greedy or self.grammar.active:  # a plain greedy batch: argmax of the model's dtype
             logits = logits.float()
         self.grammar.apply(logits, sample_states, spec_drafts)
