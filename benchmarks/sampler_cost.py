@@ -16,6 +16,7 @@ Output tok/s counts the workload's useful tokens (EOS ignored). ``--sampling``:
 
 The script only uses what every version of the runner has, so an A/B between two checkouts is
 ``PYTHONPATH=<checkout> python benchmarks/sampler_cost.py ...`` on each, alternated.
+``--micro 1 64 256`` times the sampler's parts alone (no model) at those row counts.
 """
 from __future__ import annotations
 
@@ -51,16 +52,67 @@ def params_for(mode: str, i: int, max_tokens: int):
     return SamplingParams(temperature=0.0, frequency_penalty=0.2, logprobs=2, **base)
 
 
+def micro(rows: int, vocab: int = 32000, prompt: int = 300, out: int = 50) -> dict:
+    """One core, best of 15, milliseconds: torch.argmax against argmax_rows (fp32 and bf16), and
+    a penalized batch's metadata from the lists (SamplingMetadata.build) against the persistent
+    batch (SamplingBatch.metadata: one new token per row per step)."""
+    import torch
+
+    from asyncengine.sampling_params import SamplingParams, resolve_unset
+    from asyncengine.worker.request_state import RunnerRequestState
+    from asyncengine.worker.sampler_ops import argmax_rows
+    from asyncengine.worker.sampling_batch import SamplingBatch
+    from asyncengine.worker.sampling_metadata import SamplingMetadata
+
+    torch.set_num_threads(1)
+
+    def best(fn, n: int = 15) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return round(min(times) * 1e3, 3)
+
+    x = torch.randn(rows, vocab)
+    xb = x.bfloat16()
+    p = resolve_unset(SamplingParams(max_tokens=1000))  # the engine's default: greedy + presence 0.3
+    states = [RunnerRequestState(req_id=str(i), num_prompt_tokens=prompt, prompt_ids=list(range(prompt)),
+                                 output_ids=list(range(out)), block_ids=[], num_computed_tokens=prompt + out,
+                                 sampling_params=p, bad_words_token_ids=None) for i in range(rows)]
+    batch = SamplingBatch(vocab, [1], torch.device("cpu"))
+
+    def step():
+        batch.metadata(states)
+        for st in states:  # the runner appends each sampled token
+            st.output_ids.append(7)
+
+    return {"rows": rows, "vocab": vocab, "argmax_fp32_torch_ms": best(lambda: x.argmax(-1)),
+            "argmax_fp32_rows_ms": best(lambda: argmax_rows(x)),
+            "argmax_bf16_float_then_torch_ms": best(lambda: xb.float().argmax(-1)),
+            "argmax_bf16_rows_ms": best(lambda: argmax_rows(xb)),
+            "penalty_meta_lists_ms": best(lambda: SamplingMetadata.build(
+                [p] * rows, [st.prompt_ids for st in states], [st.output_ids for st in states], [1],
+                [None] * rows, vocab, torch.device("cpu"))),
+            "penalty_meta_persistent_ms": best(step)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default="")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--workload", default="offline")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests")
     ap.add_argument("--sampling", default="greedy", choices=["greedy", "default", "mixed"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--micro", type=int, nargs="*", help="only the sampler's parts at these row counts")
     args = ap.parse_args()
+    if args.micro:
+        for rows in args.micro:
+            print(json.dumps(micro(rows)))
+        return
 
     import torch
 

@@ -80,8 +80,9 @@ class PenaltyHistory:
         self._slot[req_id] = slot
         return slot
 
-    def _sync(self, rows: list[int], req_ids, prompts, outputs) -> list[int]:
-        """Each row's slot, after appending its new outputs (one scatter for the whole batch)."""
+    def _sync(self, rows: list[int], req_ids, prompts, outputs, params) -> list[int]:
+        """Each row's slot, after appending its new outputs (one scatter for the whole batch).
+        Only a repetition penalty reads the prompt: the others' prompts are not stored."""
         V = self.vocab_size
         slots: list[int] = []
         at_s: list[int] = []
@@ -91,7 +92,7 @@ class PenaltyHistory:
             rid = req_ids[i]
             slot = self._slot.get(rid)
             if slot is None:
-                slot = self._new_slot(rid, prompts[i])
+                slot = self._new_slot(rid, prompts[i] if params[i].repetition_penalty != 1.0 else ())
             slots.append(slot)
             out = outputs[i]
             seen = self._synced[slot]
@@ -116,9 +117,8 @@ class PenaltyHistory:
     def fill(self, meta: SamplingMetadata, req_ids, prompts, outputs) -> None:
         """Set ``meta``'s penalty tables for its penalized rows (``meta._pen_rows``) from the
         device history; ``req_ids[i]``, ``prompts[i]``, ``outputs[i]`` describe row ``i``."""
-        rows = meta._pen_rows
-        slots = self._sync(rows, req_ids, prompts, outputs)
-        params = meta._pen_params
+        rows, params = meta._pen_rows, meta._pen_params
+        slots = self._sync(rows, req_ids, prompts, outputs, params)
         rep = [(i, s) for i, s in zip(rows, slots) if params[i].repetition_penalty != 1.0
                and (self._n_prompt[s] or self._n_out[s])]
         fp = [(i, s) for i, s in zip(rows, slots) if self._n_out[s] and (
