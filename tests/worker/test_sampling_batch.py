@@ -1,7 +1,8 @@
 """SamplingBatch (persistent tables, penalty ids on the device) against the per-step build from
 lists (SamplingMetadata.build, the previous implementation) and a plain per-request reference:
 random mixes of parameters, requests joining and leaving, over several steps; the tokens must be
-identical, greedy rows token-exact, seeded rows the same stream in any batch."""
+identical, greedy rows token-exact, seeded rows the same stream in any batch; and through the
+engine (with preemptions), the same tokens as with every step built from the lists."""
 from __future__ import annotations
 
 import math
@@ -179,3 +180,39 @@ def test_static_tables_rebuilt_only_when_rows_change_and_history_is_incremental(
     ref = SamplingMetadata.build([p] * 2, [[5]] * 2, [states[0].output_ids, states[2].output_ids], EOS, None, V, CPU)
     x = torch.randn(2, V)
     assert torch.equal(process_logits(x.clone(), meta), process_logits(x.clone(), ref))
+
+
+def test_engine_tokens_same_as_per_step_build_through_preemption(tiny_llama_dir):
+    """Through the engine: penalized, seeded and greedy requests in a KV cache small enough to
+    preempt and recompute some (their history is rewritten), with the persistent batch and then
+    with every step built from the lists: the same tokens and logprobs."""
+    from worker_hooks import runner_of  # lazy: a test helper on the tests' path
+
+    from asyncengine import LLM
+
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (int(n),), generator=rng).tolist() for n in (30, 41, 25, 37)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=0.7,
+                             frequency_penalty=0.4),
+              SamplingParams(max_tokens=40, temperature=0.9, top_k=20, seed=5, ignore_eos=True,
+                             repetition_penalty=1.4, logprobs=2),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, min_tokens=5),
+              SamplingParams(max_tokens=40, ignore_eos=True)]  # the engine's defaults
+
+    def run(per_step_build: bool):
+        llm = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=12, block_size=16)
+        runner = llm.engine.collective_rpc(runner_of)[0]
+        preempt, preempted = llm.engine.scheduler._preempt, []
+        llm.engine.scheduler._preempt = lambda req: (preempted.append(req), preempt(req))
+        if per_step_build:
+            runner.sampling.metadata = lambda states: SamplingMetadata.build(
+                [s.sampling_params for s in states], [s.prompt_ids for s in states],
+                [s.output_ids for s in states], runner.eos_token_ids, [s.bad_words_token_ids for s in states],
+                runner.vocab_size, runner.device, runner.generator)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs], preempted, runner
+
+    new, preempted, runner = run(False)
+    assert preempted and runner.sampling.num_rebuilds > 1
+    old, _, _ = run(True)
+    assert new == old
