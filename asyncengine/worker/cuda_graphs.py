@@ -13,11 +13,13 @@ ignored.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from asyncengine.attention.backend import SeqChunk, StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
+from asyncengine.config.attention import backend_info
 from asyncengine.worker.cuda_utils import capture_sizes, padded_batch_size
 
 log = logging.getLogger(__name__)
@@ -77,3 +79,22 @@ class DecodeGraphs:
                                     pad_tokens=n, pad_seqs=n)
         self.graphs[n].replay()
         return self.outputs[n][:m]
+
+
+def decode_graphs_for(runner: Any, config: Any) -> DecodeGraphs | None:
+    """The runner's decode graphs, captured at start, where they apply: a capturable backend, one
+    rank, no per-step host decisions (Mamba state slots, MoE expert groups, per-group block tables).
+    A capture failure costs speed, never correctness: the runner then runs eagerly."""
+    if not (backend_info(runner.attn_backend.name).cuda_graphs and not config.enforce_eager
+            and runner.tp.size == 1 and runner.pp.size == 1 and runner.state_cache is None
+            and not getattr(runner.model, "is_moe", False) and len(runner.kv_groups) <= 1):
+        return None
+    try:
+        # a decode batch has at most max_num_batched_tokens rows: the input buffers' size
+        largest = min(config.max_num_seqs, config.max_num_batched_tokens)
+        graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, runner.inputs, largest)
+        graphs.capture()
+        return graphs
+    except Exception:
+        log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+        return None

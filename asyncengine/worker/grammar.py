@@ -21,6 +21,11 @@ class Grammar:
         self._compiler = None  # the xgrammar compiler, made on first use
         self.time_s = 0.0
 
+    @property
+    def active(self) -> bool:
+        """Whether some request has had a grammar (until then :meth:`apply` does nothing)."""
+        return self._compiler is not None
+
     def compiler(self):
         if self._compiler is None:
             from asyncengine.models.model_info import load_model_info  # lazy: only on this path (loading, profiling, a configuration)

@@ -32,7 +32,6 @@ import torch
 from asyncengine.attention.backend import StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.attention.kv_cache import kv_cache_zeros
-from asyncengine.config.attention import backend_info
 from asyncengine.attention.selector import get_model_backend, model_backend_name
 from asyncengine.config import EngineConfig
 from asyncengine.contracts.kv_cache_spec import KVCacheConfig
@@ -49,6 +48,7 @@ from asyncengine.worker.pooling import pool_spans, pooling_spans
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
+from asyncengine.worker.sampling_batch import SamplingBatch
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
@@ -81,19 +81,7 @@ class ModelRunner:
         self.num_blocks = num_blocks = kv.num_blocks
         # the attention backend owns the cache layout and builds each step's attention metadata
         self.attn_backend = self._attention_backend(config, a)
-        # zeroed, not empty: masked-out slots are multiplied by 0 probabilities, and 0 * NaN = NaN
-        # this stage's attention layers only (a.num_layers is the whole model's: pipeline parallel
-        # holds a slice; hybrids count their attention layers there)
-        # models mixing full and sliding layers: one block table per group, layers sharing tensors
-        self.kv_groups = groups_of(config, model)
-        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_groups,
-                                            a.num_layers if pp.size == 1 else len(model.layers), kv_cache_zeros)
-        if len(self.kv_groups) > 1:
-            log.info("KV cache: %d block tables, one per group; the native decode step and CUDA graphs take one "
-                     "table, so they stay off for this model", len(self.kv_groups))
-        # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
-        self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
-                                                  functools.partial(kv_fingerprint, config))
+        self._init_kv_cache(config, a.num_layers if pp.size == 1 else len(model.layers))
         self.link = None  # pipeline parallel: the stage's link to its neighbours
         if pp.size > 1:
             from asyncengine.worker.pipeline import StageLink  # lazy: CUDA graphs / pipeline parallel only when configured
@@ -107,11 +95,10 @@ class ModelRunner:
         # hybrid models: the Mamba layers' state slots, one per sequence the scheduler may run
         self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
-        if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
-                and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None
-                and not getattr(model, "is_moe", False)  # MoE: per-step expert groups, not capturable
-                and len(self.kv_groups) <= 1):  # a graph replays one block table
-            self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":
+            from asyncengine.worker.cuda_graphs import decode_graphs_for  # lazy: CUDA graphs / pipeline parallel only when configured
+
+            self.graphs = decode_graphs_for(self, config)
         self.requests: dict[str, RunnerRequestState] = {}
         # vision-language models: the image encoder's outputs by image hash (worker/encoder_cache.py)
         self.encoder_cache = EncoderCache.for_model(model, self.device, self.dtype,
@@ -126,6 +113,8 @@ class ModelRunner:
         self._pooling_ids: set[str] = set()  # pooling (embedding) requests, the same kind of gate
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # the sampler's per-row tables and penalty token ids, kept across steps
+        self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, self.generator)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
         # mixture-of-experts layers count the tokens routed to each expert (stats' load balance)
         self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -139,6 +128,20 @@ class ModelRunner:
         if spec is not None:
             self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
                                           self.dtype, self.attn_backend.name)
+
+    def _init_kv_cache(self, config: EngineConfig, num_layers: int) -> None:
+        """This stage's attention layers' caches (a.num_layers is the whole model's: pipeline parallel
+        holds a slice; hybrids count their attention layers there), zeroed, not empty: masked-out
+        slots are multiplied by 0 probabilities, and 0 * NaN = NaN. Models mixing full and sliding
+        layers get one block table per group, layers sharing tensors."""
+        self.kv_groups = groups_of(config, self.model)
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_groups, num_layers, kv_cache_zeros)
+        if len(self.kv_groups) > 1:
+            log.info("KV cache: %d block tables, one per group; the native decode step and CUDA graphs take one "
+                     "table, so they stay off for this model", len(self.kv_groups))
+        # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
+        self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
+                                                  functools.partial(kv_fingerprint, config))
 
     def _attention_backend(self, config: EngineConfig, a):
         """The backend for this model's attention: its scale, soft-cap and windows checked at start."""
@@ -170,6 +173,7 @@ class ModelRunner:
             self.encoder_cache.users.clear()
         self._prompt_logprob_ids.clear()
         self._pooling_ids.clear()
+        self.sampling.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -178,6 +182,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._prompt_logprob_ids.discard(rid)
             self._pooling_ids.discard(rid)
+            self.sampling.forget(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
             if self.encoder_cache is not None:
@@ -185,6 +190,7 @@ class ModelRunner:
         for nr in so.new_requests:
             if self.encoder_cache is not None:
                 self.encoder_cache.add(nr.req_id, nr.mm_inputs, nr.num_computed_tokens)
+            self.sampling.forget(nr.req_id)  # a re-sent request starts afresh
             self.requests[nr.req_id] = RunnerRequestState(
                 req_id=nr.req_id, num_prompt_tokens=len(nr.prompt_token_ids), prompt_ids=nr.prompt_token_ids,
                 output_ids=list(nr.output_token_ids), block_ids=list(nr.block_ids),
@@ -215,19 +221,6 @@ class ModelRunner:
             assert st.num_computed_tokens == cr.num_computed_tokens or (
                 self.spec is not None and st.num_computed_tokens < cr.num_computed_tokens), \
                 f"{cr.req_id}: runner at {st.num_computed_tokens}, scheduler at {cr.num_computed_tokens}"
-
-    def _capture_graphs(self):
-        from asyncengine.worker.cuda_graphs import DecodeGraphs  # lazy: CUDA graphs / pipeline parallel only when configured
-
-        try:
-            # a decode batch has at most max_num_batched_tokens rows: the input buffers' size
-            largest = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-            graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.inputs, largest)
-            graphs.capture()
-            return graphs
-        except Exception:  # a capture failure costs speed, never correctness: run eagerly
-            log.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
-            return None
 
     def _stage(self, name: str, values: list[int]) -> torch.Tensor:
         if len(values) <= self.inputs.capacity(name):
@@ -355,7 +348,7 @@ class ModelRunner:
             req_ids, sampled_ids, logprobs, num_drafts = accept_drafts(
                 out.sampled_token_ids, out.logprobs, sample_states, specs, spec_rows, self.proposer)
         elif sample_rows:
-            out = self._sample(hidden, sample_rows, sample_states, [st.output_ids for st in sample_states])
+            out = self._sample(hidden, sample_rows, sample_states)
             sampled = out.sampled_token_ids
             if self.tp.size > 1:
                 self.tp.broadcast_from_first(torch.tensor(sampled, dtype=torch.long, device=self.device))
@@ -372,18 +365,25 @@ class ModelRunner:
         return req_ids, sampled_ids, logprobs, num_drafts
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[int], sample_states: list[RunnerRequestState],
-                output_ids: list[list[int]], spec_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
+                output_ids: list[list[int]] | None = None, spec_drafts: dict[int, list[int]] | None = None
+                ) -> SamplerOutput:
         """Sample the rows (one per entry of ``sample_states``), each after its ``output_ids``
-        (penalties, seeded draw position), within what its grammar allows."""
-        logits = self.model.compute_logits(self._rows(hidden, sample_rows)).float()
+        (penalties, seeded draw position; None: each state's own), within what its grammar allows."""
+        logits = self.model.compute_logits(self._rows(hidden, sample_rows))
+        if output_ids is None:  # one row per request: the persistent batch
+            smeta = self.sampling.metadata(sample_states)
+        else:  # draft rows: each after its own drafts, built from the lists
+            smeta = SamplingMetadata.build(
+                params=[st.sampling_params for st in sample_states],
+                prompt_token_ids=[st.prompt_ids for st in sample_states],
+                output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
+                bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
+                vocab_size=self.vocab_size, device=self.device, generator=self.generator)
+        if not smeta.fast_greedy or self.grammar.active:  # a plain greedy batch: argmax of the model's dtype
+            logits = logits.float()
         self.grammar.apply(logits, sample_states, spec_drafts)
-        smeta = SamplingMetadata.build(
-            params=[st.sampling_params for st in sample_states],
-            prompt_token_ids=[st.prompt_ids for st in sample_states],
-            output_token_ids=output_ids, eos_token_ids=self.eos_token_ids,
-            bad_words_token_ids=[st.bad_words_token_ids for st in sample_states],
-            vocab_size=self.vocab_size, device=self.device, generator=self.generator)
-        return self.sampler(logits, smeta)
+        # the logits are this step's own: the sampler may process them in place
+        return self.sampler(logits, smeta, owned=True)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans) -> dict:
         """Every rank runs the LM head over the spans (a collective under tensor parallelism);

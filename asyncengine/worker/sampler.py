@@ -2,16 +2,17 @@
 
 The model runner calls, once per step::
 
-    meta = SamplingMetadata.build(params, prompt_token_ids, output_token_ids, eos_token_ids,
-                                  bad_words_token_ids, vocab_size, device, generator)
+    meta = sampling_batch.metadata(states)  # worker/sampling_batch.py, or SamplingMetadata.build(...)
     out = sampler(logits, meta)            # logits: [B, V] (any float dtype; processed in float32)
     out.sampled_token_ids                  # list[int], one per row
+    out.logprobs                           # worked out on first read, after the ids are handed on
 
 Order of operations (the same as vLLM V1's ``Sampler``):
 
 1. raw logprobs = ``log_softmax(logits)`` for the rows that asked for logprobs. These are the
    model's RAW log-probabilities, taken BEFORE any penalty, bias, mask, temperature or filtering
-   (vLLM's default ``logprobs_mode="raw_logprobs"``).
+   (vLLM's default ``logprobs_mode="raw_logprobs"``): those rows' logits are kept aside, and
+   their logprobs computed when :attr:`SamplerOutput.logprobs` is first read.
 2. ``allowed_token_ids`` (every other token -> -inf), ``bad_words``, ``logit_bias`` (added),
    ``min_tokens`` (EOS ids and ``stop_token_ids`` -> -inf while fewer than ``min_tokens`` tokens
    have been generated; ``ignore_eos`` does not matter here, it only affects stopping).
@@ -19,7 +20,9 @@ Order of operations (the same as vLLM V1's ``Sampler``):
    logits are divided by it, negative ones multiplied), then ``frequency_penalty`` and
    ``presence_penalty`` (OpenAI definition, over output tokens only:
    ``logit -= frequency * count + presence * (count > 0)``).
-4. greedy rows (``temperature < 1e-5``) take the argmax of these processed logits.
+4. greedy rows (``temperature < 1e-5``) take the argmax of these processed logits
+   (worker/sampler_ops.py: exact, the first maximal index, as fast as a max); a batch of plain
+   greedy rows takes it straight from the model's logits, in their dtype.
 5. random rows: ``logits / temperature``, then ``min_p`` (drop tokens whose probability is below
    ``min_p * max_prob``), then ``top_k`` and ``top_p`` (smallest set of most likely tokens whose
    mass reaches ``top_p``, always at least one token), then a draw from the renormalized softmax.
@@ -38,12 +41,12 @@ for ``top_p``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from asyncengine.worker.cuda_utils import to_host_list
+from asyncengine.worker.sampler_ops import argmax_rows
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -65,12 +68,46 @@ class LogprobsLists(NamedTuple):
     sampled_token_ranks: list[int | None]
 
 
-@dataclass(slots=True)
 class SamplerOutput:
-    sampled_token_ids: list[int]
-    logprobs: LogprobsLists | None
-    # The same ids as a [B] int64 tensor on the logits' device (e.g. to feed the next step).
-    sampled_token_ids_tensor: torch.Tensor | None = None
+    """The sampled ids (a list, and a [B] int64 tensor on the logits' device to feed the next
+    step) and the logprobs of the rows that asked.
+
+    The logprobs are worked out on first read of :attr:`logprobs`, not by the sampler: the runner
+    hands the ids on (appends them to its requests, broadcasts them to the other ranks) first,
+    and a step where no row asked reads ``None`` at no cost.
+    """
+
+    __slots__ = ("sampled_token_ids", "sampled_token_ids_tensor", "_logprobs", "_pending")
+
+    def __init__(self, sampled_token_ids: list[int], logprobs: LogprobsLists | None = None,
+                 sampled_token_ids_tensor: torch.Tensor | None = None, pending=None) -> None:
+        self.sampled_token_ids = sampled_token_ids
+        self.sampled_token_ids_tensor = sampled_token_ids_tensor
+        self._logprobs = logprobs
+        self._pending = pending  # (raw logits of the logprob rows, their sampled ids, metadata)
+
+    @property
+    def logprobs(self) -> LogprobsLists | None:
+        if self._pending is not None:
+            self._logprobs = _logprobs_lists(*self._pending)
+            self._pending = None
+        return self._logprobs
+
+
+def _logprobs_lists(raw: torch.Tensor, tok: torch.Tensor, meta: SamplingMetadata) -> LogprobsLists:
+    """The raw log-probabilities of the logprob rows (``raw``: their unprocessed logits) as
+    per-row lists: the sampled token ``tok`` first, then the top ``k`` of each row."""
+    ids_t, lps_t, ranks_t = gather_logprobs(raw.log_softmax(dim=-1), tok, max(meta.logprob_ks))
+    ids_l, lps_l, ranks_l = ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()
+    B = meta.num_rows
+    out_ids: list[list[int] | None] = [None] * B
+    out_lps: list[list[float] | None] = [None] * B
+    out_ranks: list[int | None] = [None] * B
+    for j, (row, k) in enumerate(zip(meta.logprob_rows, meta.logprob_ks)):
+        out_ids[row] = ids_l[j][:k + 1]
+        out_lps[row] = lps_l[j][:k + 1]
+        out_ranks[row] = ranks_l[j]
+    return LogprobsLists(out_ids, out_lps, out_ranks)
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,50 +148,40 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless: all per-step state is in :class:`SamplingMetadata`."""
+    """Stateless: all per-step state is in :class:`SamplingMetadata`.
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    ``owned=True``: the caller hands ``logits`` over (a fresh float32 tensor it no longer reads),
+    so they are processed in place instead of in a private copy."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, owned: bool = False) -> SamplerOutput:
         V = meta.vocab_size
         if logits.shape[-1] > V:  # padded vocabulary
             logits = logits[:, :V]
-        if meta.fast_greedy:
-            ids = logits.argmax(dim=-1)
+        if meta.fast_greedy:  # any dtype: argmax_rows compares bf16 as exactly as float32
+            ids = argmax_rows(logits)
             return SamplerOutput(to_host_list(ids), None, ids)
 
-        # a private float32 copy: processed in place below, never the caller's tensor
-        logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = None
+        # float32, processed in place below: a private copy unless the caller handed them over
+        owned = owned and logits.dtype == torch.float32 and logits.is_contiguous()
+        logits = logits.to(torch.float32, copy=not owned)
+        raw = None  # the logprob rows' logits before processing (their logprobs come later)
         if meta.logprob_rows:
-            lp_src = logits if meta.logprob_rows_t is None else \
-                logits.index_select(0, meta.logprob_rows_t)
-            raw_logprobs = lp_src.log_softmax(dim=-1)
+            raw = logits.clone() if meta.logprob_rows_t is None else logits.index_select(0, meta.logprob_rows_t)
         process_logits(logits, meta)
 
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
-            greedy_ids = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
+            greedy_ids = argmax_rows(logits) if meta.greedy_mask is not None else None
             sampled = self._sample_random(logits, meta)
             if greedy_ids is not None:
                 sampled = torch.where(meta.greedy_mask, greedy_ids, sampled)
 
-        logprobs = None
-        if raw_logprobs is not None:
-            rows = meta.logprob_rows
-            tok = sampled if meta.logprob_rows_t is None else \
-                sampled.index_select(0, meta.logprob_rows_t)
-            ids_t, lps_t, ranks_t = gather_logprobs(raw_logprobs, tok, max(meta.logprob_ks))
-            ids_l, lps_l, ranks_l = ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()
-            B = meta.num_rows
-            out_ids: list[list[int] | None] = [None] * B
-            out_lps: list[list[float] | None] = [None] * B
-            out_ranks: list[int | None] = [None] * B
-            for j, (row, k) in enumerate(zip(rows, meta.logprob_ks)):
-                out_ids[row] = ids_l[j][:k + 1]
-                out_lps[row] = lps_l[j][:k + 1]
-                out_ranks[row] = ranks_l[j]
-            logprobs = LogprobsLists(out_ids, out_lps, out_ranks)
-        return SamplerOutput(to_host_list(sampled), logprobs, sampled)
+        ids = to_host_list(sampled)
+        if raw is None:
+            return SamplerOutput(ids, None, sampled)
+        tok = sampled if meta.logprob_rows_t is None else sampled.index_select(0, meta.logprob_rows_t)
+        return SamplerOutput(ids, None, sampled, pending=(raw, tok, meta))
 
     @staticmethod
     def _uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:

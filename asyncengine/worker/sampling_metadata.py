@@ -5,6 +5,7 @@ hash of (seed, position), so a request's tokens do not depend on its batch). Fie
 stay ``None``, so the sampler (``worker/sampler.py``) skips their work."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -116,6 +117,15 @@ class SamplingMetadata:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_ks: list[int] = field(default_factory=list)  # per logprob row
     logprob_rows_t: torch.Tensor | None = None  # logprob_rows as a tensor; None if every row
+    # what build_static leaves for for_step: the rows' params and EOS ids, and which rows need
+    # per-step work (seeded draws, min_tokens and bad-word bans, penalties)
+    _pen_params: list[SamplingParams] = field(default_factory=list)
+    _eos: tuple[int, ...] = ()
+    _plain: bool = False  # every row plain greedy while its outputs reach min_tokens
+    _seeds: list[tuple[int, int]] = field(default_factory=list)  # (row, seed)
+    _min_tok_rows: list[int] = field(default_factory=list)
+    _bad_rows: list[tuple[int, list[list[int]]]] = field(default_factory=list)  # (row, bad words)
+    _pen_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -129,67 +139,93 @@ class SamplingMetadata:
         device: torch.device,
         generator: torch.Generator | None = None,
     ) -> "SamplingMetadata":
-        """Build the metadata of one step.
+        """Build the metadata of one step: :meth:`build_static`, then :meth:`for_step` with the
+        penalties' tables made from the token lists.
 
         ``output_token_ids[i]`` are the tokens row ``i`` has generated so far (before this step):
         its length is the seed position and the ``min_tokens`` count, and its contents feed the
         frequency/presence/repetition penalties and bad-word prefixes. ``prompt_token_ids[i]`` is
         only read when row ``i`` has a ``repetition_penalty`` != 1.
         """
-        B = len(params)
-        V = vocab_size
-        device = torch.device(device)
-        bw_all = bad_words_token_ids
-        # -- hot path: all rows plain greedy ------------------------------------------------------
-        if bw_all is None:
-            plain = all(_plain_greedy(p, len(o), None) for p, o in zip(params, output_token_ids))
-        else:
-            plain = all(_plain_greedy(p, len(o), bw)
-                        for p, o, bw in zip(params, output_token_ids, bw_all))
-        if plain:
-            return cls(B, V, device, fast_greedy=True, all_greedy=True)
+        static = cls.build_static(params, bad_words_token_ids, eos_token_ids, vocab_size, device, generator)
+        return static.for_step(output_token_ids, lambda meta: meta._build_penalties(
+            params, prompt_token_ids, output_token_ids))
 
-        meta = cls(B, V, device, generator=generator)
+    @classmethod
+    def build_static(cls, params: list[SamplingParams], bad_words_token_ids, eos_token_ids: Sequence[int],
+                     vocab_size: int, device: torch.device, generator: torch.Generator | None = None
+                     ) -> "SamplingMetadata":
+        """What depends only on the rows' parameters (kept while a batch's rows stay the same):
+        per-row temperature / top-k / top-p / min-p, allowed ids, biases, logprob rows, and which
+        rows need per-step work (seeds, bans, penalties)."""
+        B, device = len(params), torch.device(device)
+        bw_all = bad_words_token_ids
+        meta = cls(B, vocab_size, device, generator=generator)
+        meta._pen_params = params
+        meta._eos = tuple(eos_token_ids)
+        meta._min_tok_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        meta._bad_rows = [] if bw_all is None else [(i, bw) for i, bw in enumerate(bw_all) if bw]
+        meta._plain = all(_plain_greedy(p, p.min_tokens, None) for p in params) and not meta._bad_rows
+        if meta._plain:  # only min_tokens can still stop a step from being plain argmax
+            return meta
         greedy = [p.temperature < 1e-5 for p in params]
         meta.all_greedy = all(greedy)
         if not meta.all_greedy:
-            meta._build_random(params, greedy, output_token_ids)
-
-        allowed_rows, allowed_ids, bias, ban, pen_rows = meta._collect_row_rules(
-            params, output_token_ids, bw_all, eos_token_ids)
-        (bias_r, bias_c, bias_v), (ban_r, ban_c) = bias, ban
-
-        def idx(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64, device=device)
-
-        if meta.logprob_rows and len(meta.logprob_rows) < B:
-            meta.logprob_rows_t = idx(meta.logprob_rows)
-        if allowed_rows:
-            meta.allowed_rows = idx(allowed_rows)
-            meta.allowed_ids = _padded(allowed_ids, device)
-        if bias_r:
-            meta.bias_index = (idx(bias_r), idx(bias_c))
-            meta.bias_values = torch.tensor(bias_v, dtype=torch.float32, device=device)
-        if ban_r:
-            meta.ban_index = (idx(ban_r), idx(ban_c))
-        meta._build_penalties(params, pen_rows, prompt_token_ids, output_token_ids, idx)
+            meta._build_random(params, greedy)
+        meta._collect_static_rules(params)
         return meta
 
-    def _collect_row_rules(self, params: list[SamplingParams], output_token_ids: list[list[int]],
-                           bw_all, eos_token_ids: Sequence[int]):
-        """One pass over the rows: allowed ids, logit bias, banned ids (bad words, EOS before
-        min_tokens) and penalty rows, returned; logprob rows recorded on ``self``."""
-        V = self.vocab_size
+    def for_step(self, output_token_ids: Sequence[list[int]], penalties) -> "SamplingMetadata":
+        """This step's metadata: a copy of the static one with the seeded draws, the bans (bad
+        words, EOS before ``min_tokens``) and the penalties' tables (``penalties(meta)`` fills
+        them) of the rows' current outputs. Only the rows that need them read their outputs
+        (``output_token_ids[i]``), so a plain batch costs no pass over its rows."""
+        B, V, device = self.num_rows, self.vocab_size, self.device
+        if self._plain and all(len(output_token_ids[i]) >= self._pen_params[i].min_tokens
+                               for i in self._min_tok_rows):
+            return SamplingMetadata(B, V, device, fast_greedy=True, all_greedy=True)
+        meta = copy.copy(self)
+        if self._plain:  # plain but for min_tokens: every static table is empty
+            meta.all_greedy = True
+            meta._plain = False
+        if meta._seeds:
+            meta.seeded_u = torch.tensor([seeded_uniform(seed, len(output_token_ids[i])) for i, seed in meta._seeds],
+                                         dtype=torch.float64, device=device)
+        ban_r: list[int] = []
+        ban_c: list[int] = []
+        for i, words in self._bad_rows:
+            out = output_token_ids[i]
+            n_out = len(out)
+            for word in words:
+                if not word:
+                    continue
+                k = len(word) - 1
+                if (k == 0 or (k <= n_out and out[n_out - k:] == word[:-1])) and 0 <= word[-1] < V:
+                    ban_r.append(i)
+                    ban_c.append(word[-1])
+        for i in self._min_tok_rows:
+            p = self._pen_params[i]
+            if len(output_token_ids[i]) < p.min_tokens:
+                for t in (*self._eos, *(p.stop_token_ids or ())):
+                    if 0 <= t < V:
+                        ban_r.append(i)
+                        ban_c.append(t)
+        if ban_r:
+            meta.ban_index = (torch.tensor(ban_r, dtype=torch.int64, device=device),
+                              torch.tensor(ban_c, dtype=torch.int64, device=device))
+        if meta._pen_rows:
+            penalties(meta)
+        return meta
+
+    def _collect_static_rules(self, params: list[SamplingParams]) -> None:
+        """One pass over the rows: allowed ids, logit bias, penalty rows and logprob rows."""
+        V, device = self.vocab_size, self.device
         allowed_rows: list[int] = []
         allowed_ids: list[list[int]] = []
         bias_r: list[int] = []
         bias_c: list[int] = []
         bias_v: list[float] = []
-        ban_r: list[int] = []
-        ban_c: list[int] = []
-        pen_rows: list[int] = []
         for i, p in enumerate(params):
-            out = output_token_ids[i]
             if p.allowed_token_ids is not None:
                 allowed_rows.append(i)
                 allowed_ids.append([t for t in p.allowed_token_ids if 0 <= t < V])
@@ -200,38 +236,34 @@ class SamplingMetadata:
                         bias_r.append(i)
                         bias_c.append(t)
                         bias_v.append(float(b))
-            bw = bw_all[i] if bw_all is not None else None
-            if bw:
-                n_out = len(out)
-                for word in bw:
-                    if not word:
-                        continue
-                    k = len(word) - 1
-                    if k == 0 or (k <= n_out and out[n_out - k:] == word[:-1]):
-                        if 0 <= word[-1] < V:
-                            ban_r.append(i)
-                            ban_c.append(word[-1])
-            if len(out) < p.min_tokens:
-                for t in (*eos_token_ids, *(p.stop_token_ids or ())):
-                    if 0 <= t < V:
-                        ban_r.append(i)
-                        ban_c.append(t)
             if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                     or p.frequency_penalty != 0.0):
-                pen_rows.append(i)
+                self._pen_rows.append(i)
             if p.logprobs is not None:
                 self.logprob_rows.append(i)
                 self.logprob_ks.append(min(p.logprobs, V))
-        return allowed_rows, allowed_ids, (bias_r, bias_c, bias_v), (ban_r, ban_c), pen_rows
 
-    def _build_penalties(self, params: list[SamplingParams], pen_rows: list[int], prompt_token_ids,
-                         output_token_ids, idx) -> None:
-        """The repetition, presence and frequency penalties' index and value tensors."""
+        def idx(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        if self.logprob_rows and len(self.logprob_rows) < self.num_rows:
+            self.logprob_rows_t = idx(self.logprob_rows)
+        if allowed_rows:
+            self.allowed_rows = idx(allowed_rows)
+            self.allowed_ids = _padded(allowed_ids, device)
+        if bias_r:
+            self.bias_index = (idx(bias_r), idx(bias_c))
+            self.bias_values = torch.tensor(bias_v, dtype=torch.float32, device=device)
+
+    def _build_penalties(self, params: list[SamplingParams], prompt_token_ids, output_token_ids) -> None:
+        """The repetition, presence and frequency penalties' index and value tensors, from the
+        rows' token lists (worker/penalty_history.py keeps them on the device instead)."""
         V, device = self.vocab_size, self.device
+        pen_rows = self._pen_rows
         rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0
                     and (prompt_token_ids[i] or output_token_ids[i])]
         if rep_rows:
-            self.rep_rows = idx(rep_rows).unsqueeze(1)
+            self.rep_rows = torch.tensor(rep_rows, dtype=torch.int64, device=device).unsqueeze(1)
             self.rep_ids = _padded([[t for t in (*prompt_token_ids[i], *output_token_ids[i])
                                      if 0 <= t < V] for i in rep_rows], device)
             self.repetition_penalty = torch.tensor(
@@ -242,7 +274,7 @@ class SamplingMetadata:
         if fp_rows:
             outs = [[t for t in output_token_ids[i] if 0 <= t < V] for i in fp_rows]
             width = max(1, max(len(o) for o in outs))
-            self.fp_rows = idx(fp_rows).unsqueeze(1)
+            self.fp_rows = torch.tensor(fp_rows, dtype=torch.int64, device=device).unsqueeze(1)
             self.fp_ids = _padded(outs, device, width)
             self.presence_penalty = torch.tensor(
                 [[params[i].presence_penalty] for i in fp_rows], dtype=torch.float32,
@@ -251,8 +283,7 @@ class SamplingMetadata:
                 [[-params[i].frequency_penalty] * len(o) + [0.0] * (width - len(o))
                  for i, o in zip(fp_rows, outs)], dtype=torch.float32, device=device)
 
-    def _build_random(self, params: list[SamplingParams], greedy: list[bool],
-                      output_token_ids: list[list[int]]) -> None:
+    def _build_random(self, params: list[SamplingParams], greedy: list[bool]) -> None:
         V, device = self.vocab_size, self.device
         self.temperature = torch.tensor(
             [[1.0 if g else p.temperature] for p, g in zip(params, greedy)],
@@ -275,19 +306,10 @@ class SamplingMetadata:
             self.min_p_log = torch.tensor(
                 [[math.log(p.min_p) if (not g and p.min_p > 0.0) else _NEG_INF]
                  for p, g in zip(params, greedy)], dtype=torch.float32, device=device)
-        rows: list[int] = []
-        us: list[float] = []
-        for i, (p, g) in enumerate(zip(params, greedy)):
-            if g:
-                continue
-            if p.seed is not None:
-                rows.append(i)
-                us.append(seeded_uniform(p.seed, len(output_token_ids[i])))
-            else:
-                self.any_unseeded_random = True
-        if rows:
-            self.seeded_u = torch.tensor(us, dtype=torch.float64, device=device)
-            self.seeded_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self._seeds = [(i, p.seed) for i, (p, g) in enumerate(pg) if not g and p.seed is not None]
+        self.any_unseeded_random = any(not g and p.seed is None for p, g in pg)
+        if self._seeds:
+            self.seeded_rows = torch.tensor([i for i, _ in self._seeds], dtype=torch.int64, device=device)
 
     @property
     def needs_logits_processing(self) -> bool:

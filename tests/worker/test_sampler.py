@@ -440,6 +440,29 @@ def test_logprobs_are_raw_log_softmax():
     assert out.sampled_token_ids[2] == 1
 
 
+@pytest.mark.parametrize("all_rows", [True, False])
+def test_logprobs_come_after_the_ids_and_stay_raw_when_the_logits_are_handed_over(all_rows):
+    """owned=True processes the caller's logits in place; the logprobs, read afterwards (after
+    the ids were handed on), are still the raw ones; a step where nobody asked has none."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 40, generator=g) * 2
+    params = [SP(temperature=0.0, logprobs=3, presence_penalty=1.5, logit_bias={7: 9.0}),
+              SP(temperature=0.0, logprobs=None if not all_rows else 1, logit_bias={5: 30.0}),
+              SP(temperature=0.7, top_k=4, logprobs=2, seed=11)]
+    raw = logits.log_softmax(-1)
+    handed = logits.clone()
+    out = Sampler()(handed, build(params, outputs=[[3, 3]] * 3, V=40), owned=True)
+    assert not torch.equal(handed, logits)  # processed in place: no private copy
+    assert out.sampled_token_ids[1] == 5
+    lp = out.logprobs
+    for i in (0, 2):
+        torch.testing.assert_close(torch.tensor(lp.logprobs[i]), raw[i, lp.logprob_token_ids[i]])
+        assert lp.logprob_token_ids[i][0] == out.sampled_token_ids[i]
+    assert (lp.logprobs[1] is None) != all_rows
+    plain = Sampler()(logits, build([SP(temperature=0.0, logit_bias={2: 1.0})] * 3, V=40))
+    assert plain.logprobs is None
+
+
 def test_gather_logprobs_prompt_style():
     lp = torch.tensor([[0.0, -1.0, -2.0], [-3.0, -0.5, -0.25]])
     ids, vals, ranks = gather_logprobs(lp, torch.tensor([2, 0]), 1)
