@@ -33,6 +33,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "asyncengine.models.bamba:GraniteMoeHybridForCausalLM",
     "NemotronHForCausalLM": "asyncengine.models.nemotron_h:NemotronHForCausalLM",
+    # encoders (bidirectional, no KV cache): pooling only (models/pooling_models.py)
+    "BertModel": "asyncengine.models.bert_engine:BertForEngine",
+    "BertForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
 }
 TRANSFORMERS_BACKEND = "asyncengine.models.transformers_backend:TransformersForCausalLM"
 MODEL_IMPLS = ("auto", "native", "transformers")

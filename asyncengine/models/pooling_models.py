@@ -1,0 +1,59 @@
+"""What a model can be asked for (vLLM's ``supported_tasks``: "generate", "embed", "classify"), from
+its architecture and ``EngineConfig.runner``, without torch: the front end refuses a request the
+model cannot serve (a generative model asked to rerank, an encoder asked to generate) before it
+reaches a worker, and the engine core gives an encoder the scheduling it needs.
+
+An encoder (BERT) attends both ways over its whole prompt and keeps no KV cache: each prompt must
+run in one step (no chunked prefill) and from its first token (no prefix cache), so its core runs
+with both off and a token budget of at least one full-length prompt (:func:`encoder_engine_config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from asyncengine.errors import ConfigError, InvalidRequestError
+
+# encoder architectures (models/bert_engine.py) -> the tasks they serve
+ENCODER_TASKS: dict[str, tuple[str, ...]] = {
+    "BertModel": ("embed",),
+    "BertForSequenceClassification": ("classify", "embed"),
+}
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def architecture(hf_config) -> str | None:
+    archs = list(getattr(hf_config, "architectures", None) or ())
+    return archs[0] if archs else None
+
+
+def is_encoder(hf_config) -> bool:
+    return architecture(hf_config) in ENCODER_TASKS
+
+
+def supported_tasks(hf_config, runner: str = "auto") -> tuple[str, ...]:
+    """The tasks the engine serves for this model under ``runner`` ("auto": an encoder pools, a
+    decoder generates and embeds; "pooling": a decoder embeds only; "generate": a decoder only)."""
+    if runner not in RUNNERS:
+        raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
+    arch = architecture(hf_config)
+    if arch in ENCODER_TASKS:
+        if runner == "generate":
+            raise ConfigError(f"{arch} is an encoder: it cannot generate (use runner='pooling' or 'auto')")
+        return ENCODER_TASKS[arch]
+    return ("embed",) if runner == "pooling" else ("generate", "embed")
+
+
+def encoder_engine_config(config, hf_config, max_model_len: int):
+    """``config`` as an encoder's core runs it: whole prompts in one step, no prefix cache."""
+    if not is_encoder(hf_config):
+        return config
+    return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
+                               max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))
+
+
+def check_task(tasks: tuple[str, ...], task: str) -> None:
+    """InvalidRequestError naming what the model serves when ``task`` is not among them."""
+    if task not in tasks:
+        what = {"generate": "generate text", "embed": "embed", "classify": "rerank or classify"}[task]
+        raise InvalidRequestError(f"this model cannot {what}: it serves {', '.join(tasks)} "
+                                  f"({'a cross-encoder or classification model' if task == 'classify' else 'another model'} is needed)")
