@@ -17,6 +17,7 @@ from asyncengine.config.attention import AttentionBackendName, backend_info, che
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
+from asyncengine.config.runner import check_runner
 from asyncengine.config.sub_configs import SubConfigViews
 
 if TYPE_CHECKING:
@@ -26,11 +27,8 @@ if TYPE_CHECKING:
 
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
-_DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
 
@@ -224,6 +222,7 @@ class EngineConfig(SubConfigViews):
     max_cpu_loras: int | None = None  # None = max_loras
     model_impl: Literal["auto", "native", "transformers"] = "auto"  # Transformers backend: docs/models.md
     enable_expert_parallel: bool = False  # MoE (issue 33): TP ranks hold 1/N of the experts whole
+    runner: Literal["auto", "generate", "pooling"] = "auto"  # pooling models (issue 34): config/runner.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -299,6 +298,7 @@ class EngineConfig(SubConfigViews):
         check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
             raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
+        check_runner(self.runner)
 
     def _check_kv_offload(self) -> None:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):

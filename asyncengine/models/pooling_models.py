@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from asyncengine.errors import ConfigError, InvalidRequestError
+from asyncengine.config.runner import check_runner
+from asyncengine.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 # encoder architectures (models/bert_engine.py) -> the tasks they serve
 ENCODER_TASKS: dict[str, tuple[str, ...]] = {
     "BertModel": ("embed",),
     "BertForSequenceClassification": ("classify", "embed"),
 }
-RUNNERS = ("auto", "generate", "pooling")
 
 
 def architecture(hf_config) -> str | None:
@@ -33,8 +33,7 @@ def is_encoder(hf_config) -> bool:
 def supported_tasks(hf_config, runner: str = "auto") -> tuple[str, ...]:
     """The tasks the engine serves for this model under ``runner`` ("auto": an encoder pools, a
     decoder generates and embeds; "pooling": a decoder embeds only; "generate": a decoder only)."""
-    if runner not in RUNNERS:
-        raise ConfigError(f"runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
+    check_runner(runner)
     arch = architecture(hf_config)
     if arch in ENCODER_TASKS:
         if runner == "generate":
@@ -57,3 +56,24 @@ def check_task(tasks: tuple[str, ...], task: str) -> None:
         what = {"generate": "generate text", "embed": "embed", "classify": "rerank or classify"}[task]
         raise InvalidRequestError(f"this model cannot {what}: it serves {', '.join(tasks)} "
                                   f"({'a cross-encoder or classification model' if task == 'classify' else 'another model'} is needed)")
+
+
+def default_pooling(hf_config, path: str | None) -> str:
+    """How ``embed`` pools when the caller names no pooling: what a sentence-transformers
+    checkpoint's ``modules.json`` says, else [CLS] for an encoder and the last token for a decoder."""
+    if path is not None:
+        from asyncengine.models.st_pooling import read_st_pooling  # lazy: reads files, only at start
+
+        try:
+            spec = read_st_pooling(path)
+        except ModelLoadError:  # modules we do not run: generation is unaffected, embed pools by default
+            spec = None
+        if spec is not None:
+            return spec.pooling
+    return "cls" if is_encoder(hf_config) else "last"
+
+
+def check_request(tasks: tuple[str, ...], params) -> None:
+    """A request's task (generate, or its pooling spec's) among what the model serves."""
+    spec = params.pooling
+    check_task(tasks, "generate" if spec is None else spec.task)

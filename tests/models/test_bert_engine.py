@@ -1,0 +1,110 @@
+"""BERT encoders through the engine (models/bert_engine.py, models/pooling_models.py): rerank scores
+of a cross-encoder through the scheduler, a batch of pairs of mixed lengths, equal (1e-4) to
+sentence-transformers' CrossEncoder.predict and to transformers' sigmoid(logit); a
+sentence-transformers BertModel's embeddings (its modules.json pooling by default) within cosine
+0.99999 of SentenceTransformer.encode; no KV block held after; the wrong task refused clearly."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from asyncengine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
+from asyncengine.errors import ConfigError, InvalidRequestError
+from model_utils import make_tiny_bert, write_st_pooling
+
+COMMON = dict(dtype="float32", device="cpu", num_threads=1, freeze_gc_after_load=False, seed=0)
+QUERY = "the cat sat"
+DOCS = ["the cat sat on the mat", "a dog", "the sky is blue and big", "cat", "far far ran the dog and the cat",
+        "is", "blue sky and big mat on the far dog"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert-cross-encoder")
+    return path, make_tiny_bert(path, "BertForSequenceClassification", seed=3)
+
+
+def hf_scores(ref, path, queries, docs) -> torch.Tensor:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return torch.sigmoid(ref(**tok(queries, docs, padding=True, return_tensors="pt")).logits[:, 0])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_llm_rerank_equals_cross_encoder_predict(cross_encoder):
+    st = pytest.importorskip("sentence_transformers")
+    path, ref = cross_encoder
+    want = torch.as_tensor(st.CrossEncoder(str(path), device="cpu").predict([(QUERY, d) for d in DOCS]))
+    queries = ["a dog", "big sky", "the cat", "far", "mat", "is it", "dog"]
+    # a budget of a few prompts: several steps, each a batch of whole prompts of mixed lengths
+    with LLM(str(path), max_num_batched_tokens=24, **COMMON) as llm:
+        assert llm.supported_tasks == ("classify", "embed")
+        got = torch.tensor(llm.rerank(QUERY, DOCS))
+        pairwise = torch.tensor(llm.rerank(queries, DOCS))
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks and not llm.engine.kv.req_to_blocks
+        assert not llm.engine.config.enable_chunked_prefill and not llm.engine.config.enable_prefix_caching
+        with pytest.raises(InvalidRequestError, match="cannot generate"):
+            llm.generate([[2, 5, 6]], SamplingParams(max_tokens=4))
+        with pytest.raises(InvalidRequestError, match="at least one document"):
+            llm.rerank(QUERY, [])
+        with pytest.raises(InvalidRequestError, match="at most 64"):
+            llm.rerank(QUERY, [" ".join(["cat"] * 70)])
+        with pytest.raises(InvalidRequestError, match="one per document"):
+            llm.rerank(["a", "b"], DOCS)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, hf_scores(ref, path, [QUERY] * len(DOCS), DOCS), rtol=0, atol=1e-4)
+    torch.testing.assert_close(pairwise, hf_scores(ref, path, queries, DOCS), rtol=0, atol=1e-4)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_async_engine_reranks_concurrent_batches(cross_encoder):
+    """Three rerank calls at once through AsyncLLMEngine: their pairs share the scheduler's steps."""
+    path, ref = cross_encoder
+    calls = [(QUERY, DOCS), ("a dog ran", DOCS[:3]), ("blue", DOCS[2:])]
+
+    async def run():
+        async with AsyncLLMEngine.from_config(EngineConfig(model=str(path), **COMMON)) as eng:
+            assert eng.default_pooling == "cls"
+            out = await asyncio.wait_for(asyncio.gather(*(eng.rerank(q, d) for q, d in calls)), 120)
+            with pytest.raises(InvalidRequestError, match="cannot generate"):
+                await eng.complete([2, 5, 6], SamplingParams(max_tokens=2))
+            return out, eng.stats()
+
+    outs, stats = asyncio.run(run())
+    for (q, d), got in zip(calls, outs):
+        torch.testing.assert_close(torch.tensor(got), hf_scores(ref, path, [q] * len(d), d), rtol=0, atol=1e-4)
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_llm_embed_on_a_sentence_transformers_bert(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    make_tiny_bert(tmp_path, seed=4)
+    write_st_pooling(tmp_path, "mean", normalize=True)
+    want = torch.as_tensor(st.SentenceTransformer(str(tmp_path), device="cpu").encode(DOCS))
+    with LLM(str(tmp_path), max_num_batched_tokens=32, **COMMON) as llm:
+        assert llm.default_pooling == "mean" and llm.supported_tasks == ("embed",)
+        got = torch.tensor(llm.embed(DOCS))
+        with pytest.raises(InvalidRequestError, match="cannot rerank"):
+            llm.rerank(QUERY, DOCS)
+    assert F.cosine_similarity(got, want, dim=-1).min().item() > 0.99999
+
+
+def test_wrong_runner_or_task_is_refused(cross_encoder, tiny_llama_dir):
+    path, _ = cross_encoder
+    with pytest.raises(ConfigError, match="runner"):
+        EngineConfig(model=str(path), runner="encode")
+    with pytest.raises(ConfigError, match="cannot generate"):
+        LLM(str(path), runner="generate", **COMMON)
+    with LLM(tiny_llama_dir, max_model_len=64, num_kv_blocks=32, **COMMON) as llm:
+        assert llm.supported_tasks == ("generate", "embed")
+        with pytest.raises(InvalidRequestError, match="cannot rerank"):
+            llm.rerank("a", ["b"])
+    with LLM(tiny_llama_dir, runner="pooling", max_model_len=64, num_kv_blocks=32, **COMMON) as llm:
+        with pytest.raises(InvalidRequestError, match="cannot generate"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+        assert len(llm.embed([[5, 6, 7]])[0]) == 64
