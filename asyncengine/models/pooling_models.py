@@ -42,12 +42,13 @@ def supported_tasks(hf_config, runner: str = "auto") -> tuple[str, ...]:
     return ("embed",) if runner == "pooling" else ("generate", "embed")
 
 
-def encoder_engine_config(config, hf_config, max_model_len: int):
-    """``config`` as an encoder's core runs it: whole prompts in one step, no prefix cache."""
-    if not is_encoder(hf_config):
+def encoder_engine_config(config, info):
+    """``config`` as an encoder's core runs it (``info``: its ModelInfo): whole prompts in one
+    step, no prefix cache."""
+    if not is_encoder(info.hf_config):
         return config
     return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
-                               max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))
+                               max_num_batched_tokens=max(config.max_num_batched_tokens, info.max_model_len))
 
 
 def check_task(tasks: tuple[str, ...], task: str) -> None:
