@@ -186,7 +186,8 @@ class LLM:
     def rerank(self, query, documents, use_tqdm: bool = False) -> list[float]:
         """Relevance in (0, 1) of each document to ``query`` (pairwise when ``query`` is a list), by
         a cross-encoder: the documents' order (engine/pooling.py). ``score`` is logprob scoring."""
-        reqs = rerank_requests(self.tokenizer, query, documents, self.engine.max_model_len)
+        reqs = rerank_requests(self.tokenizer, query, documents, self.engine.max_model_len,
+                               self.default_pooling)
         outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
         return [relevance(o.embedding) for o in outs]
 

@@ -73,9 +73,11 @@ def rerank_pairs(query, documents) -> list[tuple[str, str]]:
     return list(zip(queries, docs))
 
 
-def rerank_requests(tokenizer, query, documents, max_len: int) -> list[tuple[dict, SamplingParams]]:
+def rerank_requests(tokenizer, query, documents, max_len: int,
+                    pooling: str = "cls") -> list[tuple[dict, SamplingParams]]:
     """(prompt, params) per (query, document) pair, as the tokenizer encodes a pair; a pair over
-    ``max_len`` tokens is an InvalidRequestError naming it."""
+    ``max_len`` tokens is an InvalidRequestError naming it. ``pooling``: the row the model's head
+    reads ([CLS] for BERT, the last token for a decoder classifier)."""
     if tokenizer is None:
         raise InvalidRequestError("rerank needs a tokenizer (the model was loaded without one)")
     out = []
@@ -88,7 +90,7 @@ def rerank_requests(tokenizer, query, documents, max_len: int) -> list[tuple[dic
         split = types.index(1) if 1 in types else None
         if split is not None and types[split:] != [1] * (len(types) - split):
             raise InvalidRequestError("the tokenizer's token types are not one query then one document")
-        spec = PoolingSpec("cls", normalize=False, task="classify", token_type_split=split)
+        spec = PoolingSpec(pooling, normalize=False, task="classify", token_type_split=split)
         out.append(({"prompt_token_ids": ids}, pooling_params(spec)))
     return out
 

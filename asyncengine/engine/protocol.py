@@ -207,7 +207,7 @@ class EngineClient(ABC):
         pairwise, when ``query`` is a list), by a cross-encoder (engine/pooling.py): each pair a
         request through the scheduler; in the documents' order. Not ``score``: that name is the
         trainer API's logprob scoring."""
-        reqs = rerank_requests(self.tokenizer, query, documents, self.max_model_len)
+        reqs = rerank_requests(self.tokenizer, query, documents, self.max_model_len, self.default_pooling)
         outs = await asyncio.gather(*(self.complete(p, params) for p, params in reqs))
         return [relevance(o.embedding) for o in outs]
 

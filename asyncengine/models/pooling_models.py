@@ -19,6 +19,9 @@ ENCODER_TASKS: dict[str, tuple[str, ...]] = {
     "BertModel": ("embed",),
     "BertForSequenceClassification": ("classify", "embed"),
 }
+# decoders with a classification head instead of an LM head (models/seq_cls.py): last-token pooled
+DECODER_CLASSIFIERS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                       "Qwen3ForSequenceClassification")
 
 
 def architecture(hf_config) -> str | None:
@@ -39,6 +42,11 @@ def supported_tasks(hf_config, runner: str = "auto") -> tuple[str, ...]:
         if runner == "generate":
             raise ConfigError(f"{arch} is an encoder: it cannot generate (use runner='pooling' or 'auto')")
         return ENCODER_TASKS[arch]
+    if arch in DECODER_CLASSIFIERS:
+        if runner == "generate":
+            raise ConfigError(f"{arch} has a classification head, no LM head: it cannot generate "
+                              "(use runner='pooling' or 'auto')")
+        return ("classify", "embed")
     return ("embed",) if runner == "pooling" else ("generate", "embed")
 
 
@@ -61,7 +69,12 @@ def check_task(tasks: tuple[str, ...], task: str) -> None:
 
 def default_pooling(hf_config, path: str | None) -> str:
     """How ``embed`` pools when the caller names no pooling: what a sentence-transformers
-    checkpoint's ``modules.json`` says, else [CLS] for an encoder and the last token for a decoder."""
+    checkpoint's ``modules.json`` says, else [CLS] for an encoder and the last token for a decoder.
+    A classification model pools as its head expects (``rerank`` uses this too): [CLS] for a
+    BERT cross-encoder, the last token for a decoder classifier."""
+    arch = architecture(hf_config)
+    if arch in DECODER_CLASSIFIERS or arch == "BertForSequenceClassification":
+        return "cls" if is_encoder(hf_config) else "last"
     if path is not None:
         from asyncengine.models.st_pooling import read_st_pooling  # lazy: reads files, only at start
 
