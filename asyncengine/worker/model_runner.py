@@ -103,7 +103,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if (self.device.type == "cuda" and backend_info(self.attn_backend.name).cuda_graphs
                 and not config.enforce_eager and tp.size == 1 and pp.size == 1 and self.state_cache is None
-                and not getattr(model, "is_moe", False)):  # MoE: per-step expert groups, not capturable
+                and not getattr(model, "is_moe", False) and not getattr(model, "uses_token_types", False)):
+            # (MoE: per-step expert groups; an encoder: per-step sequence splits; neither capturable)
             self.graphs = self._capture_graphs()
         self.requests: dict[str, RunnerRequestState] = {}
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
