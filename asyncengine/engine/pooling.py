@@ -75,8 +75,8 @@ def rerank_pairs(query, documents) -> list[tuple[str, str]]:
 
 def rerank_requests(tokenizer, query, documents, max_len: int,
                     pooling: str = "cls") -> list[tuple[dict, SamplingParams]]:
-    """(prompt, params) per (query, document) pair, as the tokenizer encodes a pair; a pair over
-    ``max_len`` tokens is an InvalidRequestError naming it. ``pooling``: the row the model's head
+    """(prompt, params) per (query, document) pair, as the tokenizer encodes a pair; a pair of
+    ``max_len`` tokens or more is an InvalidRequestError naming it. ``pooling``: the row the model's head
     reads ([CLS] for BERT, the last token for a decoder classifier)."""
     if tokenizer is None:
         raise InvalidRequestError("rerank needs a tokenizer (the model was loaded without one)")
@@ -84,9 +84,9 @@ def rerank_requests(tokenizer, query, documents, max_len: int,
     for i, (q, d) in enumerate(rerank_pairs(query, documents)):
         enc = tokenizer(q, d)
         ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [])
-        if len(ids) > max_len:
+        if len(ids) >= max_len:  # as every prompt: shorter than max_model_len (its one token is dropped)
             raise InvalidRequestError(f"pair {i} (query and document {i}) is {len(ids)} tokens; the model "
-                                      f"takes at most {max_len}")
+                                      f"takes at most {max_len - 1}")
         split = types.index(1) if 1 in types else None
         if split is not None and types[split:] != [1] * (len(types) - split):
             raise InvalidRequestError("the tokenizer's token types are not one query then one document")

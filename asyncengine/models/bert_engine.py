@@ -18,6 +18,9 @@ from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import SINGLE, TPGroup
 from asyncengine.models.bert import BertEncoder
 
+# RoBERTa's checkpoint names -> BertEncoder's: its classification head is BERT's pooler + classifier
+_RENAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
+
 
 def _as_dict(hf_config) -> dict:
     if hasattr(hf_config, "to_dict"):
@@ -26,7 +29,8 @@ def _as_dict(hf_config) -> dict:
 
 
 class BertForEngine(nn.Module):
-    """BertModel (embeddings) or BertForSequenceClassification (cross-encoder logits)."""
+    """BertModel (embeddings) or BertForSequenceClassification (cross-encoder logits); RoBERTa and
+    XLM-R (Model, ForSequenceClassification) the same way."""
 
     uses_token_types = True  # the runner passes each row's token type (pairs: worker/pooling.py)
 
@@ -36,7 +40,7 @@ class BertForEngine(nn.Module):
         c = _as_dict(hf_config)
         arch = (c.get("architectures") or ["BertModel"])[0]
         num_labels = 0
-        if arch == "BertForSequenceClassification":
+        if arch.endswith("ForSequenceClassification"):
             num_labels = len(c.get("id2label") or {}) or c.get("num_labels", 2)
         self.bert = BertEncoder(c, with_pooler=bool(num_labels), num_labels=num_labels)
         heads = c["num_attention_heads"]
@@ -64,7 +68,11 @@ class BertForEngine(nn.Module):
         BertModel checkpoint's unused pooler is skipped (sentence-transformers never runs it)."""
         state = {}
         for name, t in weights:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            for old, new in _RENAMES.items():
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
             if name.endswith("position_ids") or (self.bert.pooler is None and name.startswith("pooler.")):
                 continue
             state[name] = t

@@ -18,6 +18,10 @@ from asyncengine.errors import ConfigError, InvalidRequestError, ModelLoadError
 ENCODER_TASKS: dict[str, tuple[str, ...]] = {
     "BertModel": ("embed",),
     "BertForSequenceClassification": ("classify", "embed"),
+    "RobertaModel": ("embed",),
+    "RobertaForSequenceClassification": ("classify", "embed"),
+    "XLMRobertaModel": ("embed",),
+    "XLMRobertaForSequenceClassification": ("classify", "embed"),
 }
 # decoders with a classification head instead of an LM head (models/seq_cls.py): last-token pooled
 DECODER_CLASSIFIERS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
@@ -55,6 +59,10 @@ def encoder_engine_config(config, info):
     step, no prefix cache."""
     if not is_encoder(info.hf_config):
         return config
+    offset = getattr(info.hf_config, "pad_token_id", 1) + 1 \
+        if getattr(info.hf_config, "model_type", "") in ("roberta", "xlm-roberta") else 0
+    if offset:  # RoBERTa's positions start after pad_token_id: max_position_embeddings - offset tokens fit
+        info.max_model_len = min(info.max_model_len, info.hf_config.max_position_embeddings - offset)
     return dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, info.max_model_len))
 
@@ -73,7 +81,7 @@ def default_pooling(hf_config, path: str | None) -> str:
     A classification model pools as its head expects (``rerank`` uses this too): [CLS] for a
     BERT cross-encoder, the last token for a decoder classifier."""
     arch = architecture(hf_config)
-    if arch in DECODER_CLASSIFIERS or arch == "BertForSequenceClassification":
+    if arch in DECODER_CLASSIFIERS or (is_encoder(hf_config) and "classify" in ENCODER_TASKS[arch]):
         return "cls" if is_encoder(hf_config) else "last"
     if path is not None:
         from asyncengine.models.st_pooling import read_st_pooling  # lazy: reads files, only at start

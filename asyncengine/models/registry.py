@@ -36,6 +36,10 @@ MODEL_REGISTRY: dict[str, str] = {
     # encoders (bidirectional, no KV cache): pooling only (models/pooling_models.py)
     "BertModel": "asyncengine.models.bert_engine:BertForEngine",
     "BertForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
+    "RobertaModel": "asyncengine.models.bert_engine:BertForEngine",
+    "RobertaForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
+    "XLMRobertaModel": "asyncengine.models.bert_engine:BertForEngine",
+    "XLMRobertaForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
     # decoders with a classification head (models/seq_cls.py): rerank / classify, embed
     "LlamaForSequenceClassification": "asyncengine.models.seq_cls:LlamaForSequenceClassification",
     "Qwen2ForSequenceClassification": "asyncengine.models.seq_cls:Qwen2ForSequenceClassification",

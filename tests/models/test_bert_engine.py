@@ -51,7 +51,7 @@ def test_llm_rerank_equals_cross_encoder_predict(cross_encoder):
             llm.generate([[2, 5, 6]], SamplingParams(max_tokens=4))
         with pytest.raises(InvalidRequestError, match="at least one document"):
             llm.rerank(QUERY, [])
-        with pytest.raises(InvalidRequestError, match="at most 64"):
+        with pytest.raises(InvalidRequestError, match="at most 63"):
             llm.rerank(QUERY, [" ".join(["cat"] * 70)])
         with pytest.raises(InvalidRequestError, match="one per document"):
             llm.rerank(["a", "b"], DOCS)
@@ -108,3 +108,33 @@ def test_wrong_runner_or_task_is_refused(cross_encoder, tiny_llama_dir):
         with pytest.raises(InvalidRequestError, match="cannot generate"):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2))
         assert len(llm.embed([[5, 6, 7]])[0]) == 64
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("arch", ["RobertaForSequenceClassification", "XLMRobertaModel"])
+def test_roberta_family_through_the_engine(tmp_path, arch):
+    """RoBERTa / XLM-R: positions after pad_token_id (so 2 fewer tokens fit), the classification
+    head's own names; token ids in, vs transformers (logits 1e-4, mean-pooled hidden states)."""
+    from asyncengine.engine.pooling import pooling_params
+    from asyncengine.pooling_params import PoolingSpec
+
+    cls = getattr(transformers, arch)
+    cfg = cls.config_class(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=40, pad_token_id=1, num_labels=1,
+                           type_vocab_size=1, architectures=[arch])
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    prompts = [[0] + [5 + (i * 7 + j) % 50 for j in range(n)] + [2] for i, n in enumerate((3, 20, 1, 35, 9))]
+    classify = arch.endswith("Classification")
+    spec = PoolingSpec("cls", False, task="classify") if classify else PoolingSpec("mean", False)
+    with LLM(str(tmp_path), skip_tokenizer_init=True, **COMMON) as llm:
+        assert llm.engine.max_model_len == 38
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], pooling_params(spec))
+        with pytest.raises(InvalidRequestError):
+            llm.generate([{"prompt_token_ids": [5] * 38}], pooling_params(spec))
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            r = ref(torch.tensor([p]))
+            want = r.logits[0] if classify else r.last_hidden_state[0].mean(0)
+            torch.testing.assert_close(torch.tensor(o.embedding), want, rtol=0, atol=1e-4)
