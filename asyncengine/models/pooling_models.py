@@ -70,9 +70,10 @@ def encoder_engine_config(config, info):
 def check_task(tasks: tuple[str, ...], task: str) -> None:
     """InvalidRequestError naming what the model serves when ``task`` is not among them."""
     if task not in tasks:
-        what = {"generate": "generate text", "embed": "embed", "classify": "rerank or classify"}[task]
-        raise InvalidRequestError(f"this model cannot {what}: it serves {', '.join(tasks)} "
-                                  f"({'a cross-encoder or classification model' if task == 'classify' else 'another model'} is needed)")
+        what, why = {"generate": ("generate text", "it has no language-model head: ask it to embed or rerank"),
+                     "embed": ("embed", "ask another model"),
+                     "classify": ("rerank or classify", "a cross-encoder or a classification model is needed")}[task]
+        raise InvalidRequestError(f"this model cannot {what}: it serves {', '.join(tasks)} ({why})")
 
 
 def default_pooling(hf_config, path: str | None) -> str:

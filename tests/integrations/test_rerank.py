@@ -94,3 +94,10 @@ def test_a_generative_model_cannot_rerank(server):
     r = httpx.post(server.base_url + "/v1/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     assert "cannot rerank" in r.json()["error"]["message"]
+
+
+def test_the_openapi_document_describes_both(bert):
+    doc = httpx.get(bert[0].base_url + "/openapi.json", timeout=60).json()
+    for path, required in (("/v1/score", ["text_1", "text_2"]), ("/v1/rerank", ["query", "documents"])):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["required"] == required
