@@ -81,6 +81,19 @@ def test_async_engine_reranks_concurrent_batches(cross_encoder):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_rerank_through_a_core_process(cross_encoder):
+    """The encoder's scheduling is set in the core, wherever it runs: here its own process."""
+    path, ref = cross_encoder
+
+    async def run():
+        async with AsyncLLMEngine.from_config(EngineConfig(model=str(path), engine_core_process=True, **COMMON)) as eng:
+            return await asyncio.wait_for(eng.rerank(QUERY, DOCS), 180)
+
+    got = torch.tensor(asyncio.run(run()))
+    torch.testing.assert_close(got, hf_scores(ref, path, [QUERY] * len(DOCS), DOCS), rtol=0, atol=1e-4)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_llm_embed_on_a_sentence_transformers_bert(tmp_path):
     st = pytest.importorskip("sentence_transformers")
     make_tiny_bert(tmp_path, seed=4)
