@@ -11,6 +11,7 @@ from asyncengine.errors import InvalidRequestError
 
 PoolingType = Literal["last", "mean", "cls"]
 POOLING_TYPES: tuple[str, ...] = ("last", "mean", "cls")
+POOLING_TASKS: tuple[str, ...] = ("embed", "classify")
 
 
 class PoolingSpec(msgspec.Struct, frozen=True):
@@ -18,11 +19,19 @@ class PoolingSpec(msgspec.Struct, frozen=True):
     pooling: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    # "classify": the pooled vector goes through the model's classification head (a cross-encoder,
+    # a sequence-classification model) and the logits come back instead of an embedding
+    task: str = "embed"
+    # a (query, document) pair: the position where token type 1 starts (BERT's token_type_ids are
+    # 0 up to the first [SEP], 1 after); None = every token has type 0
+    token_type_split: int | None = None
 
     def validated(self, hidden_size: int | None = None) -> "PoolingSpec":
         """Self, or InvalidRequestError naming the bad field."""
         if self.pooling not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_TYPES)}; got {self.pooling!r}")
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(f"pooling task must be one of {', '.join(POOLING_TASKS)}; got {self.task!r}")
         if self.dimensions is not None:
             if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1:
                 raise InvalidRequestError(f"dimensions must be a positive integer; got {self.dimensions!r}")

@@ -195,6 +195,22 @@ async def aembed_texts(bridge: EngineBridge, texts, pooling=None, normalize=True
     return await bridge.acall(_embed, texts, pooling, normalize, dimensions) if texts else []
 
 
+async def _rerank(engine, query: str, documents: list[str]) -> list[float]:
+    return await engine.rerank(query, documents)
+
+
+def rerank_texts(bridge: EngineBridge, query: str, documents) -> list[float]:
+    """``engine.rerank`` from sync code (the reranker adapters' seam); no documents, no request."""
+    documents = list(documents)
+    return bridge.call(_rerank, query, documents) if documents else []
+
+
+async def arerank_texts(bridge: EngineBridge, query: str, documents) -> list[float]:
+    """``engine.rerank`` from any event loop (the engine's own or another)."""
+    documents = list(documents)
+    return await bridge.acall(_rerank, query, documents) if documents else []
+
+
 _engines: dict[tuple, Any] = {}
 _engines_lock = threading.Lock()
 

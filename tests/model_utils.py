@@ -6,6 +6,7 @@ loader. 2-D weights are rescaled to N(0, 1/fan_in) so logits are far from unifor
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from dataclasses import dataclass
 
@@ -270,3 +271,43 @@ def assert_stages_in_order(m) -> None:
     finished (one monotonic clock for every process on the machine)."""
     stages = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
     assert None not in stages and stages == sorted(stages), m
+
+
+# ------------------------------------------------------------------ BERT encoders (models/bert*.py)
+
+WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "a", "blue", "sky", "is", "big"]
+
+
+def make_tiny_bert(path, arch="BertModel", seed=0):
+    """A random-weight BERT (hidden 64, 2 layers, one label when a classifier) and its WordPiece
+    tokenizer saved to ``path``; the transformers model returned (the reference)."""
+    torch.manual_seed(seed)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "and"] + WORDS
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                                  num_labels=1, architectures=[arch])
+    cls = getattr(transformers, arch)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # N(0, 1/fan_in) so the outputs are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def write_st_pooling(path, pooling: str, normalize: bool) -> None:
+    """sentence-transformers' modules.json and 1_Pooling (+ Normalize) beside a checkpoint."""
+    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir()
+    (path / "modules.json").write_text(json.dumps(mods))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_lasttoken": pooling == "last"}))

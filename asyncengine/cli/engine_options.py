@@ -145,6 +145,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("model_impl", "which implementation runs the model: native (ours), transformers (the "
                                "Transformers backend: transformers' model code, our paged attention), auto = "
                                "native where we have one", choices=("auto", "native", "transformers")),
+    EngineOption("runner", "what the engine serves (vLLM's --runner): generate, pooling (embeddings, rerank "
+                           "scores only), auto = by architecture (BERT encoders pool, decoders generate)",
+                 choices=("auto", "generate", "pooling")),
     EngineOption("seed", "engine random seed", type=int),
     EngineOption("batch_invariant", "bitwise the same tokens and logprobs for a request alone or in any batch "
                                     "(CPU; docs/batch_invariance.md)", type=FLAG),

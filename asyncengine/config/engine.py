@@ -18,6 +18,7 @@ from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
 from asyncengine.config.multimodal import check_multimodal
+from asyncengine.config.runner import check_runner
 from asyncengine.config.sub_configs import SubConfigViews
 
 if TYPE_CHECKING:
@@ -27,11 +28,8 @@ if TYPE_CHECKING:
 
 # torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
 # torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
-_DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
 
@@ -226,6 +224,7 @@ class EngineConfig(SubConfigViews):
     limit_mm_per_prompt: int = 8  # images (issue 37, docs/multimodal.md): these three; config/multimodal.py
     mm_max_pixels: int = 4096 * 4096  # decoded pixels of one image, checked before it is decoded
     mm_encoder_cache_tokens: int = 8192  # encoder output rows the worker keeps (worker/encoder_cache.py)
+    runner: Literal["auto", "generate", "pooling"] = "auto"  # pooling models (issue 34): config/runner.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -299,6 +298,7 @@ class EngineConfig(SubConfigViews):
         check_multimodal(self.limit_mm_per_prompt, self.mm_max_pixels, self.mm_encoder_cache_tokens)
         if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
             raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
+        check_runner(self.runner)
 
     def _check_kv_offload(self) -> None:
         if self.prefill_cores < 0 or self.decode_cores < 0 or (self.prefill_cores > 0) != (self.decode_cores > 0):

@@ -50,6 +50,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantized_activations: str
     batch_invariant: bool
     model_impl: str  # "auto" | "native" | "transformers" (models/registry.py)
+    runner: str  # "auto" | "generate" | "pooling" (config/runner.py, models/pooling_models.py)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from asyncengine.engine.prompt_intake import PromptIntake, check_params
 from asyncengine.engine.request_stream import RequestSlot, RequestStream
 from asyncengine.engine.stream_router import StreamRouter
 from asyncengine.engine.trainer_api import TrainerControls
+from asyncengine.models.pooling_models import check_request, default_pooling, supported_tasks
 from asyncengine.models.sampling_defaults import default_sampling_params
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.lora_request import LoRARequest
@@ -65,6 +66,9 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         # what a request with no sampling fields decodes with (the processor fills unset fields
         # from the same values): the checkpoint's generation config, then the engine's table
         self.default_sampling_params = default_sampling_params(self.client.model_info.generation_config)
+        info = self.client.model_info  # what the model serves (an encoder: pooling only)
+        self._tasks, self._default_pooling = supported_tasks(info.hf_config, config.runner), \
+            default_pooling(info.hf_config, info.path)
         if config.freeze_gc_after_load:
             gc_policy.freeze_after_load()
         self.router = StreamRouter(self.output_processor, self.admission, self.client)
@@ -195,6 +199,14 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         """The dtype and why, and the kernels that run the model (worker/kernel_info.py)."""
         return self.client.kernels or self.dtype
 
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return self._tasks
+
+    @property
+    def default_pooling(self) -> str:
+        return self._default_pooling
+
     async def check_structured_outputs(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its structured output compiled (structured/compile_service.py: worker
         processes, within the config's GrammarLimits; cancelled with the awaiting task): an
@@ -242,6 +254,7 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         params = validation.check_sampling_params(params, self.limits, self.processor.vocab_size,
                                                   self.processor.eos_token_ids)
         self._check_id_free(request_id, params.n)  # after n is known to be within max_n
+        check_request(self._tasks, params)  # an encoder cannot generate, a decoder cannot rerank
         check_lora_request(lora_request, self.config, self.client.model_info.hf_config)
         self.admission.check_admissible(params)
         kind, payload = self.intake.precheck(prompt, params)

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 from asyncengine.config import EngineConfig
 from asyncengine.engine_core import gc_policy
 from asyncengine.engine.output_processor import OutputProcessor
-from asyncengine.engine.pooling import embed_requests
+from asyncengine.engine.pooling import embed_requests, relevance, rerank_requests
 from asyncengine.multimodal.processor import MultiModalProcessor
 from asyncengine.engine.processor import InputProcessor, PromptType, check_lora_request
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.lora_request import LoRARequest
+from asyncengine.models.pooling_models import check_request, default_pooling, supported_tasks
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -54,6 +55,9 @@ class LLM:
                                         mm=MultiModalProcessor.of(self.config, self.engine.model_info))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        info = self.engine.model_info  # what the model serves (an encoder: pooling only)
+        self.supported_tasks = supported_tasks(info.hf_config, self.config.runner)
+        self.default_pooling = default_pooling(info.hf_config, info.path)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -107,6 +111,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if sp is None or isinstance(sp, SamplingParams):  # unset fields: the model's defaults
                 sp = self.processor.resolve(sp)
+            if isinstance(sp, SamplingParams):
+                check_request(self.supported_tasks, sp)
             if isinstance(sp, SamplingParams) and sp.output_kind != OutputKind.FINAL_ONLY:
                 # only the final outputs are returned: don't build the intermediate ones (vLLM too)
                 sp = msgspec.structs.replace(sp, output_kind=OutputKind.FINAL_ONLY)
@@ -170,13 +176,22 @@ class LLM:
     def embed(self, inputs, pooling: str | None = None, normalize: bool = True,
               dimensions: int | None = None, use_tqdm: bool = False) -> list[list[float]]:
         """One embedding per input (a text or token ids, or a list of them): pooled final hidden
-        states (engine/pooling.py; default last-token pooling, L2-normalised)."""
-        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
+        states (engine/pooling.py; default: the checkpoint's pooling, else the last token for a
+        decoder, [CLS] for an encoder; L2-normalised)."""
+        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions, self.default_pooling)
         outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
         vectors = [o.embedding for o in outs]
         if dimensions is not None and vectors and len(vectors[0]) < dimensions:
             raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
         return vectors
+
+    def rerank(self, query, documents, use_tqdm: bool = False) -> list[float]:
+        """Relevance in (0, 1) of each document to ``query`` (pairwise when ``query`` is a list), by
+        a cross-encoder: the documents' order (engine/pooling.py). ``score`` is logprob scoring."""
+        reqs = rerank_requests(self.tokenizer, query, documents, self.engine.max_model_len,
+                               self.default_pooling)
+        outs = self.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=use_tqdm)
+        return [relevance(o.embedding) for o in outs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

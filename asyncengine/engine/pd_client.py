@@ -156,6 +156,14 @@ class PDEngine(NamedLoRAs, EngineClient):
         return f"{self.decode[0].kernels}; P/D {len(self.prefill)} prefill + {len(self.decode)} decode cores"
 
     @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return self.decode[0].supported_tasks
+
+    @property
+    def default_pooling(self) -> str:
+        return self.decode[0].default_pooling
+
+    @property
     def errored(self) -> bool:
         """Once any core died: a request needs a core of each side (the server then stops)."""
         return any(e.errored for e in self.engines)

@@ -18,7 +18,7 @@ import msgspec
 from asyncengine.config import EngineConfig
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.engine import validation
-from asyncengine.engine.pooling import embed_requests
+from asyncengine.engine.pooling import embed_requests, relevance, rerank_requests
 from asyncengine.engine.prompt_intake import check_params
 from asyncengine.errors import InvalidRequestError
 from asyncengine.lora_request import LoRARequest
@@ -54,6 +54,16 @@ class EngineClient(ABC):
     @abstractmethod
     def kernels(self) -> str:
         """What runs the model, for the ready line."""
+
+    @property
+    @abstractmethod
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the model serves: "generate", "embed", "classify" (models/pooling_models.py)."""
+
+    @property
+    @abstractmethod
+    def default_pooling(self) -> str:
+        """How ``embed`` pools when the caller names no pooling (the checkpoint's, else by kind)."""
 
     # ------------------------------------------------------------------ health
 
@@ -185,12 +195,21 @@ class EngineClient(ABC):
                     dimensions: int | None = None) -> list[list[float]]:
         """One embedding per input (a text or token ids, or a list of them; engine/pooling.py):
         each a request through the same scheduler and batches as generation."""
-        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions)
+        reqs = embed_requests(self.tokenizer, inputs, pooling, normalize, dimensions, self.default_pooling)
         outs = await asyncio.gather(*(self.complete(p, params) for p, params in reqs))
         vectors = [o.embedding for o in outs]
         if dimensions is not None and vectors and len(vectors[0]) < dimensions:
             raise InvalidRequestError(f"dimensions={dimensions} exceeds the model's embedding size {len(vectors[0])}")
         return vectors
+
+    async def rerank(self, query, documents) -> list[float]:
+        """Relevance in (0, 1) of each document to ``query`` (or of each query to its document,
+        pairwise, when ``query`` is a list), by a cross-encoder (engine/pooling.py): each pair a
+        request through the scheduler; in the documents' order. Not ``score``: that name is the
+        trainer API's logprob scoring."""
+        reqs = rerank_requests(self.tokenizer, query, documents, self.max_model_len, self.default_pooling)
+        outs = await asyncio.gather(*(self.complete(p, params) for p, params in reqs))
+        return [relevance(o.embedding) for o in outs]
 
     async def complete(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kw) -> RequestOutput:

@@ -24,6 +24,9 @@ async def warm_up(engine, tokens: int = WARM_UP_TOKENS) -> float:
     A context too short for the chat prompt gets a few token ids instead."""
 
     t0 = time.monotonic()
+    if "generate" not in engine.supported_tasks:  # a pooling model (an encoder): one short embedding
+        await engine.embed([[min(100, engine.vocab_size - 1)] * min(16, max(1, engine.max_model_len - 1))])
+        return time.monotonic() - t0
     try:
         await _run(engine, [dict(m) for m in WARM_UP_MESSAGES], tokens)
     except InvalidRequestError:  # the chat prompt does not fit max_model_len (or no chat template)

@@ -33,6 +33,7 @@ from asyncengine.kv_connector.factory import make_scheduler_connector
 from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
 from asyncengine.models.layer_kinds import has_state_layers
 from asyncengine.models.model_info import ModelInfo, load_model_info
+from asyncengine.models.pooling_models import encoder_engine_config
 from asyncengine.models.registry import TRANSFORMERS_BACKEND, check_architecture
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,13 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.config = config
         if info is None and loaded is not None:
             info = ModelInfo(hf_config=loaded.hf_config, tokenizer=loaded.tokenizer,
                              eos_token_ids=list(loaded.eos_token_ids), max_model_len=loaded.max_model_len,
                              vocab_size=loaded.hf_config.vocab_size, path=loaded.path,
                              generation_config=getattr(loaded, "generation_config", None))
         self.model_info = info or load_model_info(config)
+        self.config = config = encoder_engine_config(config, self.model_info)  # an encoder: whole prompts per step
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture  # lazy: only for this configuration (TP, PP, a kernel report)
             cls = resolve_architecture(self.model_info.hf_config, config.model_impl)

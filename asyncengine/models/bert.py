@@ -18,6 +18,9 @@ from asyncengine.errors import ModelLoadError
 from asyncengine.layers.pooler import pool_batch
 
 ENCODER_ARCHS = ("BertModel", "BertForSequenceClassification")
+# RoBERTa / XLM-R: BERT's modules with positions counted from pad_token_id + 1 (bert_engine.py)
+ROBERTA_ARCHS = ("RobertaModel", "RobertaForSequenceClassification", "XLMRobertaModel",
+                 "XLMRobertaForSequenceClassification")
 
 
 class _Embeddings(nn.Module):
@@ -131,6 +134,8 @@ class BertEncoder(nn.Module):
         self.encoder = _Encoder(c)
         self.pooler = _Pooler(c["hidden_size"]) if with_pooler or num_labels else None
         self.classifier = nn.Linear(c["hidden_size"], num_labels) if num_labels else None
+        # RoBERTa's position ids start after its padding index (transformers' create_position_ids_from_input_ids)
+        self.position_offset = c.get("pad_token_id", 1) + 1 if c.get("model_type") in ("roberta", "xlm-roberta") else 0
 
     def fuse_qkv(self) -> None:
         """Copy each layer's q, k, v weights into one matrix; call again after changing weights."""
@@ -152,7 +157,7 @@ class BertEncoder(nn.Module):
         seq = torch.repeat_interleave(torch.arange(lens.numel(), device=input_ids.device), lens, output_size=T)
         pos = torch.arange(T, device=input_ids.device) - starts[seq]
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        x = self.embeddings(input_ids, pos, types)
+        x = self.embeddings(input_ids, pos + self.position_offset if self.position_offset else pos, types)
         n, L = lens.numel(), int(lens.max())
         key_mask = (torch.arange(L, device=x.device)[None, :] < lens[:, None]).view(n, 1, 1, L)
         for layer in self.encoder.layer:

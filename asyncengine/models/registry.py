@@ -35,6 +35,17 @@ MODEL_REGISTRY: dict[str, str] = {
     "BambaForCausalLM": "asyncengine.models.bamba:BambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "asyncengine.models.bamba:GraniteMoeHybridForCausalLM",
     "NemotronHForCausalLM": "asyncengine.models.nemotron_h:NemotronHForCausalLM",
+    # encoders (bidirectional, no KV cache): pooling only (models/pooling_models.py)
+    "BertModel": "asyncengine.models.bert_engine:BertForEngine",
+    "BertForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
+    "RobertaModel": "asyncengine.models.bert_engine:BertForEngine",
+    "RobertaForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
+    "XLMRobertaModel": "asyncengine.models.bert_engine:BertForEngine",
+    "XLMRobertaForSequenceClassification": "asyncengine.models.bert_engine:BertForEngine",
+    # decoders with a classification head (models/seq_cls.py): rerank / classify, embed
+    "LlamaForSequenceClassification": "asyncengine.models.seq_cls:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": "asyncengine.models.seq_cls:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": "asyncengine.models.seq_cls:Qwen3ForSequenceClassification",
 }
 TRANSFORMERS_BACKEND = "asyncengine.models.transformers_backend:TransformersForCausalLM"
 MODEL_IMPLS = ("auto", "native", "transformers")

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers.pooler import PoolingSpec
+from asyncengine.pooling_params import PoolingSpec  # not layers.pooler: the front end reads this, without torch
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"

@@ -83,11 +83,13 @@ class DecodeGraphs:
 
 def decode_graphs_for(runner: Any, config: Any) -> DecodeGraphs | None:
     """The runner's decode graphs, captured at start, where they apply: a capturable backend, one
-    rank, no per-step host decisions (Mamba state slots, MoE expert groups, per-group block tables).
+    rank, no per-step host decisions (Mamba state slots, MoE expert groups, per-group block tables,
+    an encoder's per-step sequence splits).
     A capture failure costs speed, never correctness: the runner then runs eagerly."""
     if not (backend_info(runner.attn_backend.name).cuda_graphs and not config.enforce_eager
             and runner.tp.size == 1 and runner.pp.size == 1 and runner.state_cache is None
-            and not getattr(runner.model, "is_moe", False) and len(runner.kv_groups) <= 1):
+            and not getattr(runner.model, "is_moe", False) and not getattr(runner.model, "uses_token_types", False)
+            and len(runner.kv_groups) <= 1):
         return None
     try:
         # a decode batch has at most max_num_batched_tokens rows: the input buffers' size

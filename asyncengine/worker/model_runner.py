@@ -44,7 +44,7 @@ from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.worker.cpu_malloc import keep_freed_memory
 from asyncengine.worker.encoder_cache import EncoderCache
 from asyncengine.worker.grammar import Grammar
-from asyncengine.worker.pooling import pool_spans, pooling_spans
+from asyncengine.worker.pooling import pool_spans, pooling_spans, token_types
 from asyncengine.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_spans
 from asyncengine.worker.request_state import RunnerRequestState
 from asyncengine.worker.sampler import Sampler, SamplerOutput
@@ -270,7 +270,10 @@ class ModelRunner:
             st.num_computed_tokens += 1
         for st, n in prefills:
             st.num_computed_tokens += n
-        hidden = self._forward(lay, decodes, prefills, specs)
+        extra = {}
+        if pool_sp and getattr(self.model, "uses_token_types", False):  # an encoder's (query, document) pairs
+            extra["token_type_ids"] = token_types(pool_sp, len(lay.input_ids), self.device)
+        hidden = self._forward(lay, decodes, prefills, specs, extra)
         if hidden is None:  # a pipeline stage before the last: sent on, nothing to sample
             self.execute_time_s += time.perf_counter() - t0
             return None
@@ -280,7 +283,7 @@ class ModelRunner:
             return None
         req_ids, sampled_ids, logprobs, num_drafts = self._sample_and_accept(hidden, lay, specs)
         prompt_logprobs = self._prompt_logprobs(hidden, plp_spans) if plp_spans else None
-        pooled = pool_spans(hidden, pool_sp) if pool_sp else None
+        pooled = pool_spans(hidden, pool_sp, getattr(self.model, "classify_pooled", None)) if pool_sp else None
         if self.tp.rank > 0:  # no row sampled this step (every chunk was mid-prompt)
             self.execute_time_s += time.perf_counter() - t0
             return None
@@ -292,9 +295,9 @@ class ModelRunner:
                                  expert_tokens=take_expert_load(self.moe_layers) if self.moe_layers else None)
 
     def _forward(self, lay: StepLayout, decodes: list[RunnerRequestState], prefills=(),
-                 specs=()) -> torch.Tensor | None:
+                 specs=(), extra=None) -> torch.Tensor | None:
         """The model over the flat batch: the hidden states, or None on a pipeline stage that sent
-        its own on to the next."""
+        its own on to the next. ``extra``: more model inputs (an encoder's token types)."""
         nd = lay.num_decodes
         if self.lora is not None:
             self.lora.set_rows(row_lora_ids(lay, decodes, prefills, specs))
@@ -309,7 +312,7 @@ class ModelRunner:
                                                              *(st for st, _ in specs)], self.block_size)
         else:
             meta = self.attn_backend.build_metadata(StepBatch(seqs=lay.seqs, slot_mapping=lay.slots, num_decodes=nd))
-        stage = {} if self.state_cache is None else {
+        stage = dict(extra or {}) if self.state_cache is None else {
             "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], lay.ssm_chunks)}
         if mm is not None:
             stage["mm_embeds"] = mm

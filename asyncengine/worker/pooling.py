@@ -34,10 +34,27 @@ def pooling_spans(decodes: list[RunnerRequestState], prefills: list[tuple[Runner
     return spans
 
 
-def pool_spans(hidden: torch.Tensor, spans: list[Span]) -> dict[str, list[float]]:
+def token_types(spans: list[Span], num_rows: int, device) -> torch.Tensor | None:
+    """Each row's token type for an encoder (0, and 1 from a pair's ``token_type_split`` on); None
+    when no request of the step is a pair."""
+    pairs = [(row, start, m, st.sampling_params.pooling.token_type_split) for st, row, start, m in spans
+             if st.sampling_params.pooling.token_type_split is not None]
+    if not pairs:
+        return None
+    types = torch.zeros(num_rows, dtype=torch.int64)
+    for row, start, m, split in pairs:
+        first = row + max(0, split - start)
+        if first < row + m:
+            types[first:row + m] = 1
+    return types.to(device)
+
+
+def pool_spans(hidden: torch.Tensor, spans: list[Span], head=None) -> dict[str, list[float]]:
     """Fold this step's rows into each request's running state; the embeddings of the requests
     whose prompt ended this step, by request id. A chunk from position 0 (a first run, or a
-    recompute after preemption) starts the state afresh."""
+    recompute after preemption) starts the state afresh. ``head``: the model's classification
+    head (pooled vectors [n, H] -> logits), which a ``task="classify"`` request's vector goes
+    through instead of the normalisation."""
     out: dict[str, list[float]] = {}
     for st, row, start, m in spans:
         spec = st.sampling_params.pooling
@@ -53,6 +70,9 @@ def pool_spans(hidden: torch.Tensor, spans: list[Span]) -> dict[str, list[float]
             st.pool_state = hidden[row + m - 1].to(torch.float32)
         if end == st.num_prompt_tokens:
             v = st.pool_state / st.num_prompt_tokens if spec.pooling == "mean" else st.pool_state
-            out[st.req_id] = finish_embedding(v, spec.normalize, spec.dimensions).tolist()
+            if spec.task == "classify":
+                out[st.req_id] = head(v[None].to(hidden.dtype))[0].float().tolist()
+            else:
+                out[st.req_id] = finish_embedding(v, spec.normalize, spec.dimensions).tolist()
             st.pool_state = None
     return out

@@ -40,13 +40,15 @@ from .security import SecurityMiddleware, SecurityPolicy, install_log_redaction
 from .sse import ClientGone
 from .state import ServerState, json_response as _json, server_state as _state
 from .embeddings import embeddings
+from .rerank import ROUTES as SCORE_ROUTES, rerank, score
 from .tokenize import detokenize, tokenize
 
 log = logging.getLogger("asyncengine.integrations.openai_server")
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json", "/", "/chat.js", "/v1/ws/chat", "/v1/responses", "/v1/messages",
-                       "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings", *LORA_ROUTES})
+                       "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/embeddings", *LORA_ROUTES,
+                       *SCORE_ROUTES})
 
 
 def find_web_chat_dir() -> Path | None:
@@ -248,6 +250,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/score", score, methods=["POST"]),
+        Route("/v1/rerank", rerank, methods=["POST"]),
+        Route("/v2/rerank", rerank, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -62,6 +62,9 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "
           "properties": {k: {"type": "integer", "minimum": 0}
                          for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 
+_TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
+
+
 def _token_ids() -> dict:
     return {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
@@ -69,7 +72,7 @@ _DOC = {
     "openapi": "3.1.0",
     "info": {"title": "asyncengine OpenAI-compatible API", "version": "0.1.0",
              "description": "OpenAI's completions and chat completions (JSON or server-sent events), models, "
-                            "/v1/embeddings, vLLM's /tokenize and /detokenize, health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
+                            "/v1/embeddings, /v1/score and /v1/rerank, vLLM's /tokenize and /detokenize, health and Prometheus metrics. Websocket chat: /v1/ws/chat (not described here)."},
     "paths": {
         "/v1/completions": {"post": {
             "operationId": "createCompletion",
@@ -120,6 +123,30 @@ _DOC = {
                                       "type": "object", "required": ["object", "data", "model", "usage"],
                                       "properties": {"data": {"type": "array", "items": {
                                           "type": "object", "required": ["object", "index", "embedding"]}}}}}}},
+                          **_ERRORS}}},
+        "/v1/score": {"post": {
+            "operationId": "createScore",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["text_1", "text_2"], "properties": {
+                    "model": {"type": "string"}, "text_1": _TEXTS, "text_2": _TEXTS}}}}},
+            "responses": {"200": {"description": "A cross-encoder's score per pair (vLLM's shape; 400 on a model "
+                                                 "that cannot rerank)", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["data", "model", "usage"], "properties": {"data": {
+                    "type": "array", "items": {"type": "object", "required": ["index", "score"]}}}}}}},
+                          **_ERRORS}}},
+        "/v1/rerank": {"post": {
+            "operationId": "createRerank",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["query", "documents"], "properties": {
+                    "model": {"type": "string"}, "query": {"type": "string"},
+                    "documents": {"type": "array", "minItems": 1, "items": {"anyOf": [
+                        {"type": "string"}, {"type": "object", "required": ["text"],
+                                             "properties": {"text": {"type": "string"}}}]}},
+                    "top_n": _nullable({"type": "integer", "minimum": 1}), "return_documents": {"type": "boolean"}}}}}},
+            "responses": {"200": {"description": "The documents best first (Jina / Cohere shape; 400 on a model "
+                                                 "that cannot rerank)", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["results", "model", "usage"], "properties": {"results": {
+                    "type": "array", "items": {"type": "object", "required": ["index", "relevance_score"]}}}}}}},
                           **_ERRORS}}},
         "/v1/models": {"get": {
             "operationId": "listModels",

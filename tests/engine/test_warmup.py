@@ -8,12 +8,18 @@ import pytest
 
 from asyncengine import AsyncLLMEngine, EngineConfig
 from asyncengine.engine.warmup import warm_up
+from model_utils import make_tiny_bert
 
 
-@pytest.mark.parametrize("max_model_len", [None, 8])
-def test_warm_up_leaves_the_engine_clean(tiny_llama_dir, max_model_len):
+@pytest.mark.parametrize("max_model_len,model", [(None, "llama"), (8, "llama"), (None, "bert")])
+def test_warm_up_leaves_the_engine_clean(tiny_llama_dir, tmp_path, max_model_len, model):
+    """(A BERT encoder cannot generate: its warm-up is one short embedding.)"""
+    if model == "bert":
+        make_tiny_bert(tmp_path)
+    path = tiny_llama_dir if model == "llama" else str(tmp_path)
+
     async def main():
-        engine = AsyncLLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64,
+        engine = AsyncLLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64,
                                              max_model_len=max_model_len))
         async with engine:
             before = engine.stats()["num_steps"]

@@ -14,41 +14,10 @@ from asyncengine.errors import ModelLoadError
 from asyncengine.layers.pooler import PoolingSpec
 from asyncengine.models.bert import classify_token_ids, embed_token_ids, load_bert, rerank_scores
 from asyncengine.models.st_pooling import read_st_pooling
+from model_utils import make_tiny_bert, write_st_pooling
 
-WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "a", "blue", "sky", "is", "big"]
 TEXTS = ["the cat sat on the mat", "a dog", "the sky is blue and big", "cat", "far far ran the dog"]
-
-
-def _tiny_bert(path, arch="BertModel", seed=0):
-    torch.manual_seed(seed)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "and"] + WORDS
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
-    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                                  num_labels=1, architectures=[arch])
-    cls = getattr(transformers, arch)
-    model = cls(cfg).eval()
-    with torch.no_grad():  # N(0, 1/fan_in) so the outputs are far from uniform
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, p.shape[1] ** -0.5)
-    model.save_pretrained(path)
-    return model
-
-
-def _st_files(path, pooling: str, normalize: bool):
-    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (path / "2_Normalize").mkdir()
-    (path / "modules.json").write_text(json.dumps(mods))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
-        "pooling_mode_lasttoken": pooling == "last"}))
+_tiny_bert, _st_files = make_tiny_bert, write_st_pooling  # tests/model_utils.py
 
 
 def test_hidden_states_match_transformers_on_a_packed_batch(tmp_path):
