@@ -9,12 +9,18 @@ import mmap
 import torch
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
-    layers; core/kv_sizing.py)."""
+    layers; core/kv_sizing.py). ``kv_cache_dtype="int8"``: a row is head_dim int8 values and a
+    2-byte scale (attention/int8_cache.py), about half a bf16 row."""
     from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block  # lazy: only when the cache is sized or allocated
 
     a = model.args
+    if kv_cache_dtype == "int8":
+        from asyncengine.kernels.cpu.attention_i8 import SCALE_BYTES  # lazy: only for the int8 cache
+
+        shape = KVModelShape(len(model.layers), model.num_kv_heads, a.head_dim + SCALE_BYTES, max_model_len=0)
+        return bytes_per_block(shape, block_size, 1)
     shape = KVModelShape(len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
     return bytes_per_block(shape, block_size, dtype.itemsize)
 

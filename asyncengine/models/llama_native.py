@@ -120,7 +120,7 @@ class NativeStep:
         from asyncengine.attention.cpu_backend import CpuAttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
 
         return (num_tokens <= MAX_TOKENS and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
-                and meta.backend.kernels and meta.backend.dtype == torch.float32)
+                and meta.backend.kernels and meta.backend.dtype == torch.float32 and not meta.backend.kv_int8)
 
     def _layer_table(self, kv_caches, backend):
         # the layers' modes and layouts too: set_quantized_activations may switch them between steps

@@ -112,7 +112,9 @@ class Worker:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
                                     pp=self.pp, read_weights=read_weights).model
         set_quantized_activations(self.model, self.config.quantized_activations)
-        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
+        if self.config.kv_cache_dtype == "int8" and hasattr(self.model, "native_step"):
+            log.info("decode: the per-layer step (the native C step has no int8 KV cache yet)")
+        elif self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
             from asyncengine.models.llama_native import NativeStep  # lazy: only on this path (loading, profiling, a configuration)
 
             self.model.native_step = NativeStep.for_model(self.model)
@@ -146,7 +148,7 @@ class Worker:
         budget = None
         if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             budget = self.profile_kv_budget()
-        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype)
+        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype, c.kv_cache_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
         state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0
