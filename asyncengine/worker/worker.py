@@ -112,9 +112,7 @@ class Worker:
             self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
                                     pp=self.pp, read_weights=read_weights).model
         set_quantized_activations(self.model, self.config.quantized_activations)
-        if self.config.kv_cache_dtype == "int8" and hasattr(self.model, "native_step"):
-            log.info("decode: the per-layer step (the native C step has no int8 KV cache yet)")
-        elif self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
+        if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
             from asyncengine.models.llama_native import NativeStep  # lazy: only on this path (loading, profiling, a configuration)
 
             self.model.native_step = NativeStep.for_model(self.model)
