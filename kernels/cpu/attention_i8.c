@@ -49,7 +49,13 @@ void ae_attn_i8_write_kv(const void *k, long k_stride, const void *v, long v_str
     }
 }
 
+/* 1: the VNNI loop where it applies (query rows rounded to int8 for QK); 0: the fp32 loops only
+ * (tests compare the two; ae_attn_i8_set_fast) */
+static int i8_fast = 1;
+void ae_attn_i8_set_fast(int on) { i8_fast = on; }
+
 static void (*i8_pick(int isa, int D, int bs))(const struct i8_args *) {
+    if (isa >= AE_ISA_AVX512 && D % 64 == 0 && bs % 16 == 0 && i8_fast) return i8_rows_vnni;
     if (isa >= AE_ISA_AVX512 && D % 16 == 0 && bs % 16 == 0) return i8_rows_avx512;
     if (isa >= AE_ISA_AVX2 && D % 8 == 0 && bs % 8 == 0) return i8_rows_avx2;
     return i8_rows_scalar;

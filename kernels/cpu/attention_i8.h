@@ -57,5 +57,6 @@ struct i8_args {
 void i8_rows_scalar(const struct i8_args *A);
 void i8_rows_avx2(const struct i8_args *A);
 void i8_rows_avx512(const struct i8_args *A);
+void i8_rows_vnni(const struct i8_args *A); /* attention_i8_avx512.c: head dims % 64, block sizes % 16 */
 
 #endif

@@ -22,12 +22,22 @@ _SIGNATURES = {
     "ae_attn_i8_paged": [_P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _I, _I],
     "ae_attn_i8_write_and_attend": [_P, _L, _P, _L, _P, _I, _P, _L, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I,
                                     _I, _I, _I, _F, _I, _F, _I, _I],
+    "ae_attn_i8_set_fast": [_I],
 }
 SCALE_BYTES = 2  # the float16 scale after each row's values
 
 _lib = LazyBinding(_SIGNATURES)
 available = _lib.available
 _reset_for_tests = _lib.reset
+
+
+def set_fast(on: bool) -> None:
+    """Whether the AVX-512 VNNI loop runs where it applies (head dims % 64, block sizes % 16): it
+    rounds each query row to int8 for the QK dot products (llama.cpp's method with a q8_0 K cache);
+    off, the fp32 loops run there too (the tests hold the two to each other and to torch)."""
+    fns = _lib()
+    if fns:
+        fns["ae_attn_i8_set_fast"](int(on))
 
 
 def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -63,11 +73,24 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(hk, -1, rs).index_copy_(1, slot_mapping, quantize_rows(v).transpose(0, 1))
 
 
+def _rounded_scores(qs: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+    """The VNNI loop's scores (attention_i8_avx512.c): each scaled query row rounded to int8 with
+    its own scale, integer dot products (exact in fp32 at these sizes), times both scales."""
+    amax = qs.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q8 = torch.round(qs * inv)
+    d = k_rows.shape[-1] - SCALE_BYTES
+    k8 = k_rows[..., :d].float().unsqueeze(1)  # [Hkv, 1, L, D]
+    kscale = k_rows[..., d:].contiguous().view(torch.float16).float().transpose(-1, -2).unsqueeze(1)  # [Hkv, 1, 1, L]
+    return torch.matmul(q8, k8.transpose(-1, -2)) * (amax / torch.full_like(amax, 127.0)) * kscale
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
                           scale: float, out: torch.Tensor, sliding_window: int | None = None,
-                          softcap: float | None = None) -> None:
+                          softcap: float | None = None, round_queries: bool = False) -> None:
     """The attention of :func:`write_and_attend` in torch: each sequence's blocks gathered and
-    dequantized, then attended in fp32 (causal, windowed, soft-capped)."""
+    dequantized, then attended in fp32 (causal, windowed, soft-capped). ``round_queries``: the
+    scores as the AVX-512 VNNI loop computes them (:func:`_rounded_scores`)."""
     hk, _, _, rs = k_cache.shape
     d = rs - SCALE_BYTES
     hq = q.shape[1]
@@ -78,10 +101,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q0, n, ctx = int(batch.query_starts[s]), int(batch.query_lens[s]), int(batch.context_lens[s])
         total = ctx + n
         blocks = ids[starts[s]:starts[s + 1]]
-        keys = dequantize_rows(k_cache[:, blocks].reshape(hk, -1, rs)[:, :total])  # [Hkv, L, D]
+        k_rows = k_cache[:, blocks].reshape(hk, -1, rs)[:, :total]
         vals = dequantize_rows(v_cache[:, blocks].reshape(hk, -1, rs)[:, :total])
         qs = q[q0:q0 + n].float().view(n, hk, g, d).permute(1, 2, 0, 3) * scale  # [Hkv, g, n, D]
-        scores = torch.matmul(qs, keys.unsqueeze(1).transpose(-1, -2))  # [Hkv, g, n, L]
+        if round_queries:
+            scores = _rounded_scores(qs, k_rows)
+        else:
+            scores = torch.matmul(qs, dequantize_rows(k_rows).unsqueeze(1).transpose(-1, -2))  # [Hkv, g, n, L]
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(ctx, total).view(n, 1)
@@ -109,14 +135,15 @@ def _c_ok(q, k, v, k_cache, v_cache, slot_mapping, out) -> bool:
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, batch: PagedBatch, scale: float,
                      out: torch.Tensor, sliding_window: int | None = None, softcap: float | None = None,
-                     use_kernel: bool = True) -> None:
+                     use_kernel: bool = True, round_queries: bool = False) -> None:
     """Quantize k, v ([T, Hkv, D]) into their slots (int64 [T]; < 0: skip), then attend the rows of
     ``batch`` (q [T, Hq, D]) into the same rows of ``out``; one C call where the library is built
-    and takes the shapes, else the torch functions above (also with ``use_kernel=False``)."""
+    and takes the shapes, else the torch functions above (also with ``use_kernel=False``;
+    ``round_queries`` then rounds the queries as the VNNI loop does, for the tests)."""
     fns = _lib() if use_kernel else False
     if not (fns and _c_ok(q, k, v, k_cache, v_cache, slot_mapping, out)):
         write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
-        paged_attention_torch(q, k_cache, v_cache, batch, scale, out, sliding_window, softcap)
+        paged_attention_torch(q, k_cache, v_cache, batch, scale, out, sliding_window, softcap, round_queries)
         return
     hk, nb, bs, rs = k_cache.shape
     d, hq = rs - SCALE_BYTES, q.shape[1]
