@@ -11,10 +11,10 @@ Variants (one engine each, loaded once; greedy, EOS ignored, one sequence):
   int8-bf16  kv_cache_dtype="int8" with dtype bfloat16 (the per-op step: the bf16 variant's twin)
 
 Method: the prompt (``--context`` random token ids) is prefilled once per engine and stays in the
-prefix cache; each round then times, per variant, a request for 1 token and one for
-``1 + --tokens`` tokens of the same prompt (both hit the cache: only its last block is recomputed),
-and the decode time per token is their difference over ``--tokens``. Medians over rounds; the
-machine is shared, so read the ratios of a round (also given, median over rounds).
+prefix cache; each round then runs, per variant, a request for ``1 + --tokens`` tokens of the same
+prompt (a cache hit: only its last block is recomputed), and the decode time per token is
+(last token time - first token time) / --tokens, from the request's own metrics. Medians over
+rounds; the machine is shared, so read the ratios of a round (also given, median over rounds).
 """
 from __future__ import annotations
 
@@ -41,13 +41,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def timed(llm, prompt: list[int], n: int) -> float:
+def timed(llm, prompt: list[int], n: int) -> tuple[float, float]:
+    """(wall seconds of the request, its decode seconds per token from the engine's own token times)."""
     from asyncengine import SamplingParams
 
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
-    return time.perf_counter() - t0
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    per_token = (m.last_token_time - m.first_token_time) / (n - 1) if n > 1 and m is not None else 0.0
+    return time.perf_counter() - t0, per_token
 
 
 def main() -> None:
@@ -68,16 +71,14 @@ def main() -> None:
     for name in names:
         llm = LLM(a.model, num_threads=a.threads, max_num_seqs=1, max_model_len=a.context,
                   skip_tokenizer_init=True, **VARIANTS[name])
-        prefill_s[name] = timed(llm, prompt, 1)  # the prompt into the prefix cache
+        prefill_s[name] = timed(llm, prompt, 1)[0]  # the prompt into the prefix cache
         blocks[name] = llm.engine.stats()["num_kv_blocks"]
         engines[name] = llm
     per_token = {n: [] for n in names}
     for _ in range(a.rounds):
         for name in names:
             llm = engines[name]
-            t1 = timed(llm, prompt, 1)
-            tn = timed(llm, prompt, 1 + a.tokens)
-            per_token[name].append((tn - t1) / a.tokens)
+            per_token[name].append(timed(llm, prompt, 1 + a.tokens)[1])
     base = names[0]
     result = {"cpu": cpu_name(), "threads": a.threads, "model": a.model, "context": a.context, "tokens": a.tokens,
               "rounds": a.rounds, "variants": {}}
