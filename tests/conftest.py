@@ -168,9 +168,9 @@ def one_torch_thread():
 def kernels_off(monkeypatch):
     """The C kernels refused (``ASYNCENGINE_CPU_KERNELS=0``): every wrapper asks for the library
     again and gets none, so the torch fallbacks run; afterwards the library is back."""
-    from asyncengine.kernels.cpu import attention, build, invariant, ops
+    from asyncengine.kernels.cpu import attention, attention_i8, build, invariant, ops
 
-    wrappers = (build, ops, attention, invariant)
+    wrappers = (build, ops, attention, attention_i8, invariant)
     monkeypatch.setenv("ASYNCENGINE_CPU_KERNELS", "0")
     for mod in wrappers:
         mod._reset_for_tests()

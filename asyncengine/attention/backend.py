@@ -60,7 +60,8 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype, device: torch.device, scale: float | None = None,
-                 max_num_tokens: int = 8192, max_num_seqs: int = 256, max_blocks_per_seq: int | None = None) -> None:
+                 max_num_tokens: int = 8192, max_num_seqs: int = 256, max_blocks_per_seq: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -73,6 +74,11 @@ class AttentionBackend(ABC):
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq or num_blocks
+        # "int8": the 8-bit cache (kernels/cpu/attention_i8.py: int8 rows + a half scale per token
+        # per KV head); "auto": the model's dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_int8 = kv_cache_dtype == "int8"
+        self.cache_dtype = torch.int8 if self.kv_int8 else dtype
 
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -84,7 +90,7 @@ class AttentionBackend(ABC):
         if alloc is None:
             def alloc(s, dt, dev):
                 return torch.zeros(s, dtype=dt, device=dev)
-        return [(alloc(shape, self.dtype, self.device), alloc(shape, self.dtype, self.device))
+        return [(alloc(shape, self.cache_dtype, self.device), alloc(shape, self.cache_dtype, self.device))
                 for _ in range(num_layers)]
 
     @abstractmethod

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from asyncengine.attention import int8_cache
 from asyncengine.attention.backend import AttentionBackend, StepBatch
 from asyncengine.attention.torch_backend import TorchBackend
 from asyncengine.kernels.cpu import attention as kernel
@@ -53,7 +54,9 @@ class CpuBackend(AttentionBackend):
         self.kernels = (self.device.type == "cpu" and kernel.available()
                         and kernel.supports(self.dtype, self.head_dim, self.block_size))
         # the C kernel walks each row's keys block by block in position order at any query length
-        self.supports_batch_invariant = self.kernels
+        self.supports_batch_invariant = self.kernels and not self.kv_int8
+        if self.kv_int8:
+            int8_cache.check(self)
         if not self.kernels:
             log.warning("attention_backend='cpu': the C kernels are unavailable for this engine (%s); "
                         "running the torch backend's attention", self._why_not())
@@ -68,10 +71,14 @@ class CpuBackend(AttentionBackend):
         return f"dtype {self.dtype}, head_dim {self.head_dim}, block_size {self.block_size}"
 
     def kv_cache_shape(self) -> tuple[int, ...]:
+        if self.kv_int8:
+            return int8_cache.kv_cache_shape(self)
         return TorchPagedAttention.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads,
                                                   self.head_dim)
 
     def build_metadata(self, batch: StepBatch):
+        if self.kv_int8:  # every chunk through the int8 kernel (or its torch fallback)
+            return int8_cache.build_metadata(self, batch)
         if not self.kernels:
             return self.torch_backend.build_metadata(batch)  # its metadata routes layers to it
         bs = self.block_size
@@ -90,6 +97,8 @@ class CpuBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: CpuAttentionMetadata, sliding_window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        if self.kv_int8:
+            return int8_cache.forward(self, q, k, v, kv_cache, meta, sliding_window, softcap, use_kernel=self.kernels)
         k_cache, v_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype)
         kernel.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.paged, self.scale, out,

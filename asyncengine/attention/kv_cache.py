@@ -9,14 +9,22 @@ import mmap
 import torch
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None,
+                       kv_cache_dtype: str = "auto") -> int:
     """Bytes one KV block takes on this rank (its share of the KV heads, its pipeline stage's
     layers; core/kv_sizing.py). ``num_layers``: the cache tensors a block spans, when not every
-    layer's (per-group tables: one group's, worker/kv_groups.py)."""
+    layer's (per-group tables: one group's, worker/kv_groups.py). ``kv_cache_dtype="int8"``: a row
+    is head_dim int8 values and a 2-byte scale (attention/int8_cache.py), about half a bf16 row."""
     from asyncengine.contracts.kv_sizing import KVModelShape, bytes_per_block  # lazy: only when the cache is sized or allocated
 
     a = model.args
-    shape = KVModelShape(num_layers or len(model.layers), model.num_kv_heads, a.head_dim, max_model_len=0)
+    layers = num_layers or len(model.layers)
+    if kv_cache_dtype == "int8":
+        from asyncengine.kernels.cpu.attention_i8 import SCALE_BYTES  # lazy: only for the int8 cache
+
+        shape = KVModelShape(layers, model.num_kv_heads, a.head_dim + SCALE_BYTES, max_model_len=0)
+        return bytes_per_block(shape, block_size, 1)
+    shape = KVModelShape(layers, model.num_kv_heads, a.head_dim, max_model_len=0)
     return bytes_per_block(shape, block_size, dtype.itemsize)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from asyncengine.attention import int8_cache
 from asyncengine.attention.backend import AttentionBackend, StepBatch
 from asyncengine.layers.attention import (AttentionMetadata, PrefillChunk, TorchPagedAttention,
                                           build_decode_groups)
@@ -29,12 +30,18 @@ class TorchBackend(AttentionBackend):
         self._by_window: dict[tuple[int | None, float | None], TorchPagedAttention] = {}
         # scratch for the decode attention's gathered keys, reused by every layer and step
         self.workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        if self.kv_int8:
+            int8_cache.check(self)
 
     def kv_cache_shape(self) -> tuple[int, ...]:
+        if self.kv_int8:  # int8 rows + scales; this backend dequantizes the blocks it reads
+            return int8_cache.kv_cache_shape(self)
         return TorchPagedAttention.kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads,
                                                   self.head_dim)
 
     def build_metadata(self, batch: StepBatch) -> TorchAttentionMetadata:
+        if self.kv_int8:
+            return int8_cache.build_metadata(self, batch)
         dev = self.device
         nd = batch.num_decodes
         meta = TorchAttentionMetadata(
@@ -64,6 +71,8 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, sliding_window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        if self.kv_int8:
+            return int8_cache.forward(self, q, k, v, kv_cache, meta, sliding_window, softcap, use_kernel=False)
         impl = self.impl if sliding_window is None and softcap is None else self._windowed(sliding_window, softcap)
         return impl.forward(q, k, v, kv_cache, meta)
 

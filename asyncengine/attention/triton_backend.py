@@ -38,6 +38,10 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.kv_int8:
+            from asyncengine.errors import ConfigError  # lazy: only the refusal needs it
+
+            raise ConfigError("kv_cache_dtype='int8': the triton attention backend reads only a 16-bit cache")
         from asyncengine.kernels import paged_attention, reshape_and_cache, triton_available  # lazy: the kernels build/load (C compile, triton) only on this path
 
         if not triton_available():

@@ -121,6 +121,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_kv_blocks", "KV cache size in blocks (instead of --kv-cache-memory)", type=POSITIVE_INT,
                  default_text="sized by need, as --kv-cache-memory"),
     EngineOption("block_size", "tokens per KV cache block (a power of two)", type=POSITIVE_INT),
+    EngineOption("kv_cache_dtype", "KV cache storage: int8 = 8-bit keys and values, one scale per token and KV "
+                                   "head (about twice the blocks in the same memory; cpu and torch attention "
+                                   "backends; docs/kv_cache_int8.md); auto = the model's dtype",
+                 choices=("auto", "int8")),
     EngineOption("max_num_seqs", "most sequences decoded at once", type=POSITIVE_INT,
                  per_command={"chat": 1, "generate": 1, "serve": 256}),
     EngineOption("max_num_batched_tokens", "most tokens in one model step (prefill chunks included)",

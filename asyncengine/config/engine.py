@@ -13,7 +13,8 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
-from asyncengine.config.attention import AttentionBackendName, backend_info, check_backend_name
+from asyncengine.config.attention import (AttentionBackendName, check_backend_name, check_batch_invariant,
+                                          check_kv_cache_dtype)
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
@@ -225,6 +226,8 @@ class EngineConfig(SubConfigViews):
     mm_max_pixels: int = 4096 * 4096  # decoded pixels of one image, checked before it is decoded
     mm_encoder_cache_tokens: int = 8192  # encoder output rows the worker keeps (worker/encoder_cache.py)
     runner: Literal["auto", "generate", "pooling"] = "auto"  # pooling models (issue 34): config/runner.py
+    # 8-bit KV cache (issue 39, docs/kv_cache_int8.md): int8 rows + one scale per token per KV head
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -285,7 +288,8 @@ class EngineConfig(SubConfigViews):
         check_dtype(self.dtype)
         check_backend_name(self.attention_backend)
         if self.batch_invariant:
-            self._check_batch_invariant()
+            check_batch_invariant(self.device, self.attention_backend)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend, self.device, self.batch_invariant)
         if self.quantized_activations not in ("auto", "int8", "fp32"):
             raise ConfigError(f"quantized_activations must be 'auto', 'int8' or 'fp32', got {self.quantized_activations!r}")
         if self.quantization not in QUANTIZATION_MODES:
@@ -328,15 +332,6 @@ class EngineConfig(SubConfigViews):
             raise ConfigError("KV offload is not supported with tensor_parallel_size > 1 yet")
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
-
-    def _check_batch_invariant(self) -> None:
-        """What cannot keep a row's bits independent of the batch is refused, not run silently."""
-        if str(self.device).startswith("cuda"):
-            raise ConfigError("batch_invariant=True runs on the CPU kernels only (device='cpu'); CUDA has no "
-                              "batch-invariant matmul or attention here yet")
-        if self.attention_backend != "auto" and not backend_info(self.attention_backend).batch_invariant:
-            raise ConfigError(f"batch_invariant=True needs the 'cpu' attention backend; the "
-                              f"{self.attention_backend!r} backend has no batch-invariant mode")
 
     def _check_quantization_device(self, device_type: str) -> None:
         if self.quantization in ("int8", "int4") and device_type != "cpu":

@@ -63,6 +63,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory_fraction: float
     gpu_memory_utilization: float
     enable_prefix_caching: bool
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8" (attention/kv_cache.py: the bytes per block)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -41,7 +41,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("num_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("nthreads", ctypes.c_int32)]
+                ("scale", ctypes.c_float), ("nthreads", ctypes.c_int32), ("kv_int8", ctypes.c_int32)]
 
 
 class _Batch(ctypes.Structure):
@@ -118,9 +118,10 @@ class NativeStep:
 
     def accepts(self, num_tokens: int, meta) -> bool:
         from asyncengine.attention.cpu_backend import CpuAttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
+        from asyncengine.attention.int8_cache import Int8AttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
 
-        return (num_tokens <= MAX_TOKENS and isinstance(meta, CpuAttentionMetadata) and not meta.prefills
-                and meta.backend.kernels and meta.backend.dtype == torch.float32)
+        return (num_tokens <= MAX_TOKENS and isinstance(meta, (CpuAttentionMetadata, Int8AttentionMetadata))
+                and not meta.prefills and getattr(meta.backend, "kernels", False) and meta.backend.dtype == torch.float32)
 
     def _layer_table(self, kv_caches, backend):
         # the layers' modes and layouts too: set_quantized_activations may switch them between steps
@@ -157,9 +158,11 @@ class NativeStep:
         x = x.contiguous()
         cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
         kc0 = kv_caches[0][0]
-        hk, nb, bs, d = kc0.shape
+        hk, nb, bs, _ = kc0.shape
+        d = backend.head_dim  # (an int8 cache's rows are longer: values + scale)
         dims = _Dims(len(m.layers), a.hidden_size, m.num_heads, m.num_kv_heads, d,
-                     m.layers[0].mlp.inter, nb, bs, m.norm.eps, backend.scale, torch.get_num_threads())
+                     m.layers[0].mlp.inter, nb, bs, m.norm.eps, backend.scale, torch.get_num_threads(),
+                     int(backend.kv_int8))
         p = meta.paged
         batch = _Batch(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), p.block_ids.data_ptr(),
                        p.block_starts.data_ptr(), p.query_starts.data_ptr(), p.query_lens.data_ptr(),

@@ -151,7 +151,8 @@ class ModelRunner:
             head_dim=a.head_dim, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
             device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=min(self.num_blocks, -(-a.max_positions // self.block_size)),
-            scale=getattr(a, "attn_scale", None))  # Gemma: query_pre_attn_scalar ** -0.5
+            scale=getattr(a, "attn_scale", None),  # Gemma: query_pre_attn_scalar ** -0.5
+            kv_cache_dtype=config.kv_cache_dtype)
         if config.batch_invariant:
             batch_invariant.check_backend(backend)
             backend.batch_invariant = True

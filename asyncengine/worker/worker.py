@@ -149,7 +149,7 @@ class Worker:
             budget = self.profile_kv_budget()
         # several block tables: a block spans one group's layers (worker/kv_groups.py)
         layers = layers_per_block(groups_of(c, self.model))
-        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype, layers)
+        per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype, layers, c.kv_cache_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
         state = self.model.state_bytes_per_seq(c.torch_dtype) if hasattr(self.model, "state_bytes_per_seq") else 0

@@ -31,6 +31,12 @@ void ae_attn_write_and_attend(const void *k, long k_stride, const void *v, long 
                               const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
                               const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
                               int D, int NB, int bs, float scale, int window, float softcap, int bf16, int parallel);
+void ae_attn_i8_write_and_attend(const void *k, long k_stride, const void *v, long v_stride, const int64_t *slots,
+                                 int T, const void *q, long q_stride, void *out, int8_t *k_cache, int8_t *v_cache,
+                                 const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
+                                 const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq,
+                                 int Hkv, int D, int NB, int bs, float scale, int window, float softcap, int bf16,
+                                 int parallel);
 
 /* One decoder layer's weights and KV cache (the Python side fills an array of these once). */
 typedef struct {
@@ -48,6 +54,7 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, num_blocks, block_size;
     float eps, scale;
     int32_t nthreads;
+    int32_t kv_int8; /* 1: the caches are the 8-bit layout (attention_i8.h, int8 [Hkv, NB, bs, D + 2]) */
 } ae_step_dims;
 
 /* The step's batch: T token rows, their rotary rows and KV slots, the attention's CSR tables. */
@@ -90,10 +97,17 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
         rc |= gemm(L->act_int8, L->qkv_type, h, T, H, L->qkv, qkv_n, L->qkv_bias, qkv, nt);
         /* q and k heads side by side in the fused projection: rotated in place, in one pass */
         ae_ops_rotary(qkv, qkv_n, qkv, qkv_n, T, Hq + Hkv, D, b->cos, b->sin_signed, 0, 0);
-        ae_attn_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n, att,
-                                 L->k_cache, L->v_cache, b->block_ids, b->block_starts, b->query_starts,
-                                 b->query_lens, b->context_lens, b->num_seqs, Hq, Hkv, D, dm->num_blocks,
-                                 dm->block_size, dm->scale, L->window, 0.0f, 0, b->attn_parallel);
+        if (dm->kv_int8)
+            ae_attn_i8_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n,
+                                        att, (int8_t *)L->k_cache, (int8_t *)L->v_cache, b->block_ids,
+                                        b->block_starts, b->query_starts, b->query_lens, b->context_lens,
+                                        b->num_seqs, Hq, Hkv, D, dm->num_blocks, dm->block_size, dm->scale,
+                                        L->window, 0.0f, 0, b->attn_parallel);
+        else
+            ae_attn_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n,
+                                     att, L->k_cache, L->v_cache, b->block_ids, b->block_starts, b->query_starts,
+                                     b->query_lens, b->context_lens, b->num_seqs, Hq, Hkv, D, dm->num_blocks,
+                                     dm->block_size, dm->scale, L->window, 0.0f, 0, b->attn_parallel);
         rc |= gemm(L->act_int8, L->o_type, att, T, q_size, L->o, H, NULL, x, nt);
         ae_ops_add_rms_norm(x, res, res, h, L->post_norm, T, H, dm->eps, 0, 0);
         rc |= gemm(L->act_int8, L->gate_up_type, h, T, H, L->gate_up, 2 * I, NULL, gu, nt);

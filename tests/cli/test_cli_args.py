@@ -30,7 +30,7 @@ SAMPLE_VALUES = {
     "tp_vocab_parallel": (None, False), "ray_placement_strategy": ("SPREAD", "SPREAD"),
     "enable_expert_parallel": (None, True),
     "prefill_cores": ("1", 1), "decode_cores": ("2", 2), "pd_skip_hop_below": ("48", 48),
-    "kv_transfer_transport": ("tcp", "tcp"),
+    "kv_transfer_transport": ("tcp", "tcp"), "kv_cache_dtype": ("int8", "int8"),
     "enable_lora": (None, True), "max_loras": ("3", 3), "max_lora_rank": ("32", 32), "max_cpu_loras": ("4", 4),
     "model_impl": ("transformers", "transformers"),
     "limit_mm_per_prompt": ("3", 3), "mm_max_pixels": ("1000000", 1000000), "mm_encoder_cache_tokens": ("512", 512),

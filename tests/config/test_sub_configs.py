@@ -40,7 +40,7 @@ def test_views_copy_the_flat_fields_once():
                           enable_prefix_caching=True)
     assert config.cache_config == CacheConfig(
         block_size=32, num_kv_blocks=None, kv_cache_bytes=None, kv_cache_memory_fraction=0.25,
-        gpu_memory_utilization=0.9, enable_prefix_caching=True)
+        gpu_memory_utilization=0.9, enable_prefix_caching=True, kv_cache_dtype="auto")
     assert config.scheduler_config.max_num_seqs == 3 and config.scheduler_config.policy == "priority"
     assert config.parallel_config.distributed_executor_backend == "uni"  # resolved, not None
     assert config.parallel_config.world_size == 1

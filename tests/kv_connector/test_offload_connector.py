@@ -186,6 +186,30 @@ def test_disk_tier_survives_restart(tiny, baseline_shared, tmp_path):
     assert s["num_computed_prompt_tokens"] < sum(r.num_prompt_tokens for r in shared_prompts()) - 40
 
 
+def test_int8_kv_cache_restart_exact_and_apart_from_16_bit(tiny, tmp_path):
+    """kv_cache_dtype="int8": blocks go to disk with their scales and come back exact; a 16-bit
+    engine on the same directory finds none of them (the fingerprint carries the KV dtype)."""
+    first = make(tiny, kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    try:
+        want = one_by_one(first, shared_prompts())
+    finally:
+        first.shutdown()
+    second = make(tiny, kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    try:
+        got = one_by_one(second, shared_prompts())
+        s = second.stats()
+        assert_whole(second)
+    finally:
+        second.shutdown()
+    assert got == want and s["kv_offload_disk_hit_tokens"] >= 40
+    other = make(tiny, kv_offload_dir=str(tmp_path))
+    try:
+        one_by_one(other, shared_prompts())
+        assert other.stats()["kv_offload_disk_hit_tokens"] == 0
+    finally:
+        other.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_other_architectures_restart_exact(tiny_model_dir, arch, tmp_path):
     from asyncengine.models.loader import load_model

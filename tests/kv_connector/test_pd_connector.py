@@ -127,6 +127,23 @@ def test_token_exact_against_colocated(tiny, pd, regime):
     assert files(d) == []  # every transfer file consumed
 
 
+def test_int8_kv_cache_transfers_and_a_16_bit_consumer_refuses(tiny, pd):
+    """int8 on both sides: the blocks travel with their scales, token-exact against a colocated int8
+    core. An int8 producer and a 16-bit consumer: the file is refused (its fingerprint names the
+    KV dtype) and the consumer computes the prompt itself."""
+    ps = prompts(seed=3, k=3)
+    want = colocated(tiny, ps, kv_cache_dtype="int8")
+    p_core, d_core, d = pd(dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="int8"))
+    assert pd_run(p_core, d_core, ps) == want
+    assert d_core.stats()["kv_transfer_imported_requests"] == len(ps)
+    whole(d_core)
+    p8, d16, _ = pd(dict(kv_cache_dtype="int8"), {})
+    want16 = colocated(tiny, ps[:1])
+    assert pd_run(p8, d16, ps[:1]) == want16
+    s = d16.stats()
+    assert s["kv_transfer_rejected_files"] >= 1 and s["kv_transfer_imported_requests"] == 0
+
+
 def test_no_file_means_the_decode_core_computes(tiny, pd):
     p_core, d_core, d = pd()
     ps = prompts(seed=9, k=2)

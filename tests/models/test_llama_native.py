@@ -54,9 +54,9 @@ def _calls(worker):
     return None if s is None else s.calls
 
 
-def run(path, monkeypatch, native: str, activations: str):
+def run(path, monkeypatch, native: str, activations: str, **options):
     monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", native)
-    llm = LLM(path, quantized_activations=activations, **COMMON)
+    llm = LLM(path, quantized_activations=activations, **COMMON, **options)
     try:
         core = llm.engine
         core.collective_rpc(_count_native)
@@ -73,6 +73,16 @@ def run(path, monkeypatch, native: str, activations: str):
 def test_native_step_is_token_exact_with_the_per_op_path(arch, qtype, activations, ggufs, monkeypatch):
     native, calls = run(ggufs[(arch, qtype)], monkeypatch, "1", activations)
     per_op, none = run(ggufs[(arch, qtype)], monkeypatch, "0", activations)
+    assert none is None and calls > sum(n for _, n in REQUESTS) // COMMON["max_num_seqs"]
+    assert native == per_op
+
+
+def test_native_step_with_the_int8_kv_cache(ggufs, monkeypatch):
+    """kv_cache_dtype="int8": the native step calls the same int8 attention kernel as the per-op
+    path (attention_i8.c), so the two stay token-exact."""
+    path = ggufs[("llama", "Q4_1")]
+    native, calls = run(path, monkeypatch, "1", "int8", kv_cache_dtype="int8")
+    per_op, none = run(path, monkeypatch, "0", "int8", kv_cache_dtype="int8")
     assert none is None and calls > sum(n for _, n in REQUESTS) // COMMON["max_num_seqs"]
     assert native == per_op
 

@@ -39,4 +39,6 @@ def kv_fingerprint(config) -> bytes:
     parts = [f"asyncengine-kv-v{FORMAT_VERSION}", repr(model_identity(resolve_path(config.model))),
              str(config.torch_dtype), config.attention_backend_name, str(config.block_size),
              str(config.tensor_parallel_size)]
+    if config.kv_cache_dtype != "auto":  # int8 rows + scales (16-bit caches keep their old fingerprints)
+        parts.append(f"kv_cache_dtype={config.kv_cache_dtype}")
     return hashlib.sha256("\n".join(parts).encode()).digest()

@@ -114,6 +114,10 @@ class DecodeImporter(SchedulerConnector):
                   and h.num_tokens == req.num_prompt_tokens and h.digest == tf.prompt_digest(req.prompt_token_ids))
             if not ok:
                 refused.append(h)  # another model/layout, or not this prompt
+            if h.fingerprint != self.fingerprint:
+                log.warning("request %s: refused its KV transfer: the producer's KV layout differs from ours (model, "
+                            "dtype, kv_cache_dtype, attention backend, block size or TP size); computing the "
+                            "prompt here", req.request_id)
             return ok
 
         source = (req.kv_transfer_params or {}).get("source")
