@@ -110,6 +110,8 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
             array = np.array(array, dtype=np.float32, order="C")  # F32/F16 can still be views of the map
         if hf is not None and norm_shift(gguf_arch, hf):
             array = array + np.float32(norm_shift(gguf_arch, hf))  # Gemma: the converter's 1 + weight, in fp32
+        if hf is not None and hf.endswith(".shared_expert_gate.weight") and array.ndim == 1:
+            array = array.reshape(1, -1)  # (llama-quantize's [H] for [1, H])
         tensor = torch.from_numpy(array)
         if tensor.dtype != dtype:
             tensor = tensor.to(dtype)

@@ -58,7 +58,7 @@ class GGUFModel:
         dtype = dtype or torch.float32
         f, cfg = self._file, self.config
         stacked = None  # (tensor, its dequantized experts): a stacked expert tensor is decoded once
-        for hf, t, expert, _ in hf_tensors(f, self.gguf_arch):
+        for hf, t, expert, shape in hf_tensors(f, self.gguf_arch):
             if expert is not None:  # one expert of a stacked [E, ...] tensor (gguf/moe.py)
                 if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
                     yield hf, dequant.expert_view(f, t, expert)
@@ -85,7 +85,7 @@ class GGUFModel:
                     w = (w + shift).to(dtype)
                 if permuted:
                     w = w.index_select(0, rows)
-                yield hf, w
+                yield hf, (w if w.dim() == len(shape) else w.reshape(shape))
             f.release(t)  # the caller has copied it: its file pages need not count in our RSS
 
 

@@ -94,8 +94,9 @@ def hf_tensors(f: GGUFFile, gguf_arch: str):
         if hf is None:
             continue
         per = expert_names(hf, t.shape[0]) if len(t.shape) == 3 else None
-        if per is None:
-            yield hf, t, None, t.shape
+        if per is None:  # (llama-quantize writes Qwen2-MoE's [1, H] shared expert gate as [H])
+            yield hf, t, None, ((1, *t.shape) if hf.endswith(".shared_expert_gate.weight") and len(t.shape) == 1
+                                else t.shape)
         else:
             for e, name in enumerate(per):
                 yield name, t, e, t.shape[1:]
