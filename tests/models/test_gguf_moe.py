@@ -16,6 +16,9 @@ from test_gguf import assert_greedy_parity
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.errors import ModelLoadError
+from asyncengine.kernels.cpu import quant
+from asyncengine.layers.linear import Linear
+from asyncengine.layers.parallel import TPGroup
 from asyncengine.models.gguf import load_gguf, open_gguf
 from asyncengine.models.loader import load_model
 
@@ -28,6 +31,25 @@ def tok():
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("gguf-moe")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tok, work):
+    """(arch, qtype, hidden) -> (HF model, GGUF path), each converted (and quantized) once per module."""
+    made = {}
+
+    def get(arch: str, qtype: str, hidden: int = 64):
+        if (arch, qtype, hidden) not in made:
+            model = tiny_moe_model(arch, tok.get_vocab_size(), seed=2, hidden=hidden, inter=2 * hidden)
+            d = work / f"{arch}-{hidden}"
+            if qtype in ("F32", "F16"):
+                path = convert_to_gguf(model, tok, d, qtype.lower())
+            else:
+                path = llama_quantize(get(arch, "F32", hidden)[1], d / f"{qtype}.gguf", qtype)
+                model = get(arch, "F32", hidden)[0]
+            made[arch, qtype, hidden] = (model, path)
+        return made[arch, qtype, hidden]
+    return get
 
 
 def _requests(vocab: int, n: int = 4, seed: int = 5):
@@ -46,9 +68,8 @@ def _generate(path, reqs, activations: str = "fp32"):
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_f32_file_is_token_exact_with_transformers(arch, tok, work):
-    model = tiny_moe_model(arch, tok.get_vocab_size(), seed=1)
-    path = convert_to_gguf(model, tok, work / arch, "f32")
+def test_f32_file_is_token_exact_with_transformers(arch, tok, gguf_file):
+    model, path = gguf_file(arch, "F32")
     cfg = open_gguf(path, tokenizer=False).config
     assert cfg.model_type == model.config.model_type and cfg.num_experts_per_tok == 2
     assert cfg.norm_topk_prob == (arch in ("mixtral", "qwen3_moe"))
@@ -67,11 +88,8 @@ def _expert_layers(path):
 
 @pytest.mark.parametrize("arch,qtype,hidden", [("mixtral", "F16", 64), ("qwen3_moe", "Q8_0", 64),
                                                ("mixtral", "Q4_0", 64), ("qwen2_moe", "Q4_K_M", 256)])
-def test_quantized_experts_run_from_the_files_blocks(arch, qtype, hidden, tok, work):
-    model = tiny_moe_model(arch, tok.get_vocab_size(), seed=2, hidden=hidden, inter=2 * hidden)
-    d = work / f"{arch}-{qtype}"
-    f32 = convert_to_gguf(model, tok, d, "f16" if qtype == "F16" else "f32")
-    path = f32 if qtype == "F16" else llama_quantize(f32, d / f"{qtype}.gguf", qtype)
+def test_quantized_experts_run_from_the_files_blocks(arch, qtype, hidden, tok, gguf_file):
+    model, path = gguf_file(arch, qtype, hidden)
     g = open_gguf(path, tokenizer=False)
     types = {k.removeprefix("model."): v for k, v in g.tensor_types.items()}
     experts = _expert_layers(path)
@@ -89,10 +107,9 @@ def test_quantized_experts_run_from_the_files_blocks(arch, qtype, hidden, tok, w
     assert_greedy_parity(ref, reqs, _generate(path, reqs))
 
 
-def test_int8_activations_stay_close_to_the_fp32_path(tok, work):
+def test_int8_activations_stay_close_to_the_fp32_path(tok, gguf_file):
     """The int8-activation kernels on quantized experts: most greedy tokens as the fp32 path's."""
-    model = tiny_moe_model("qwen3_moe", tok.get_vocab_size(), seed=3)
-    path = llama_quantize(convert_to_gguf(model, tok, work / "int8", "f32"), work / "int8" / "q8.gguf", "Q8_0")
+    _, path = gguf_file("qwen3_moe", "Q8_0")
     reqs = _requests(tok.get_vocab_size(), seed=9)
     a = [o.outputs[0].token_ids for o in _generate(path, reqs, "fp32")]
     b = [o.outputs[0].token_ids for o in _generate(path, reqs, "int8")]
@@ -100,11 +117,10 @@ def test_int8_activations_stay_close_to_the_fp32_path(tok, work):
     assert same >= 0.8 * sum(len(s) for s in a), (a, b)
 
 
-def test_bad_expert_metadata_is_refused(tok, work, tmp_path):
+def test_bad_expert_metadata_is_refused(gguf_file, tmp_path):
     import gguf
 
-    model = tiny_moe_model("olmoe", tok.get_vocab_size())
-    src = convert_to_gguf(model, tok, work / "bad", "f32")
+    _, src = gguf_file("olmoe", "F32")
     reader = gguf.GGUFReader(src)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(src.read_bytes())
@@ -115,3 +131,45 @@ def test_bad_expert_metadata_is_refused(tok, work, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="expert_used_count 9"):
         open_gguf(bad, tokenizer=False)
+
+
+def _expert_weights(model) -> dict[str, torch.Tensor]:
+    """(global expert Linear name -> its blocks, dequantized) of a model's experts."""
+    out = {}
+    for name, layer in model.named_modules():
+        if ".experts." in name and isinstance(layer, Linear):
+            prefix, rest = name.split(".experts.")
+            local, leaf = rest.split(".", 1)
+            e = int(local) + model.get_submodule(prefix).shard.expert_start
+            assert layer.quantized, name
+            out[f"{prefix}.experts.{e}.{leaf}"] = quant.dequantize(layer.qweight, layer.qtype, layer.in_features,
+                                                                    packed=layer.packed)
+    return out
+
+
+def _tp_slice(name: str, ref: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank`` of 2's columns of an expert (written out by hand)."""
+    if "gate_up" in name:
+        inter = ref.shape[0] // 2
+        half = inter // 2
+        return torch.cat([ref[:inter][rank * half:(rank + 1) * half], ref[inter:][rank * half:(rank + 1) * half]])
+    half = ref.shape[1] // 2
+    return ref[:, rank * half:(rank + 1) * half]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_and_expert_parallel_shards_hold_their_slice_of_the_blocks(expert_parallel, gguf_file):
+    """In process: each of 2 ranks reads its experts whole (EP) or its half of every expert's
+    columns (TP) straight from the file's blocks: that slice of the unsharded model's experts."""
+    _, path = gguf_file("qwen3_moe", "Q8_0")
+    config = EngineConfig(model=str(path), dtype="float32", skip_tokenizer_init=True)
+    full = _expert_weights(load_model(config, tokenizer=False).model)
+    seen = set()
+    for rank in range(2):
+        shard = load_model(config, tp=TPGroup(rank=rank, size=2, expert_parallel=expert_parallel),
+                           tokenizer=False).model
+        for name, w in _expert_weights(shard).items():
+            ref = full[name] if expert_parallel else _tp_slice(name, full[name], rank)
+            assert torch.equal(w, ref), (rank, name)
+            seen.add(name)
+    assert seen == set(full) and len(full) == 2 * 4 * 2
