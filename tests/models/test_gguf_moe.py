@@ -57,11 +57,11 @@ def _requests(vocab: int, n: int = 4, seed: int = 5):
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 30))], rng.randint(2, 10)) for _ in range(n)]
 
 
-def _generate(path, reqs, activations: str = "fp32"):
+def _generate(path, reqs, activations: str = "fp32", logprobs: int | None = None):
     llm = LLM(str(path), dtype="float32", quantized_activations=activations, skip_tokenizer_init=True)
     try:
         return llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
-                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=logprobs) for _, m in reqs],
                             use_tqdm=False)
     finally:
         llm.shutdown()
@@ -108,13 +108,17 @@ def test_quantized_experts_run_from_the_files_blocks(arch, qtype, hidden, tok, g
 
 
 def test_int8_activations_stay_close_to_the_fp32_path(tok, gguf_file):
-    """The int8-activation kernels on quantized experts: most greedy tokens as the fp32 path's."""
+    """The int8-activation kernels on quantized experts: each token they pick is, under the fp32
+    path, within 1 nat of the best (quantized activations may swap a near tie, never pick noise)."""
     _, path = gguf_file("qwen3_moe", "Q8_0")
-    reqs = _requests(tok.get_vocab_size(), seed=9)
-    a = [o.outputs[0].token_ids for o in _generate(path, reqs, "fp32")]
-    b = [o.outputs[0].token_ids for o in _generate(path, reqs, "int8")]
-    same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
-    assert same >= 0.8 * sum(len(s) for s in a), (a, b)
+    reqs = [(p, 1) for p, _ in _requests(tok.get_vocab_size(), n=12, seed=9)]
+    ref = _generate(path, reqs, "fp32", logprobs=20)
+    got = _generate(path, reqs, "int8")
+    for r, g in zip(ref, got):
+        top = r.outputs[0].logprobs[0]
+        best = max(x.logprob for x in top.values())
+        t = g.outputs[0].token_ids[0]
+        assert t in top and top[t].logprob > best - 1.0, (t, {k: v.logprob for k, v in top.items()})
 
 
 def test_bad_expert_metadata_is_refused(gguf_file, tmp_path):
