@@ -54,14 +54,16 @@ def make(args) -> dict[str, Path]:
 
 
 def _run(cmd: list[str]) -> tuple[str, int]:
-    """(stdout, peak RSS in MiB) of one child process."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    out = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode:
-        raise RuntimeError(f"{cmd[:3]} failed ({p.returncode})")
-    return out, usage.ru_maxrss // 1024
+    """(stdout, peak RSS in MiB) of one child process, by ``/usr/bin/time`` (a child forked from
+    this process, which may hold the model it built, would report this process's RSS as its peak)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss.name, *cmd], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+        if p.returncode:
+            raise RuntimeError(f"{cmd[:3]} failed ({p.returncode})")
+        return p.stdout, int(rss.read().split()[-1]) // 1024
 
 
 def ours(path: Path, args) -> dict:
