@@ -21,6 +21,12 @@ does for a row-parallel MLP:
   by owner, since experts are numbered owner by owner) and the combine its inverse all-to-all;
   :meth:`SparseMoE.experts_forward` is the per-rank compute either way.
 
+Per-expert storage (``expert_linears``, GGUF files): each expert is an :class:`ExpertMLP`, two
+:class:`~asyncengine.layers.linear.Linear` (``gate_up_proj``, ``down_proj``), instead of a slice of
+``w13`` / ``w2``: the loader then picks each expert's storage as for any Linear, so a GGUF's
+experts stay in their block format (Q8_0, Q4_0, Q4_K...) and run through the quantized kernels,
+one matmul pair per active expert as above.
+
 Load balance: with ``record_load`` set, each forward adds its tokens-per-expert counts to
 ``expert_load`` (a [E] int64 tensor), read and cleared by the runner for ``stats()``.
 """
@@ -33,7 +39,7 @@ from torch import nn
 
 from asyncengine.errors import ConfigError
 from asyncengine.layers.activation import ActAndMul
-from asyncengine.layers.linear import Linear
+from asyncengine.layers.linear import Linear, QuantizedTensor
 from asyncengine.layers.moe_router import RouterSpec, route
 from asyncengine.layers.parallel import SINGLE, TPGroup
 
@@ -73,6 +79,24 @@ class ExpertShard:
         return self.inter_stop - self.inter_start
 
 
+class ExpertMLP(nn.Module):
+    """One gated expert as two Linears: ``gate_up_proj`` ([gate | up] rows) and ``down_proj``."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * inter, parts=(inter, inter))
+        self.down_proj = Linear(inter, hidden)
+
+
+def _narrow(tensor, dim: int, start: int, stop: int):
+    """A tensor's (or blocks') slice [start, stop) along ``dim``; the tensor itself when whole."""
+    if stop - start == tensor.shape[dim]:
+        return tensor
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.rows(start, stop) if dim == 0 else tensor.cols(start, stop)
+    return tensor.narrow(dim, start, stop - start)
+
+
 class SparseMoE(nn.Module):
     """Router (``gate``, a Linear [E, H]) + stacked experts; ``forward`` returns this rank's partial
     output (the caller all-reduces it). ``shared``: an optional always-on MLP module added to the
@@ -80,7 +104,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, inter: int, spec: RouterSpec, act: str = "silu", tp: TPGroup = SINGLE,
                  expert_parallel: bool = False, router_bias: bool = False, shared: nn.Module | None = None,
-                 shared_gate: bool = False, gated: bool = True) -> None:
+                 shared_gate: bool = False, gated: bool = True, expert_linears: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.hidden, self.full_inter = hidden, inter
@@ -91,8 +115,12 @@ class SparseMoE(nn.Module):
             if router_bias else None
         # gated experts: w13 holds [gate | up]; plain ones (Nemotron-H: down(act(up x))) only up
         self.gated = gated
-        self.w13 = nn.Parameter(torch.empty(e, (2 if gated else 1) * i, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
+        if expert_linears and not gated:
+            raise ConfigError("per-expert Linear storage needs gated experts")
+        self.experts = nn.ModuleList(ExpertMLP(hidden, i) for _ in range(e)) if expert_linears else None
+        self.w13 = None if expert_linears else nn.Parameter(torch.empty(e, (2 if gated else 1) * i, hidden),
+                                                            requires_grad=False)
+        self.w2 = None if expert_linears else nn.Parameter(torch.empty(e, hidden, i), requires_grad=False)
         if not gated and act not in PLAIN_ACTIVATIONS:
             raise ConfigError(f"expert activation {act!r} without a gate is not supported ({', '.join(PLAIN_ACTIVATIONS)})")
         self.act_and_mul = ActAndMul(act) if gated else PLAIN_ACTIVATIONS[act]
@@ -118,9 +146,13 @@ class SparseMoE(nn.Module):
         if not self.owns(expert):
             return
         if not sliced:
-            dim, a, b = self.expert_slice(kind)
-            tensor = tensor.narrow(dim, a, b - a)
+            tensor = _narrow(tensor, *self.expert_slice(kind))
         i, local = self.shard.inter, expert - self.shard.expert_start
+        if self.experts is not None:  # Linear.load checks the shape, converts blocks <-> dense
+            m = self.experts[local]
+            m.down_proj.load(tensor) if kind == "down" else m.gate_up_proj.load(tensor, 0 if kind == "gate" else 1)
+            self._filled.add((expert, kind))
+            return
         dst = {"gate": self.w13[local, :i], "up": self.w13[local, i:] if self.gated else self.w13[local],
                "down": self.w2[local]}[kind]
         if tuple(dst.shape) != tuple(tensor.shape):
@@ -155,6 +187,13 @@ class SparseMoE(nn.Module):
             self.load_expert(e, "up", w13[e, i:], False)
             self.load_expert(e, "down", w2[e], False)
 
+    def loaded_keys(self, prefix: str) -> set[str]:
+        """What weight_loading.check_complete counts for this layer's experts once all are filled."""
+        if self.experts is None:
+            return {f"{prefix}.w13#None", f"{prefix}.w2#None"}
+        return {f"{prefix}.experts.{j}.{k}" for j in range(self.shard.num_local)
+                for k in ("gate_up_proj.weight#0", "gate_up_proj.weight#1", "down_proj.weight#None")}
+
     def missing(self) -> list[str]:
         kinds = ("gate", "up", "down") if self.gated else ("up", "down")
         want = {(e, k) for e in range(self.shard.expert_start, self.shard.expert_stop) for k in kinds}
@@ -187,9 +226,7 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             s = starts[e]
-            local = e - self.shard.expert_start
-            h = self.act_and_mul(torch.mm(xs[s:s + n], self.w13[local].t()))
-            y = torch.mm(h, self.w2[local].t()) * w[s:s + n]
+            y = self._expert(e - self.shard.expert_start, xs[s:s + n]) * w[s:s + n]
             out.index_add_(0, token[s:s + n], y)
         return out
 
@@ -199,10 +236,16 @@ class SparseMoE(nn.Module):
         w = weights.to(x.dtype)
         for j, e in sorted(enumerate(ids.tolist()), key=lambda p: p[1]):
             if self.owns(e):
-                local = e - self.shard.expert_start
-                y = torch.mm(self.act_and_mul(torch.mm(x, self.w13[local].t())), self.w2[local].t()) * w[j]
+                y = self._expert(e - self.shard.expert_start, x) * w[j]
                 out = y if out is None else out + y
         return torch.zeros_like(x) if out is None else out
+
+    def _expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``local`` on the rows ``x``."""
+        if self.experts is not None:
+            m = self.experts[local]
+            return m.down_proj(self.act_and_mul(m.gate_up_proj(x)))
+        return torch.mm(self.act_and_mul(torch.mm(x, self.w13[local].t())), self.w2[local].t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.spec, self.e_score_correction_bias)

@@ -72,7 +72,8 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
             if self.is_sparse(c, self.start_layer + j):
                 shared = self.make_shared(c)
                 layer.mlp = ReducedMoE(self.args.hidden_size, self.moe_inter, self.spec, self.args.hidden_act,
-                                       tp=tp, shared=shared, shared_gate=self.shared_gated and shared is not None)
+                                       tp=tp, shared=shared, shared_gate=self.shared_gated and shared is not None,
+                                       expert_linears=bool(getattr(c, "expert_linears", False)))
 
     shared_gated = False
 
@@ -196,7 +197,7 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
                 missing = moe.missing()
                 if missing:
                     raise KeyError(f"checkpoint is missing {len(missing)} expert tensors of {prefix}, e.g. {missing[:3]}")
-                loaded |= {f"{prefix}.w13#None", f"{prefix}.w2#None"}
+                loaded |= moe.loaded_keys(prefix)
         check_complete(modules, params, loaded)
 
 

@@ -3,6 +3,8 @@
 * ``types``: the ggml tensor type table (ids, names, block sizes), our own copy of the file ABI;
 * ``reader``: the file parser (metadata, tensor table, tensor bytes over a memory map);
 * ``config``: metadata -> model config (and Llama 3 rope scaling back from ``rope_freqs``);
+* ``moe``: mixture-of-experts files (Mixtral, qwen2moe, qwen3moe, olmoe): their config keys, the
+  stacked expert tensors' names, one per expert, and their shapes;
 * ``tensors``: GGUF names -> HF names, q/k row order, shape checks (no torch);
 * ``dequant``: tensors as torch tensors (floats, or block views for the CPU kernels), slices for TP shards;
 * ``vocab``: the tokenizer from the vocabulary metadata, and the end-of-generation ids;

@@ -24,7 +24,7 @@ from asyncengine.errors import ModelLoadError
 from asyncengine.models.gguf.config import SUPPORTED_ARCHITECTURES, architecture, build_config, fix_rope_from_freqs
 from asyncengine.models.gguf.reader import GGUFFile, check_tensor_types, resolve_file
 from asyncengine.models.gguf.dequant import load_tensors
-from asyncengine.models.gguf.tensors import EXTRA_TENSORS, check_tensors, hf_name
+from asyncengine.models.gguf.tensors import EXTRA_TENSORS, check_tensors, hf_tensors
 from asyncengine.models.gguf.vocab import build_tokenizer, eos_token_ids
 
 if typing.TYPE_CHECKING:
@@ -106,4 +106,4 @@ def tensor_types(path: str | os.PathLike) -> dict[str, str]:
     """HF name -> GGUF type name (F32, Q4_1, ...) of every model tensor, from the header alone."""
     f = GGUFFile(resolve_file(path))
     arch = f.metadata.get("general.architecture", "llama")
-    return {hf_name(t.name, arch): t.type_name for t in f.tensors if hf_name(t.name, arch)}
+    return {hf: t.type_name for hf, t, _, _ in hf_tensors(f, arch)}

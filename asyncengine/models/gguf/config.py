@@ -20,6 +20,7 @@ import numpy as np
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.models.gguf.arch_config import arch_kwargs
+from asyncengine.models.gguf.moe import MOE_ARCHITECTURES, moe_kwargs
 
 if typing.TYPE_CHECKING:
     import torch
@@ -40,6 +41,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    **MOE_ARCHITECTURES,  # (and Mixtral: "llama" with an expert count; gguf/moe.py)
 }
 
 
@@ -174,6 +176,8 @@ def config_kwargs(f: GGUFFile, gguf_arch: str, path: str) -> tuple[str, dict[str
     elif model_type == "qwen3":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     arch_kwargs(f, gguf_arch, key, kwargs, path)  # Gemma 2/3, Phi-3
+    if gguf_arch == "llama" or gguf_arch in MOE_ARCHITECTURES:
+        model_type, _ = moe_kwargs(gguf_arch, model_type, key, kwargs, path)
     return model_type, kwargs
 
 

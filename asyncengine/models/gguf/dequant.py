@@ -19,12 +19,13 @@ from asyncengine.models.gguf.tensors import (
     norm_shift,
     unpermute_rows,
 )
+from asyncengine.models.gguf.moe import expert_names
 from asyncengine.models.gguf.types import BLOCK_FORMATS, BLOCK_SIZES, GGMLType
 
 if typing.TYPE_CHECKING:
     from asyncengine.models.gguf.reader import GGUFFile, TensorInfo
 
-__all__ = ["dequantize_torch", "load_tensors", "quantized_view", "unpermute_qk"]
+__all__ = ["dequantize_torch", "expert_view", "load_tensors", "quantized_view", "unpermute_qk"]
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -79,6 +80,10 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
         if only is not None and t.name not in only:
             continue
         hf = hf_name(t.name, gguf_arch)
+        per = expert_names(hf, t.shape[0]) if hf is not None and len(t.shape) == 3 else None
+        if per is not None:  # a stacked expert tensor: one tensor per expert (gguf/moe.py)
+            tensors.update(_expert_tensors(f, t, per, shard_of, keep_quantized, dtype))
+            continue
         spec = shard_of(hf) if shard_of is not None and hf is not None else None
         qtype = gguf.GGMLQuantizationType(t.type_id)
         if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
@@ -105,6 +110,8 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
             array = np.array(array, dtype=np.float32, order="C")  # F32/F16 can still be views of the map
         if hf is not None and norm_shift(gguf_arch, hf):
             array = array + np.float32(norm_shift(gguf_arch, hf))  # Gemma: the converter's 1 + weight, in fp32
+        if hf is not None and hf.endswith(".shared_expert_gate.weight") and array.ndim == 1:
+            array = array.reshape(1, -1)  # (llama-quantize's [H] for [1, H])
         tensor = torch.from_numpy(array)
         if tensor.dtype != dtype:
             tensor = tensor.to(dtype)
@@ -113,6 +120,29 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
         else:
             tensors[hf] = tensor
     return tensors, extra
+
+
+def _expert_tensors(f: GGUFFile, t: TensorInfo, names: list[str], shard_of, keep_quantized, dtype):
+    """(per-expert name, tensor: this rank's slice, dequantized or still blocks) of a stacked tensor;
+    an expert whose slice is empty (another rank's, under expert parallel) is left out."""
+    dense = None
+    for e, name in enumerate(names):
+        spec = shard_of(name) if shard_of is not None else None
+        if spec is not None and spec[2] <= spec[1]:
+            continue
+        if name in keep_quantized and t.type_name in BLOCK_FORMATS:
+            q = expert_view(f, t, e)
+            if spec is not None:
+                try:
+                    q = q.rows(spec[1], spec[2]) if spec[0] == 0 else q.cols(spec[1], spec[2])
+                except ValueError as exc:
+                    raise ModelLoadError(f"{f.path}: tensor {t.name!r}: {exc}") from None
+            yield name, q
+            continue
+        if dense is None:
+            dense = dequantize_torch(f, t, f.path, dtype)
+        w = dense[e] if spec is None else dense[e].narrow(spec[0], spec[1], spec[2] - spec[1])
+        yield name, w.contiguous()
 
 
 def _quantized_shard(f: GGUFFile, t: TensorInfo, hf: str, spec, permute: bool, n_head: int, n_kv: int):
@@ -138,6 +168,16 @@ def quantized_view(f: GGUFFile, t: TensorInfo):
 
     rows, cols = t.shape
     return QuantizedTensor(t.type_name, (rows, cols), f.torch_bytes(t).view(rows, -1))
+
+
+def expert_view(f: GGUFFile, t: TensorInfo, expert: int):
+    """Expert ``expert`` of a stacked block-format tensor [E, rows, cols] as a ``QuantizedTensor``:
+    its rows are a contiguous run of whole blocks, so a view of the map (no copy)."""
+    from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
+
+    n, rows, cols = t.shape
+    whole = QuantizedTensor(t.type_name, (n * rows, cols), f.torch_bytes(t).view(n * rows, -1))
+    return whole.rows(expert * rows, (expert + 1) * rows)
 
 
 def dequantize_torch(f: GGUFFile, t: TensorInfo, path: str, dtype: torch.dtype) -> torch.Tensor:

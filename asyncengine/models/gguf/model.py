@@ -18,7 +18,7 @@ from asyncengine.models.gguf.tensors import (
     PERMUTED_QK_ARCHITECTURES,
     check_tensor_names,
     check_tensors,
-    hf_name,
+    hf_tensors,
     norm_shift,
     unpermute_rows,
 )
@@ -57,10 +57,19 @@ class GGUFModel:
 
         dtype = dtype or torch.float32
         f, cfg = self._file, self.config
-        for t in f.tensors:
-            hf = hf_name(t.name, self.gguf_arch)
-            if hf is None:
-                continue  # extra tensors (rope_freqs) were read when the file was opened
+        stacked = None  # (tensor, its dequantized experts): a stacked expert tensor is decoded once
+        for hf, t, expert, shape in hf_tensors(f, self.gguf_arch):
+            if expert is not None:  # one expert of a stacked [E, ...] tensor (gguf/moe.py)
+                if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
+                    yield hf, dequant.expert_view(f, t, expert)
+                else:
+                    if stacked is None or stacked[0] is not t:
+                        stacked = (t, dequant.dequantize_torch(f, t, self.path, dtype))
+                    yield hf, stacked[1][expert]
+                if expert == t.shape[0] - 1:
+                    stacked = None
+                    f.release(t)
+                continue
             permuted = self._permute and (".self_attn.q_proj." in hf or ".self_attn.k_proj." in hf)
             rows = None
             if permuted:
@@ -76,7 +85,7 @@ class GGUFModel:
                     w = (w + shift).to(dtype)
                 if permuted:
                     w = w.index_select(0, rows)
-                yield hf, w
+                yield hf, (w if w.dim() == len(shape) else w.reshape(shape))
             f.release(t)  # the caller has copied it: its file pages need not count in our RSS
 
 
@@ -94,7 +103,7 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
     check_tensor_names(f, gguf_arch, path)
     extra = {t.name.removesuffix(".weight"): f.floats(t) for t in f.tensors if t.name in EXTRA_TENSORS}
     fix_rope_from_freqs(config, extra, path)
-    shapes = {hf_name(t.name, gguf_arch): t.shape for t in f.tensors if hf_name(t.name, gguf_arch) is not None}
+    shapes = {hf: shape for hf, _, _, shape in hf_tensors(f, gguf_arch)}
     check_tensors(config, shapes, path)
     permute = gguf_arch in PERMUTED_QK_ARCHITECTURES
     if permute:
@@ -110,6 +119,5 @@ def open_gguf(path: str | os.PathLike, *, tokenizer: bool = True) -> GGUFModel:
         if tok is None:  # not a vocabulary the fast path knows: transformers' conversion
             tok = build_tokenizer(path, md)
     return GGUFModel(config=config, tokenizer=tok, eos_token_ids=eos_token_ids(md, tok), metadata=md, path=path,
-                     tensor_types={hf_name(t.name, gguf_arch): t.type_name for t in f.tensors
-                                   if hf_name(t.name, gguf_arch)},
+                     tensor_types={hf: t.type_name for hf, t, _, _ in hf_tensors(f, gguf_arch)},
                      _file=f, _permute=permute, gguf_arch=gguf_arch)

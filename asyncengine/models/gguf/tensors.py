@@ -28,12 +28,13 @@ import typing
 import numpy as np
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.models.gguf.moe import MOE_LAYER_NAMES, expected_moe_shapes, expert_names, is_moe
 
 if typing.TYPE_CHECKING:
     from asyncengine.models.gguf.reader import GGUFFile
 
 __all__ = ["EXTRA_TENSORS", "PERMUTED_QK_ARCHITECTURES", "check_tensor_names", "check_tensors", "hf_name",
-           "norm_shift", "unpermute_rows"]
+           "hf_tensors", "norm_shift", "unpermute_rows"]
 
 # Architectures whose q/k rows llama.cpp permuted for its interleaved ("normal") rope.
 PERMUTED_QK_ARCHITECTURES = {"llama"}
@@ -55,6 +56,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **MOE_LAYER_NAMES,  # experts, router, shared expert (gguf/moe.py)
 }
 # Per architecture, the names that differ from (or add to) the table above.
 _ARCH_LAYER_NAMES = {
@@ -82,6 +84,22 @@ def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
         return None
     leaf = _ARCH_LAYER_NAMES.get(gguf_arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
     return None if leaf is None else f"model.layers.{m.group(1)}.{leaf}.{m.group(3)}"
+
+
+def hf_tensors(f: GGUFFile, gguf_arch: str):
+    """(HF name, tensor info, expert index or None, HF shape) of every model tensor of the file: a
+    stacked expert tensor (``ffn_*_exps``, [E, ...]) is E entries, one per expert (gguf/moe.py)."""
+    for t in f.tensors:
+        hf = hf_name(t.name, gguf_arch)
+        if hf is None:
+            continue
+        per = expert_names(hf, t.shape[0]) if len(t.shape) == 3 else None
+        if per is None:  # (llama-quantize writes Qwen2-MoE's [1, H] shared expert gate as [H])
+            yield hf, t, None, ((1, *t.shape) if hf.endswith(".shared_expert_gate.weight") and len(t.shape) == 1
+                                else t.shape)
+        else:
+            for e, name in enumerate(per):
+                yield name, t, e, t.shape[1:]
 
 
 def norm_shift(gguf_arch: str, hf: str) -> float:
@@ -113,7 +131,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
-    bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    bias = config.model_type in ("qwen2", "qwen2_moe") or getattr(config, "attention_bias", False)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -139,6 +157,12 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
                 del shapes[f"{p}self_attn.{part}.weight"]
             del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
             shapes.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)})
+        if config.model_type == "olmoe":  # q/k norms over the whole projection
+            shapes.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
+        if config.model_type == "qwen3_moe":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    if is_moe(config.model_type):
+        expected_moe_shapes(config, shapes)
     return shapes
 
 
