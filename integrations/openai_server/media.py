@@ -44,7 +44,8 @@ def split_images(messages: list, engine) -> tuple[list, list]:
             out.append(m)
             continue
         if mm is None or engine.tokenizer is None:
-            raise APIError(400, "this model takes no images", param=f"messages[{i}].content")
+            j = next(j for j, p in enumerate(content) if p.type == "image_url")
+            raise APIError(400, "this model takes no images", param=f"messages[{i}].content[{j}]")
         token = engine.tokenizer.convert_ids_to_tokens(mm.image_token_id)
         parts = []
         for j, p in enumerate(content):
