@@ -1,5 +1,5 @@
 """Every ISA path of the dense CPU kernels (kernels/cpu/isa.c levels: portable C, AVX2, AVX-512,
-AVX-512 + BF16's vdpbf16ps) forced in turn and checked against torch: paged attention (fp32 and
+AVX-512 + BF16's vdpbf16ps, AMX-BF16 tiles for bf16 attention) forced in turn and checked against torch: paged attention (fp32 and
 bf16 caches, shapes on and off each path's vector loop), the fused elementwise ops, and the
 ``ASYNCENGINE_CPU_ISA`` switch. A level this CPU cannot execute is skipped, saying why; the C
 and AVX2 levels run on every x86 machine with AVX2.
@@ -189,11 +189,11 @@ def test_env_var_forces_the_level():
     assert res.stdout.split() == [want, want]
     res = _in_subprocess("sse9", "from asyncengine.kernels.cpu import isa; isa.isa()")
     assert res.returncode != 0 and "ASYNCENGINE_CPU_ISA='sse9'" in res.stderr
-    if best == "avx512_bf16":  # the int8 GEMM's best path under the dense kernels' top name
-        res = _in_subprocess("avx512_bf16", "from asyncengine.kernels.cpu import isa, quant; "
-                                            "print(isa.isa(), quant.isa())")
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.split() == ["avx512_bf16", "avx512_vnni"]
+    if isa.ISAS.index(best) >= isa.ISAS.index("avx512_bf16"):  # the int8 GEMM's best path under those names
+        for top in isa.ISAS[isa.ISAS.index("avx512_bf16"):isa.ISAS.index(best) + 1]:
+            res = _in_subprocess(top, "from asyncengine.kernels.cpu import isa, quant; print(isa.isa(), quant.isa())")
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.split() == [top, "avx512_vnni"]
     else:
         res = _in_subprocess("avx512_bf16", "from asyncengine.kernels.cpu import isa; isa.isa()")
         assert res.returncode != 0 and "cannot execute" in res.stderr
