@@ -36,9 +36,9 @@ int ae_attn_amx_takes(int D, int bs) { return D > 0 && D % 32 == 0 && D <= 256 &
 
 struct amx_ws { /* one thread's work space (64-byte aligned: tiles and packs are stored whole) */
     uint16_t q[AMX_ROWS * AMX_MAX_D];   /* the item's query rows, bf16 as stored, zero padded */
-    uint16_t kt[AMX_CHUNK * AMX_MAX_D]; /* K^T tiles: [group of 16 keys][dim slice of 32] */
+    uint16_t qt[AMX_ROWS * AMX_MAX_D];  /* Q^T tiles: [row tile][dim slice of 32] */
     uint16_t vp[AMX_CHUNK * AMX_MAX_D]; /* V tiles: [32-key half][dim slice of 16] */
-    float s[16 * AMX_CHUNK];            /* one row tile's scores */
+    float s[AMX_CHUNK * 16];            /* one row tile's scores, [key][row], then its P (fp32) */
     uint16_t p[16 * AMX_CHUNK];         /* its probabilities, bf16 */
     float o[16 * 64];                   /* its P V over 64 dims */
     float acc[AMX_ROWS * AMX_MAX_D];
@@ -74,14 +74,12 @@ static inline unsigned keys_in(int k0, int a, int b) {
     return m;
 }
 
-/* K^T and V of the chunk's groups [g0, g1) (others packed as zeros where a 32-key half needs them). */
-static TGT void pack_chunk(struct amx_ws *w, const struct amx_item *it, int kstart, int g0, int g1) {
-    const uint16_t *kg[4] = {0}, *vg[4] = {0};
+/* V of the chunk's 32-key halves [g0 / 2, (g1 + 1) / 2) as B tiles (groups outside [g0, g1): zeros). */
+static TGT void pack_chunk_v(struct amx_ws *w, const struct amx_item *it, int kstart, int g0, int g1) {
+    const uint16_t *vg[4] = {0};
     for (int g = g0; g < g1; g++) {
         const int pos = kstart + 16 * g;
-        const long off = it->head_off + ((long)it->table[pos / it->bs] * it->bs + pos % it->bs) * it->D;
-        kg[g] = it->kc + off, vg[g] = it->vc + off;
-        pack_kt(w->kt + (long)g * 16 * it->D, kg[g], it->D, keys_in(pos, it->kmin, it->kmax));
+        vg[g] = it->vc + it->head_off + ((long)it->table[pos / it->bs] * it->bs + pos % it->bs) * it->D;
     }
     for (int h = g0 / 2; h < (g1 + 1) / 2; h++) {
         const unsigned keep = keys_in(kstart + 32 * h, it->kmin, it->kmax) |
@@ -90,61 +88,96 @@ static TGT void pack_chunk(struct amx_ws *w, const struct amx_item *it, int ksta
     }
 }
 
-#define QK_GROUP(G, B)                                                                      \
-    if (g0 <= G && G < g1) {                                                                \
-        _tile_loadd(B, w->kt + ((long)G * nd + dc) * 512, 64);                              \
-        _tile_dpbf16ps(G, 4, B);                                                            \
-    }
-
-/* S of row tile t (rows 16t .. 16t + 15) over groups [g0, g1), into w->s (16 rows x 64 keys). */
-static TGT void tile_qk(struct amx_ws *w, int t, int D, int g0, int g1) {
-    const int nd = D / 32;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int dc = 0; dc < nd; dc++) {
-        _tile_loadd(4, w->q + (long)t * 16 * D + dc * 32, D * 2);
-        QK_GROUP(0, 5) QK_GROUP(1, 6) QK_GROUP(2, 7) QK_GROUP(3, 5)
-    }
-    if (g0 <= 0 && 0 < g1) _tile_stored(0, w->s, 256);
-    if (g0 <= 1 && 1 < g1) _tile_stored(1, w->s + 16, 256);
-    if (g0 <= 2 && 2 < g1) _tile_stored(2, w->s + 32, 256);
-    if (g0 <= 3 && 3 < g1) _tile_stored(3, w->s + 48, 256);
+/* e^x for x <= 0 on 16 lanes: 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, 2^f by its degree-5 Taylor
+ * polynomial (relative error < 3e-6: P is rounded to bf16 for the P V product anyway), 2^n by
+ * vscalefps. Lanes the caller masks are zeroed by it (this never returns 0 exactly). */
+static inline TGT __m512 amx_exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
-/* The online softmax of one row's scores in the chunk: P (bf16) over the halves [h0, h1), its
- * running max / sum, and the factor its accumulator must be scaled by. */
-static TGT void row_softmax(struct amx_ws *w, const struct amx_item *it, int rt, int row, int kstart, int g0,
-                            int g1, int h0, int h1) {
-    float *s = w->s + rt * AMX_CHUNK;
-    uint16_t *p = w->p + rt * AMX_CHUNK;
-    memset(p + 32 * h0, 0, sizeof(uint16_t) * 32 * (h1 - h0));
-    w->corr[row] = 1.0f;
-    if (row >= it->nr) return; /* a padding row of the last tile */
-    int j0 = w->lo[row] - kstart, j1 = w->hi[row] - kstart + 1;
-    j0 = j0 < 0 ? 0 : j0;
-    j1 = j1 > AMX_CHUNK ? AMX_CHUNK : j1;
-    if (j0 >= j1) return;
-    __mmask16 mk[4];
-    __m512 mxv = _mm512_set1_ps(-INFINITY);
+#define QK_GROUP(G, A)                                                                      \
+    if (g0 <= G && G < g1) {                                                                \
+        _tile_loadd(A, kg[G] + dc * 32, D * 2);                                             \
+        _tile_dpbf16ps(G, A, 4);                                                            \
+    }
+
+/* S^T of row tile t over groups [g0, g1): K (straight from the cache, 16 keys a tile) times the
+ * tile's Q^T, into w->s as [64 keys][16 rows]: a key's 16 row scores are one vector. */
+static TGT void tile_qk(struct amx_ws *w, const struct amx_item *it, int t, int kstart, int g0, int g1) {
+    const int D = it->D, nd = D / 32;
+    const uint16_t *kg[4] = {0};
     for (int g = g0; g < g1; g++) {
-        const int a = j0 > 16 * g ? j0 - 16 * g : 0, e = j1 - 16 * g < 16 ? j1 - 16 * g : 16;
-        mk[g] = a < e ? (__mmask16)(((1u << e) - 1u) & ~((1u << a) - 1u)) : 0;
-        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), _mm512_set1_ps(it->scale));
+        const int pos = kstart + 16 * g;
+        kg[g] = it->kc + it->head_off + ((long)it->table[pos / it->bs] * it->bs + pos % it->bs) * D;
+    }
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int dc = 0; dc < nd; dc++) {
+        _tile_loadd(4, w->qt + ((long)t * nd + dc) * 512, 64);
+        QK_GROUP(0, 5) QK_GROUP(1, 6) QK_GROUP(2, 7) QK_GROUP(3, 5)
+    }
+    if (g0 <= 0 && 0 < g1) _tile_stored(0, w->s, 64);
+    if (g0 <= 1 && 1 < g1) _tile_stored(1, w->s + 256, 64);
+    if (g0 <= 2 && 2 < g1) _tile_stored(2, w->s + 512, 64);
+    if (g0 <= 3 && 3 < g1) _tile_stored(3, w->s + 768, 64);
+}
+
+/* The online softmax of row tile t over the chunk, its 16 rows in the lanes: P (bf16, [16 rows]
+ * [64 keys], zero outside the rows' ranges and groups [g0, g1)), the running maxima and sums, and
+ * the factors the accumulators must be scaled by (w->corr). */
+static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t, int kstart, int g0, int g1,
+                             int h0, int h1) {
+    const __m512i lo = _mm512_loadu_si512(w->lo + 16 * t), hi = _mm512_loadu_si512(w->hi + 16 * t);
+    const __m512 minf = _mm512_set1_ps(-INFINITY);
+    __mmask16 mk[AMX_CHUNK];
+    __m512 mx = minf;
+    for (int j = 16 * g0; j < 16 * g1; j++) {
+        const __m512i pos = _mm512_set1_epi32(kstart + j);
+        mk[j] = _mm512_cmp_epi32_mask(pos, lo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LE);
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(w->s + 16 * j), _mm512_set1_ps(it->scale));
         if (it->softcap > 0.0f) v = ae_softcap16(v, it->softcap);
-        v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mk[g], v);
-        _mm512_storeu_ps(s + 16 * g, v);
-        mxv = _mm512_max_ps(mxv, v);
+        mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(minf, mk[j], v));
+        _mm512_store_ps(w->s + 16 * j, v);
     }
-    const float mx = _mm512_reduce_max_ps(mxv), mold = w->m[row];
-    const float mnew = mx > mold ? mx : mold;
-    w->corr[row] = mold == -INFINITY ? 0.0f : expf(mold - mnew);
-    __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(mnew);
-    for (int g = g0; g < g1; g++) {
-        __m512 e = _mm512_maskz_mov_ps(mk[g], ae_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), mv)));
+    const __m512 mold = _mm512_loadu_ps(w->m + 16 * t), mnew = _mm512_max_ps(mold, mx);
+    const __mmask16 seen = _mm512_cmp_ps_mask(mold, minf, _CMP_NEQ_OQ);
+    const __mmask16 any = _mm512_cmp_ps_mask(mnew, minf, _CMP_NEQ_OQ);
+    const __m512 base = _mm512_maskz_mov_ps(any, mnew); /* rows with no key yet: 0, not -inf - -inf */
+    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any,
+                                           _mm512_maskz_mov_ps(seen, amx_exp16(_mm512_sub_ps(mold, base))));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 16 * g0; j < 16 * g1; j++) {
+        const __m512 e = _mm512_maskz_mov_ps(mk[j], amx_exp16(_mm512_sub_ps(_mm512_load_ps(w->s + 16 * j), base)));
         sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256((__m256i *)(p + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm512_store_ps(w->s + 16 * j, e);
     }
-    w->l[row] = w->l[row] * w->corr[row] + _mm512_reduce_add_ps(sum);
-    w->m[row] = mnew;
+    for (int j = 32 * h0; j < 16 * g0; j++) _mm512_store_ps(w->s + 16 * j, _mm512_setzero_ps());
+    for (int j = 16 * g1; j < 32 * h1; j++) _mm512_store_ps(w->s + 16 * j, _mm512_setzero_ps());
+    _mm512_storeu_ps(w->l + 16 * t, _mm512_fmadd_ps(_mm512_loadu_ps(w->l + 16 * t), corr, sum));
+    _mm512_storeu_ps(w->m + 16 * t, mnew);
+    _mm512_storeu_ps(w->corr + 16 * t, corr);
+    /* P^T -> P: keys (2i, 2i + 1) of a half, rounded and interleaved per row, are dword i of
+     * every row of the A tile: a 16 x 16 dword transpose per half */
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int h = h0; h < h1; h++) {
+        __m512i x[16];
+        for (int i = 0; i < 16; i++) {
+            const float *a = w->s + 16 * (32 * h + 2 * i);
+            x[i] = _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(a + 16),
+                                                                               _mm512_load_ps(a)));
+        }
+        tiles_transpose16(x);
+        for (int r = 0; r < 16; r++) _mm512_storeu_si512(w->p + r * AMX_CHUNK + 32 * h, x[r]);
+    }
 }
 
 #define PV_COL(C, B)                                                                        \
@@ -188,7 +221,7 @@ static TGT void amx_item_run(struct amx_ws *w, const struct amx_item *it) {
         const int a = it->kmin > kstart ? it->kmin - kstart : 0;
         const int b = it->kmax < kstart + AMX_CHUNK - 1 ? it->kmax - kstart : AMX_CHUNK - 1;
         const int g0 = a / 16, g1 = b / 16 + 1, h0 = g0 / 2, h1 = (g1 + 1) / 2;
-        pack_chunk(w, it, kstart, g0, g1);
+        pack_chunk_v(w, it, kstart, g0, g1);
         for (int t = 0; t < ntiles; t++) {
             int tlo = 1 << 30, thi = -1;
             for (int r = 16 * t; r < 16 * t + 16 && r < it->nr; r++) {
@@ -196,8 +229,8 @@ static TGT void amx_item_run(struct amx_ws *w, const struct amx_item *it) {
                 thi = w->hi[r] > thi ? w->hi[r] : thi;
             }
             if (thi < kstart || tlo > kstart + AMX_CHUNK - 1) continue; /* no row of this tile sees the chunk */
-            tile_qk(w, t, it->D, g0, g1);
-            for (int r = 0; r < 16; r++) row_softmax(w, it, r, 16 * t + r, kstart, g0, g1, h0, h1);
+            tile_qk(w, it, t, kstart, g0, g1);
+            tile_softmax(w, it, t, kstart, g0, g1, h0, h1);
             tile_pv(w, it, t, h0, h1);
         }
     }
@@ -221,6 +254,8 @@ static TGT void amx_item(struct amx_ws *w, const uint16_t *q, long q_stride, uin
     }
     const int padded = (it.nr + 15) / 16 * 16;
     memset(w->q + (long)it.nr * D, 0, sizeof(uint16_t) * D * (padded - it.nr));
+    for (int r = it.nr; r < padded; r++) w->lo[r] = 1 << 30, w->hi[r] = -1, w->m[r] = -INFINITY, w->l[r] = 0.0f;
+    for (int t = 0; t < padded / 16; t++) pack_kt(w->qt + (long)t * 16 * D, w->q + (long)t * 16 * D, D, 0xFFFF);
     amx_item_run(w, &it);
     for (int r = 0; r < it.nr; r++) {
         const int row = r0 + r, i = row / g, head = h * g + row % g;

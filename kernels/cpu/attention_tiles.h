@@ -4,7 +4,8 @@
  *   S = Q K^T needs K^T that way: row i = dims (2i, 2i + 1) of 16 keys, a 16 x 16 transpose of
  *         32-bit pairs of each key row (pack_kt);
  *   O = P V   needs V that way: row i = keys (2i, 2i + 1) of 16 dims interleaved (pack_v).
- * Both are packed once per 64-key chunk and shared by every 16-row tile of the item's queries.
+ * V is packed once per 64-key chunk and shared by every 16-row tile of the item's queries; Q^T
+ * once per item (attention_amx.c multiplies K, straight from the cache, by Q^T: S^T, a key a row).
  * Keys outside [kmin, kmax] are packed as zeros (never read): a stale slot past the sequence's end
  * could hold a NaN, and 0 * NaN is NaN.
  */
