@@ -213,11 +213,29 @@ static TGT void tile_pv(struct amx_ws *w, const struct amx_item *it, int t, int 
     }
 }
 
+/* The K and V of chunk ch's blocks into L2, AMX_PREFETCH chunks ahead of their use: a decoding
+ * item streams its cache from memory, blocks scattered (no hardware prefetcher follows them). */
+#define AMX_PREFETCH 2
+static inline TGT void prefetch_chunk(const struct amx_item *it, int ch) {
+    const int first = ch * AMX_CHUNK > it->kmin ? ch * AMX_CHUNK : it->kmin;
+    const int last = ch * AMX_CHUNK + AMX_CHUNK - 1 < it->kmax ? ch * AMX_CHUNK + AMX_CHUNK - 1 : it->kmax;
+    for (int pos = first & ~15; pos <= last; pos += 16) {
+        const long off = it->head_off + ((long)it->table[pos / it->bs] * it->bs + pos % it->bs) * it->D;
+        for (int b = 0; b < 16 * it->D * 2; b += 64) {
+            _mm_prefetch((const char *)(it->kc + off) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(it->vc + off) + b, _MM_HINT_T1);
+        }
+    }
+}
+
 /* One item: its rows' outputs over keys [kmin, kmax], chunk by chunk. */
 static TGT void amx_item_run(struct amx_ws *w, const struct amx_item *it) {
     const int ntiles = (it->nr + 15) / 16;
     for (int ch = it->kmin / AMX_CHUNK; ch <= it->kmax / AMX_CHUNK; ch++) {
         const int kstart = ch * AMX_CHUNK;
+        if (ch == it->kmin / AMX_CHUNK)
+            for (int c = ch + 1; c < ch + AMX_PREFETCH && c <= it->kmax / AMX_CHUNK; c++) prefetch_chunk(it, c);
+        if (ch + AMX_PREFETCH <= it->kmax / AMX_CHUNK) prefetch_chunk(it, ch + AMX_PREFETCH);
         const int a = it->kmin > kstart ? it->kmin - kstart : 0;
         const int b = it->kmax < kstart + AMX_CHUNK - 1 ? it->kmax - kstart : AMX_CHUNK - 1;
         const int g0 = a / 16, g1 = b / 16 + 1, h0 = g0 / 2, h1 = (g1 + 1) / 2;
