@@ -1,15 +1,17 @@
 /* Paged attention as AMX-BF16 tile products, for bf16 caches (isa.c level AE_ISA_AMX_BF16, which
  * the OS has granted this process): the per-row loops of attention.c / attention_avx512.c compute
- * one query row's dot products key by key; here a block of up to 64 query rows of one (sequence,
- * kv head) meets a chunk of 64 keys in two products, S = Q K^T and O = P V, on 16 x 16 tiles.
+ * one query row's dot products key by key; here a block of up to 128 query rows of one (sequence,
+ * kv head) meets a chunk of 64 keys in two products per 16-row tile, on 16 x 16 tiles.
  *
  * Work items are (sequence, kv head, block of AMX_ROWS rows); rows are (query token, head of the
  * kv head's group), so a decoding sequence's grouped heads share one product (GQA packing) and a
- * prefill's rows come 16 tokens x 4 heads at a time. Per 64-key chunk (positions 64c .. 64c + 63,
- * whatever the block size), K^T and V are packed once (attention_tiles.h) for the item's 16-row
- * tiles; each tile: S on AMX (fp32 sums of exact bf16 products; the scale applied after, as the
- * vdpbf16ps loop), the online softmax in fp32 on AVX-512, P rounded to bf16 for the P V product
- * (as vLLM's and SGLang's CPU kernels do), P V into fp32 tiles, added to fp32 accumulators.
+ * prefill's rows come 32 tokens x 4 heads at a time. Per 64-key chunk (positions 64c .. 64c + 63,
+ * whatever the block size), V is packed once (attention_tiles.h) for the item's 16-row tiles; each
+ * tile: S^T = K Q^T on AMX (K read straight from the cache, Q^T packed once per item; fp32 sums of
+ * exact bf16 products, the scale applied after, as the vdpbf16ps loop), the online softmax in fp32
+ * on AVX-512 with the tile's 16 rows in the lanes (no horizontal reductions), P rounded to bf16 and
+ * transposed for O = P V (rounding P as vLLM's and SGLang's CPU kernels do), P V into fp32 tiles,
+ * added to fp32 accumulators.
  *
  * A row's result depends on its own keys only (other keys get P = 0 exactly, and packed keys
  * outside the item's range are zeros), and chunks start at multiples of 64 positions: the same bits
@@ -30,7 +32,7 @@ int ae_attn_amx_takes(int D, int bs) { return D > 0 && D % 32 == 0 && D <= 256 &
 #if AE_X86
 
 #define TGT AE_TGT_AMX
-#define AMX_ROWS 64  /* query rows per item: 4 tiles of 16 share each chunk's packed K and V */
+#define AMX_ROWS 128 /* query rows per item: 8 tiles of 16 share each chunk's packed V */
 #define AMX_CHUNK 64 /* keys per online-softmax step: 4 groups of 16 */
 #define AMX_MAX_D 256
 
