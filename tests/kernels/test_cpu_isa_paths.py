@@ -1,8 +1,8 @@
 """Every ISA path of the dense CPU kernels (kernels/cpu/isa.c levels: portable C, AVX2, AVX-512,
 AVX-512 + BF16's vdpbf16ps, AMX-BF16 tiles for bf16 attention) forced in turn and checked against
 torch: paged attention (fp32 and bf16 caches, shapes on and off each path's vector loop), the fused
-elementwise ops, and the ``ASYNCENGINE_CPU_ISA`` switch. A level this CPU cannot execute is skipped, saying why; the C
-and AVX2 levels run on every x86 machine with AVX2.
+elementwise ops, and the ``ASYNCENGINE_CPU_ISA`` switch. A level this CPU cannot execute is
+skipped, saying why; the C and AVX2 levels run on every x86 machine with AVX2.
 """
 from __future__ import annotations
 
