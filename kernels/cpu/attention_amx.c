@@ -90,11 +90,11 @@ static TGT void pack_chunk_v(struct amx_ws *w, const struct amx_item *it, int ks
     }
 }
 
-/* e^x for x <= 0 on 16 lanes: 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, 2^f by its degree-5 Taylor
- * polynomial (relative error < 3e-6: P is rounded to bf16 for the P V product anyway), 2^n by
- * vscalefps. Lanes the caller masks are zeroed by it (this never returns 0 exactly). */
-static inline TGT __m512 amx_exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+/* 2^t for t <= 0 on 16 lanes: 2^n 2^f, |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative
+ * error < 3e-6: P is rounded to bf16 for the P V product anyway), 2^n by vscalefps. Lanes the
+ * caller masks are zeroed by it (this never returns 0 exactly). */
+static inline TGT __m512 amx_exp2_16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -132,32 +132,42 @@ static TGT void tile_qk(struct amx_ws *w, const struct amx_item *it, int t, int 
     if (g0 <= 3 && 3 < g1) _tile_stored(3, w->s + 768, 64);
 }
 
-/* The online softmax of row tile t over the chunk, its 16 rows in the lanes: P (bf16, [16 rows]
- * [64 keys], zero outside the rows' ranges and groups [g0, g1)), the running maxima and sums, and
- * the factors the accumulators must be scaled by (w->corr). */
+/* The online softmax of row tile t over the chunk, its 16 rows in the lanes, in base 2 (scores
+ * times scale * log2 e; the running maxima too): P (bf16, [16 rows][64 keys], zero outside the
+ * rows' ranges and groups [g0, g1)), the running maxima and sums, and the factors the accumulators
+ * must be scaled by (w->corr). full: every real row of the tile sees every key of the groups (no
+ * masks; padding rows then get scores of their zero queries, never stored). */
 static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t, int kstart, int g0, int g1,
-                             int h0, int h1) {
+                             int h0, int h1, int full) {
     const __m512i lo = _mm512_loadu_si512(w->lo + 16 * t), hi = _mm512_loadu_si512(w->hi + 16 * t);
-    const __m512 minf = _mm512_set1_ps(-INFINITY);
+    const __m512 minf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    /* scores to base 2 in one multiply; soft-capped ones are rewritten in place first */
+    const __m512 c = it->softcap > 0.0f ? _mm512_set1_ps(1.0f) : _mm512_mul_ps(_mm512_set1_ps(it->scale), log2e);
     __mmask16 mk[AMX_CHUNK];
     __m512 mx = minf;
     for (int j = 16 * g0; j < 16 * g1; j++) {
         const __m512i pos = _mm512_set1_epi32(kstart + j);
-        mk[j] = _mm512_cmp_epi32_mask(pos, lo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LE);
-        __m512 v = _mm512_mul_ps(_mm512_load_ps(w->s + 16 * j), _mm512_set1_ps(it->scale));
-        if (it->softcap > 0.0f) v = ae_softcap16(v, it->softcap);
+        mk[j] = full ? (__mmask16)0xFFFF
+                     : _mm512_cmp_epi32_mask(pos, lo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LE);
+        __m512 v = _mm512_load_ps(w->s + 16 * j);
+        if (it->softcap > 0.0f) {
+            v = _mm512_mul_ps(ae_softcap16(_mm512_mul_ps(v, _mm512_set1_ps(it->scale)), it->softcap), log2e);
+            _mm512_store_ps(w->s + 16 * j, v);
+        } else {
+            v = _mm512_mul_ps(v, c);
+        }
         mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(minf, mk[j], v));
-        _mm512_store_ps(w->s + 16 * j, v);
     }
     const __m512 mold = _mm512_loadu_ps(w->m + 16 * t), mnew = _mm512_max_ps(mold, mx);
     const __mmask16 seen = _mm512_cmp_ps_mask(mold, minf, _CMP_NEQ_OQ);
     const __mmask16 any = _mm512_cmp_ps_mask(mnew, minf, _CMP_NEQ_OQ);
     const __m512 base = _mm512_maskz_mov_ps(any, mnew); /* rows with no key yet: 0, not -inf - -inf */
     const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any,
-                                           _mm512_maskz_mov_ps(seen, amx_exp16(_mm512_sub_ps(mold, base))));
+                                           _mm512_maskz_mov_ps(seen, amx_exp2_16(_mm512_sub_ps(mold, base))));
     __m512 sum = _mm512_setzero_ps();
     for (int j = 16 * g0; j < 16 * g1; j++) {
-        const __m512 e = _mm512_maskz_mov_ps(mk[j], amx_exp16(_mm512_sub_ps(_mm512_load_ps(w->s + 16 * j), base)));
+        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(w->s + 16 * j), c, base);
+        const __m512 e = _mm512_maskz_mov_ps(mk[j], amx_exp2_16(x));
         sum = _mm512_add_ps(sum, e);
         _mm512_store_ps(w->s + 16 * j, e);
     }
@@ -243,14 +253,17 @@ static TGT void amx_item_run(struct amx_ws *w, const struct amx_item *it) {
         const int g0 = a / 16, g1 = b / 16 + 1, h0 = g0 / 2, h1 = (g1 + 1) / 2;
         pack_chunk_v(w, it, kstart, g0, g1);
         for (int t = 0; t < ntiles; t++) {
-            int tlo = 1 << 30, thi = -1;
+            int tlo = 1 << 30, thi = -1, lo_max = -1, hi_min = 1 << 30;
             for (int r = 16 * t; r < 16 * t + 16 && r < it->nr; r++) {
                 tlo = w->lo[r] < tlo ? w->lo[r] : tlo;
                 thi = w->hi[r] > thi ? w->hi[r] : thi;
+                lo_max = w->lo[r] > lo_max ? w->lo[r] : lo_max;
+                hi_min = w->hi[r] < hi_min ? w->hi[r] : hi_min;
             }
             if (thi < kstart || tlo > kstart + AMX_CHUNK - 1) continue; /* no row of this tile sees the chunk */
             tile_qk(w, it, t, kstart, g0, g1);
-            tile_softmax(w, it, t, kstart, g0, g1, h0, h1);
+            const int full = lo_max <= kstart + 16 * g0 && kstart + 16 * g1 - 1 <= hi_min;
+            tile_softmax(w, it, t, kstart, g0, g1, h0, h1, full);
             tile_pv(w, it, t, h0, h1);
         }
     }
