@@ -1,13 +1,12 @@
 /* The operand layouts of attention_amx.c's tile products. An AMX-BF16 product C[16 x 16] +=
  * A[16 x 32] B[32 x 16] takes B "pair-interleaved": row i of the B tile holds, for each of its 16
  * columns n, the two bf16 values B[2i][n], B[2i + 1][n]. So
- *   S = Q K^T needs K^T that way: row i = dims (2i, 2i + 1) of 16 keys, a 16 x 16 transpose of
- *         32-bit pairs of each key row (pack_kt);
- *   O = P V   needs V that way: row i = keys (2i, 2i + 1) of 16 dims interleaved (pack_v).
- * V is packed once per 64-key chunk and shared by every 16-row tile of the item's queries; Q^T
- * once per item (attention_amx.c multiplies K, straight from the cache, by Q^T: S^T, a key a row).
- * Keys outside [kmin, kmax] are packed as zeros (never read): a stale slot past the sequence's end
- * could hold a NaN, and 0 * NaN is NaN.
+ *   S^T = K Q^T needs Q^T that way: row i = dims (2i, 2i + 1) of 16 query rows, a 16 x 16
+ *         transpose of 32-bit pairs (pack_kt: of any 16 rows; K itself is the A operand, as stored);
+ *   O = P V     needs V that way: row i = keys (2i, 2i + 1) of 16 dims interleaved (pack_v).
+ * Q^T is packed once per item, V once per 64-key chunk and shared by every 16-row tile of the
+ * item's queries. Keys outside [kmin, kmax] are packed as zeros (never read): a stale slot past the
+ * sequence's end could hold a NaN, and 0 * NaN is NaN.
  */
 #ifndef AE_ATTENTION_TILES_H
 #define AE_ATTENTION_TILES_H
@@ -45,8 +44,8 @@ static inline TILES_TGT __attribute__((always_inline)) void tiles_transpose16(__
     }
 }
 
-/* The 16 keys at k (rows of D bf16) whose bits are set in keep -> D / 32 B tiles of K^T at dst
- * (512 bf16 each, dim slice by dim slice). */
+/* The 16 rows at k (rows of D bf16; those whose bits are clear in keep read as zeros) -> D / 32 B
+ * tiles of their transpose at dst (512 bf16 each, dim slice by dim slice). */
 static inline TILES_TGT __attribute__((always_inline)) void pack_kt(uint16_t *dst, const uint16_t *k, int D,
                                                                     unsigned keep) {
     for (int dc = 0; dc < D / 32; dc++) {
