@@ -4,8 +4,8 @@
  * kv head) meets a chunk of 64 keys in two products per 16-row tile, on 16 x 16 tiles.
  *
  * Work items are (sequence, kv head, block of AMX_ROWS rows); rows are (query token, head of the
- * kv head's group), so a decoding sequence's grouped heads share one product (GQA packing) and a
- * prefill's rows come 32 tokens x 4 heads at a time. Per 64-key chunk (positions 64c .. 64c + 63,
+ * kv head's group), so a decoding sequence's grouped heads share one product (GQA packing; 4+
+ * rows, AMX_MIN_ROWS) and a prefill's rows come 32 tokens x 4 heads at a time. Per 64-key chunk (positions 64c .. 64c + 63,
  * whatever the block size), V is packed once (attention_tiles.h) for the item's 16-row tiles; each
  * tile: S^T = K Q^T on AMX (K read straight from the cache, Q^T packed once per item; fp32 sums of
  * exact bf16 products, the scale applied after, as the vdpbf16ps loop), the online softmax in fp32
