@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_amx.h"
 #include "attention_rows.h"
 #include "simd.h"
 
@@ -287,6 +288,11 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
                    const int32_t *block_ids, const int32_t *block_starts, const int32_t *query_starts,
                    const int32_t *query_lens, const int32_t *context_lens, int num_seqs, int Hq, int Hkv,
                    int D, int NB, int bs, float scale, int window, float softcap, int bf16, int parallel) {
+    void *amx = NULL; /* many-row sequences as tile products; the rest (decodes) below */
+    if (bf16 && g_split <= 0 && ae_isa() >= AE_ISA_AMX_BF16 && ae_attn_amx_takes(D, bs))
+        amx = ae_attn_paged_amx(q, q_stride, out, k_cache, v_cache, block_ids, block_starts, query_starts,
+                                query_lens, context_lens, num_seqs, Hq, Hkv, D, NB, bs, scale, window, softcap,
+                                parallel, &query_lens);
     int g = Hq / Hkv;
     /* items: per sequence, Hkv x ceil(rows / tile) x splits; count them, then index through sums */
     long groups = 0;
@@ -372,6 +378,7 @@ void ae_attn_paged(const void *q, long q_stride, void *out, const void *k_cache,
     }
     free(parts);
     if (first != first_small) free(first);
+    free(amx);
 }
 
 /* Write this step's keys and values into their cache slots (slot = block * bs + offset; < 0: skip).

@@ -161,7 +161,7 @@ def available() -> bool:
 # The dense kernels' instruction-set levels (isa.c), in order: each runs every path below it.
 # kernels/cpu/isa.py is the API; the level named by ASYNCENGINE_CPU_ISA is set here, as the library
 # loads, before any kernel runs.
-ISAS = ("scalar", "avx2", "avx512_vnni", "avx512_bf16")
+ISAS = ("scalar", "avx2", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 class IsaError(ValueError):

@@ -3,7 +3,7 @@
 #ifndef AE_CPU_ISA_H
 #define AE_CPU_ISA_H
 
-enum { AE_ISA_SCALAR = 0, AE_ISA_AVX2 = 1, AE_ISA_AVX512 = 2, AE_ISA_AVX512_BF16 = 3 };
+enum { AE_ISA_SCALAR = 0, AE_ISA_AVX2 = 1, AE_ISA_AVX512 = 2, AE_ISA_AVX512_BF16 = 3, AE_ISA_AMX_BF16 = 4 };
 
 extern int ae_isa_g;
 int ae_isa_cpu(void);
@@ -19,6 +19,7 @@ static inline int ae_isa(void) {
 #define AE_TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AE_TGT_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 #define AE_TGT_AVX512_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AE_TGT_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 #else
 #define AE_X86 0
 #endif

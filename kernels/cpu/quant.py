@@ -129,10 +129,10 @@ ISAS = ("scalar", "avx2", "avx512_vnni")
 
 
 def _apply_isa_env(lib) -> None:
-    """``ASYNCENGINE_CPU_ISA`` = auto | scalar | avx2 | avx512_vnni | avx512_bf16 forces a path (read at
-    load; avx512_bf16, the dense kernels' top level, is VNNI here)."""
+    """``ASYNCENGINE_CPU_ISA`` = auto | scalar | avx2 | avx512_vnni | avx512_bf16 | amx_bf16 forces a path
+    (read at load; avx512_bf16 and amx_bf16, the dense kernels' top levels, are VNNI here)."""
     want = os.environ.get("ASYNCENGINE_CPU_ISA", "auto").strip().lower() or "auto"
-    if want == "avx512_bf16":  # the dense kernels' top level (isa.py); the int8 kernel's is VNNI
+    if want in ("avx512_bf16", "amx_bf16"):  # the dense kernels' top levels (isa.py); the int8 kernel's is VNNI
         want = "avx512_vnni"
     if want == "auto":
         return

@@ -1,8 +1,8 @@
 """Every ISA path of the dense CPU kernels (kernels/cpu/isa.c levels: portable C, AVX2, AVX-512,
-AVX-512 + BF16's vdpbf16ps) forced in turn and checked against torch: paged attention (fp32 and
-bf16 caches, shapes on and off each path's vector loop), the fused elementwise ops, and the
-``ASYNCENGINE_CPU_ISA`` switch. A level this CPU cannot execute is skipped, saying why; the C
-and AVX2 levels run on every x86 machine with AVX2.
+AVX-512 + BF16's vdpbf16ps, AMX-BF16 tiles for bf16 attention) forced in turn and checked against
+torch: paged attention (fp32 and bf16 caches, shapes on and off each path's vector loop), the fused
+elementwise ops, and the ``ASYNCENGINE_CPU_ISA`` switch. A level this CPU cannot execute is
+skipped, saying why; the C and AVX2 levels run on every x86 machine with AVX2.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _repaged(cache, seqs, bs_from, bs_to, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_the_block_size(level, dtype):
-    """The AVX-512 loop steps its online softmax over 64-key chunks of positions, not over blocks:
+    """The AVX-512 loop and the AMX tiles step the online softmax over 64-key chunks of positions:
     the same keys paged in blocks of 16, 32 or 64 give the same bits (below AVX-512 the loops step
     per block, so only the values agree)."""
     q, k16, v16, seqs = make_step(8, 2, 64, 16, dtype, seed=12)
@@ -131,7 +131,7 @@ def test_attention_rows_do_not_depend_on_the_block_size(level, dtype):
         A.paged_attention(q, k_cache, v_cache, A.PagedBatch.build(tables, bs), 0.125, out)
         results.append(out)
     for other in results[1:]:
-        if level.startswith("avx512"):
+        if level.startswith(("avx512", "amx")):
             assert torch.equal(other, results[0])
         else:
             tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -189,11 +189,11 @@ def test_env_var_forces_the_level():
     assert res.stdout.split() == [want, want]
     res = _in_subprocess("sse9", "from asyncengine.kernels.cpu import isa; isa.isa()")
     assert res.returncode != 0 and "ASYNCENGINE_CPU_ISA='sse9'" in res.stderr
-    if best == "avx512_bf16":  # the int8 GEMM's best path under the dense kernels' top name
-        res = _in_subprocess("avx512_bf16", "from asyncengine.kernels.cpu import isa, quant; "
-                                            "print(isa.isa(), quant.isa())")
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.split() == ["avx512_bf16", "avx512_vnni"]
+    if isa.ISAS.index(best) >= isa.ISAS.index("avx512_bf16"):  # the int8 GEMM's best path under those names
+        for top in isa.ISAS[isa.ISAS.index("avx512_bf16"):isa.ISAS.index(best) + 1]:
+            res = _in_subprocess(top, "from asyncengine.kernels.cpu import isa, quant; print(isa.isa(), quant.isa())")
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.split() == [top, "avx512_vnni"]
     else:
         res = _in_subprocess("avx512_bf16", "from asyncengine.kernels.cpu import isa; isa.isa()")
         assert res.returncode != 0 and "cannot execute" in res.stderr

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""The CPU paged-attention kernel alone, per ISA path, against this machine's measured peaks.
+
+    python benchmarks/attention_kernels.py [--rounds 5] [--threads N] [--out result.json]
+
+Cases (bf16 caches, GQA 4:1, blocks of 16 shuffled so no sequence's blocks are contiguous):
+
+  prefill  one fresh sequence of 512 tokens (512 query rows x 512 keys, causal), head dim 64
+           (16 query / 4 KV heads) and 128 (32 / 8): GFLOP/s of the causal work
+           (4 * D flops per query head and visible key: QK^T and PV)
+  decode   256 sequences x 1,024 cached keys, one query row each: GB/s of K/V read
+           (2 * D * 2 bytes per KV head and key), and GFLOP/s
+
+Peaks, measured in the same run with the same threads:
+  matmul   bf16 torch.matmul 2048 x 2048 x 2048 (oneDNN: AMX tiles where the CPU has them), best of
+           the rounds: the "bf16 matrix peak" the prefill is compared with
+  copy     torch's copy of a 512 MB tensor (read + write bytes / s), best of the rounds
+
+Every ISA level this CPU runs (``asyncengine.kernels.cpu.isa``) is switched within each round;
+wall time (the kernel runs on the OpenMP threads), median and min-max of the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from single_stream import cpu_info  # noqa: E402
+
+
+def wall_s(f, reps: int) -> float:
+    f()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f()
+    return (time.perf_counter() - t) / reps
+
+
+def matmul_peak(reps: int) -> float:
+    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+    return 2 * 2048 ** 3 / wall_s(lambda: torch.matmul(a, b), reps) / 1e9
+
+
+def copy_peak(reps: int) -> float:
+    src = torch.ones(256 * 1024 * 1024 // 2, dtype=torch.bfloat16)  # 256 MB read, 256 MB written
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / wall_s(lambda: dst.copy_(src), reps) / 1e9
+
+
+def case(nseq: int, qlen: int, ctx: int, hq: int, hk: int, d: int, bs: int = 16):
+    """The call, its causal flops and its K/V bytes."""
+    from asyncengine.kernels.cpu import attention as A
+
+    per = -(-(ctx + qlen) // bs)
+    kc = torch.randn(hk, nseq * per, bs, d).bfloat16()
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(nseq * per).tolist()
+    batch = A.PagedBatch.build([(s * qlen, qlen, ctx, perm[s * per:(s + 1) * per]) for s in range(nseq)], bs)
+    q = torch.randn(nseq * qlen, hq, d).bfloat16()
+    out = torch.empty_like(q)
+    visible = nseq * sum(ctx + i + 1 for i in range(qlen))  # (query row, key) pairs per head
+    flops = 4 * d * hq * visible
+    kv_bytes = nseq * (ctx + qlen) * hk * d * 2 * 2
+    return (lambda: A.paged_attention(q, kc, vc, batch, d ** -0.5, out)), flops, kv_bytes
+
+
+CASES = {
+    "prefill_d64": dict(nseq=1, qlen=512, ctx=0, hq=16, hk=4, d=64),
+    "prefill_d128": dict(nseq=1, qlen=512, ctx=0, hq=32, hk=8, d=128),
+    "decode_d64": dict(nseq=256, qlen=1, ctx=1023, hq=16, hk=4, d=64),
+    "decode_d128": dict(nseq=256, qlen=1, ctx=1023, hq=32, hk=8, d=128),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--levels", default="", help="comma-separated ISA levels (default: all this CPU runs)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from asyncengine.kernels.cpu import isa
+
+    levels = args.levels.split(",") if args.levels else list(isa.ISAS[:isa.ISAS.index(isa.cpu_isa()) + 1])
+    built = {name: case(**CASES[name]) for name in args.cases.split(",")}
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {"matmul_gflops": [], "copy_gbs": []}
+    for _ in range(args.rounds):
+        peaks["matmul_gflops"].append(matmul_peak(5))
+        peaks["copy_gbs"].append(copy_peak(3))
+        for level in levels:
+            isa.set_isa(level)
+            for name, (f, flops, _) in built.items():
+                reps = max(1, min(20, int(2e9 / flops)))  # ~1 s or less per case at 2 GFLOP/s
+                times.setdefault(f"{name}/{level}", []).append(wall_s(f, reps))
+        isa.set_isa("auto")
+    peak, copy = max(peaks["matmul_gflops"]), max(peaks["copy_gbs"])
+    rows = []
+    for key, ts in times.items():
+        name, level = key.split("/")
+        _, flops, kv = built[name]
+        med = statistics.median(ts)
+        rows.append(dict(case=name, isa=level, ms=round(med * 1e3, 3), ms_min=round(min(ts) * 1e3, 3),
+                         ms_max=round(max(ts) * 1e3, 3), gflops=round(flops / med / 1e9, 1),
+                         gbs=round(kv / med / 1e9, 2), pct_matmul_peak=round(100 * flops / med / 1e9 / peak, 1),
+                         pct_copy=round(100 * kv / med / 1e9 / copy, 1)))
+    result = dict(cpu=cpu_info(), threads=args.threads, rounds=args.rounds, matmul_peak_gflops=round(peak, 1),
+                  copy_gbs=round(copy, 2), rows=rows)
+    print(f"{result['cpu']}, {args.threads} threads: bf16 matmul peak {peak:.0f} GFLOP/s, copy {copy:.1f} GB/s")
+    print(f"{'case':14} {'isa':12} {'ms (min-max)':>22} {'GFLOP/s':>8} {'GB/s':>7} {'%peak':>6} {'%copy':>6}")
+    for r in rows:
+        span = f"{r['ms']} ({r['ms_min']}-{r['ms_max']})"
+        print(f"{r['case']:14} {r['isa']:12} {span:>22} {r['gflops']:>8} {r['gbs']:>7} {r['pct_matmul_peak']:>6} "
+              f"{r['pct_copy']:>6}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
