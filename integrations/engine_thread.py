@@ -215,6 +215,15 @@ _engines: dict[tuple, Any] = {}
 _engines_lock = threading.Lock()
 
 
+def model_from_engine(values: Any, field: str) -> Any:
+    """An adapter's "before" validator: a given engine names the model (``field``: the adapter's
+    model field) unless the caller did."""
+    if isinstance(values, dict) and values.get("engine") is not None and not (
+            values.get("model") or values.get("model_name")):
+        values = {**values, field: str(values["engine"].config.model)}
+    return values
+
+
 def bridge_of(adapter, model: str) -> EngineBridge:
     """A framework adapter's bridge (LangChain, LlamaIndex: chat and embeddings), made on first use:
     to the app's own engine (``adapter.engine``), or to the one shared per model and options."""
@@ -246,4 +255,4 @@ def close_shared_engines() -> None:
         EngineBridge(eng).call(lambda e: e.shutdown(drain=False))
 
 
-__all__ = ["EngineBridge", "bridge_of", "host_loop", "shared_engine", "close_shared_engines", "embed_texts", "aembed_texts"]
+__all__ = ["EngineBridge", "bridge_of", "model_from_engine", "host_loop", "shared_engine", "close_shared_engines", "embed_texts", "aembed_texts"]

@@ -16,7 +16,7 @@ from typing import Any
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, aembed_texts, bridge_of, embed_texts
+from .engine_thread import EngineBridge, aembed_texts, bridge_of, model_from_engine, embed_texts
 
 
 class AsyncEngineEmbeddings(BaseModel, Embeddings):
@@ -47,11 +47,7 @@ class AsyncEngineEmbeddings(BaseModel, Embeddings):
     @model_validator(mode="before")
     @classmethod
     def _model_from_engine(cls, values: Any) -> Any:
-        # a given engine names the model unless the caller did
-        if isinstance(values, dict) and values.get("engine") is not None and not (
-                values.get("model") or values.get("model_name")):
-            values = {**values, "model": str(values["engine"].config.model)}
-        return values
+        return model_from_engine(values, "model")  # a given engine names the model
 
     @property
     def bridge(self) -> EngineBridge:

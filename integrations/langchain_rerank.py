@@ -19,7 +19,7 @@ from typing import Any
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, arerank_texts, bridge_of, rerank_texts
+from .engine_thread import EngineBridge, arerank_texts, bridge_of, model_from_engine, rerank_texts
 
 
 def ranked(documents: Sequence[Document], scores: list[float], top_n: int | None) -> list[Document]:
@@ -48,10 +48,7 @@ class AsyncEngineReranker(BaseDocumentCompressor):
     @model_validator(mode="before")
     @classmethod
     def _model_from_engine(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("engine") is not None and not (
-                values.get("model") or values.get("model_name")):
-            values = {**values, "model": str(values["engine"].config.model)}
-        return values
+        return model_from_engine(values, "model")  # a given engine names the model
 
     @property
     def bridge(self) -> EngineBridge:

@@ -16,7 +16,7 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from pydantic import Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, aembed_texts, bridge_of, embed_texts
+from .engine_thread import EngineBridge, aembed_texts, bridge_of, model_from_engine, embed_texts
 
 
 class AsyncEngineEmbedding(BaseEmbedding):
@@ -39,11 +39,7 @@ class AsyncEngineEmbedding(BaseEmbedding):
     @model_validator(mode="before")
     @classmethod
     def _model_from_engine(cls, values: Any) -> Any:
-        # a given engine names the model unless the caller did
-        if isinstance(values, dict) and values.get("engine") is not None and not (
-                values.get("model") or values.get("model_name")):
-            values = {**values, "model_name": str(values["engine"].config.model)}
-        return values
+        return model_from_engine(values, "model_name")  # a given engine names the model
 
     @classmethod
     def class_name(cls) -> str:

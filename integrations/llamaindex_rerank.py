@@ -17,7 +17,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 from pydantic import Field, PrivateAttr, model_validator
 
-from .engine_thread import EngineBridge, arerank_texts, bridge_of, rerank_texts
+from .engine_thread import EngineBridge, arerank_texts, bridge_of, model_from_engine, rerank_texts
 
 
 def _ranked(nodes: list[NodeWithScore], scores: list[float], top_n: int | None) -> list[NodeWithScore]:
@@ -41,10 +41,7 @@ class AsyncEngineRerank(BaseNodePostprocessor):
     @model_validator(mode="before")
     @classmethod
     def _model_from_engine(cls, values: Any) -> Any:
-        if isinstance(values, dict) and values.get("engine") is not None and not (
-                values.get("model") or values.get("model_name")):
-            values = {**values, "model_name": str(values["engine"].config.model)}
-        return values
+        return model_from_engine(values, "model_name")  # a given engine names the model
 
     @classmethod
     def class_name(cls) -> str:
