@@ -214,8 +214,9 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
         return frozenset()  # a dense checkpoint in its own format
     types = {k.removeprefix("model."): v for k, v in (file_types or {}).items()}
     plan = {}
+    from_values: set[str] = set()  # layers quantized from their dequantized values (no part kept as blocks)
     for name, (layer, ckpt) in model.checkpoint_layers().items():
-        found = {types.get(n) for n in ckpt}
+        found = {"Q8_0" if types.get(n) == "Q5_0" else types.get(n) for n in ckpt}  # Q5_0: Q8_0 exactly
         qtype = None
         if len(found) == 1 and next(iter(found)) in BLOCK_FORMATS:
             qtype = next(iter(found))
@@ -224,6 +225,13 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
             # one format, so the parts are re-quantized to Q8_0 at load (8.5 bits, near-lossless
             # against 4-6 bit parts) and the layer stays on the native kernels
             qtype = "Q8_0"
+        elif mode is None and "Q5_1" in found and found <= set(BLOCK_FORMATS) | {"Q5_1"}:
+            # Q5_1 (as Q5_0, which arrives as Q8_0 exactly: gguf/types.py KEPT_AS_BLOCKS): a
+            # fallback of llama-quantize's for rows that are not whole 256-value super-blocks. No
+            # kernel of ours reads it; 8-bit blocks quantized from its values keep the layer on the
+            # quantized kernels (8.5 bits, not the 32 of a dequantized copy), as int8 mode does
+            qtype = "Q8_0"
+            from_values.add(name)
         elif mode in ("int8", "int4") and found <= {None, "F32", "F16", "BF16"}:
             qtype = "Q8_0" if mode == "int8" or isinstance(layer, VocabEmbedding) else "Q4_1"
         if qtype is not None and not layer.can_quantize(qtype):
@@ -243,10 +251,12 @@ def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_typ
                         "at load instead (same results, more memory)", build_error())
         return frozenset()
     keep = set()
-    for layer, ckpt, qtype in plan.values():
+    for name, (layer, ckpt, qtype) in plan.items():
         layer.quantize_as(qtype)
+        if name in from_values:
+            continue
         keep.update(f"model.{n}" if not n.startswith("lm_head.") else n for n in ckpt
-                    if types.get(n) == qtype or types.get(n) in BLOCK_FORMATS)
+                    if types.get(n) == qtype or types.get(n) in BLOCK_FORMATS or types.get(n) == "Q5_0")
     if not quiet:
         counts: dict[str, int] = {}
         for _, _, q in plan.values():

@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a Q5_0 tensor is cached as the Q8_0 blocks it converts to exactly (was re-quantized)
 MIN_FILE_BYTES = 16 << 20
 _ALIGN = 64
 

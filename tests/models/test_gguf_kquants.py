@@ -90,3 +90,51 @@ def test_a_fused_layer_of_mixed_formats_becomes_q8_0(files):
     assert layers["layers.1.self_attn.qkv_proj"].qtype == "Q4_K"
     assert layers["lm_head"].qtype == "Q6_K"
     assert llama_native.native_step_reason(model) is None
+
+
+def test_q5_0_blocks_become_q8_0_blocks_exactly():
+    """llama-quantize's fallback for rows that are not whole super-blocks (Q5_0) reaches the layers
+    as Q8_0 blocks holding the same values, so a K-quant file of a model with hidden 576 keeps its
+    quantized kernels and its numbers (gguf-py decodes both)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    from asyncengine.models.gguf.dequant import q5_0_as_q8_0
+
+    x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * 3
+    q5 = quants.quantize(x, gguf.GGMLQuantizationType.Q5_0)
+    q8 = q5_0_as_q8_0(torch.from_numpy(np.ascontiguousarray(q5)).view(8, -1)).numpy()
+    assert q8.shape == (8, 8 * 34)
+    assert np.array_equal(quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                          quants.dequantize(q5, gguf.GGMLQuantizationType.Q5_0))
+
+
+def test_a_q5_0_layer_runs_on_q8_0_blocks(tmp_path):
+    """A Q5_0 tensor (the fallback) reaches its layer as Q8_0 blocks, and the engine generates what
+    transformers generates from the file's dequantized weights."""
+    tok = tiny_tokenizer()
+    model = tiny_hf_model("llama", tok.get_vocab_size(), seed=3, **SHAPE)
+    path = write_tiny_gguf(tmp_path / "q5.gguf", model, tok, qtype="Q4_K",
+                           tensor_qtypes={f"blk.{i}.{p}.weight": "Q5_0" for i in (0, 1)
+                                          for p in ("attn_q", "attn_k", "attn_v", "ffn_down")})
+    ref_model = _transformers_gguf_model(path)
+    rng = random.Random(7)
+    vocab = ref_model.config.vocab_size
+    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 12)) for _ in range(4)]
+    llm = LLM(str(path), dtype="float32", quantized_activations="fp32", skip_tokenizer_init=True)
+    try:
+        qtypes = llm.engine.collective_rpc(_q5_layers_qtypes)[0]
+        assert qtypes == ["Q8_0"] * 4, qtypes  # blocks, not a dequantized copy
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert_greedy_parity(ref_model, reqs, outs)
+
+
+def _q5_layers_qtypes(worker) -> list:
+    layers = worker.model.model.layers if hasattr(worker.model, "model") else worker.model.layers
+    return [getattr(getattr(layers[i], m), p).qtype for i in (0, 1)
+            for m, p in (("self_attn", "qkv_proj"), ("mlp", "down_proj"))]

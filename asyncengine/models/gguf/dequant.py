@@ -20,7 +20,7 @@ from asyncengine.models.gguf.tensors import (
     unpermute_rows,
 )
 from asyncengine.models.gguf.moe import expert_names
-from asyncengine.models.gguf.types import BLOCK_FORMATS, BLOCK_SIZES, GGMLType
+from asyncengine.models.gguf.types import BLOCK_SIZES, KEPT_AS_BLOCKS, GGMLType
 
 if typing.TYPE_CHECKING:
     from asyncengine.models.gguf.reader import GGUFFile, TensorInfo
@@ -86,7 +86,7 @@ def load_tensors(f: GGUFFile, config, gguf_arch: str, path: str, dtype: torch.dt
             continue
         spec = shard_of(hf) if shard_of is not None and hf is not None else None
         qtype = gguf.GGMLQuantizationType(t.type_id)
-        if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
+        if hf in keep_quantized and t.type_name in KEPT_AS_BLOCKS:
             tensors[hf] = _quantized_shard(f, t, hf, spec, permute, n_head, n_kv)
             continue
         try:
@@ -130,7 +130,7 @@ def _expert_tensors(f: GGUFFile, t: TensorInfo, names: list[str], shard_of, keep
         spec = shard_of(name) if shard_of is not None else None
         if spec is not None and spec[2] <= spec[1]:
             continue
-        if name in keep_quantized and t.type_name in BLOCK_FORMATS:
+        if name in keep_quantized and t.type_name in KEPT_AS_BLOCKS:
             q = expert_view(f, t, e)
             if spec is not None:
                 try:
@@ -167,7 +167,25 @@ def quantized_view(f: GGUFFile, t: TensorInfo):
     from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
 
     rows, cols = t.shape
+    if t.type_name == "Q5_0":
+        return QuantizedTensor("Q8_0", (rows, cols), q5_0_as_q8_0(f.torch_bytes(t).view(rows, -1)))
     return QuantizedTensor(t.type_name, (rows, cols), f.torch_bytes(t).view(rows, -1))
+
+
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks ([rows, n * 22] bytes: fp16 d, 32 high bits, 16 bytes of low nibbles) as Q8_0
+    blocks ([rows, n * 34]: the same d, 32 int8 ``q - 16``): the same values exactly. llama-quantize
+    writes Q5_0 for the rows of a K-quant file that are not whole 256-value super-blocks; no kernel
+    of ours reads Q5_0, and a dequantized copy would cost 32 bits a weight."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 22)
+    qh = b[..., 2:6].to(torch.int64)
+    qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24  # element k's fifth bit: bit k
+    hi = ((qh.unsqueeze(-1) >> torch.arange(32)) & 1) << 4
+    qs = b[..., 6:22]
+    lo = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int64)  # elements 0-15, then 16-31
+    q8 = ((lo | hi) - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([b[..., 0:2], q8], dim=-1).reshape(rows, -1)
 
 
 def expert_view(f: GGUFFile, t: TensorInfo, expert: int):
@@ -176,7 +194,9 @@ def expert_view(f: GGUFFile, t: TensorInfo, expert: int):
     from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
 
     n, rows, cols = t.shape
-    whole = QuantizedTensor(t.type_name, (n * rows, cols), f.torch_bytes(t).view(n * rows, -1))
+    raw = f.torch_bytes(t).view(n * rows, -1)
+    whole = (QuantizedTensor("Q8_0", (n * rows, cols), q5_0_as_q8_0(raw)) if t.type_name == "Q5_0"
+             else QuantizedTensor(t.type_name, (n * rows, cols), raw))
     return whole.rows(expert * rows, (expert + 1) * rows)
 
 

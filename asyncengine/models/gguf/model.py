@@ -22,7 +22,7 @@ from asyncengine.models.gguf.tensors import (
     norm_shift,
     unpermute_rows,
 )
-from asyncengine.models.gguf.types import BLOCK_FORMATS
+from asyncengine.models.gguf.types import KEPT_AS_BLOCKS
 from asyncengine.models.gguf.vocab import build_tokenizer, eos_token_ids, fast_tokenizer
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class GGUFModel:
         stacked = None  # (tensor, its dequantized experts): a stacked expert tensor is decoded once
         for hf, t, expert, shape in hf_tensors(f, self.gguf_arch):
             if expert is not None:  # one expert of a stacked [E, ...] tensor (gguf/moe.py)
-                if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
+                if hf in keep_quantized and t.type_name in KEPT_AS_BLOCKS:
                     yield hf, dequant.expert_view(f, t, expert)
                 else:
                     if stacked is None or stacked[0] is not t:
@@ -75,7 +75,7 @@ class GGUFModel:
             if permuted:
                 rows = torch.from_numpy(unpermute_rows(t.shape[0], cfg.num_attention_heads if ".q_proj." in hf
                                                        else cfg.num_key_value_heads))
-            if hf in keep_quantized and t.type_name in BLOCK_FORMATS:
+            if hf in keep_quantized and t.type_name in KEPT_AS_BLOCKS:
                 w = dequant.quantized_view(f, t)
                 yield hf, (w.index_rows(rows) if permuted else w)  # whole rows of blocks: exact
             else:

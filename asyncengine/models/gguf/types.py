@@ -93,6 +93,9 @@ SUPPORTED_TENSOR_TYPES: frozenset[GGMLType] = frozenset(FLOAT_TYPES + tuple(GGML
 )))
 # The types the CPU kernels run as they are (asyncengine/layers/linear.py, kernels/cpu/quant.c).
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Handed to layers as blocks: the kernels' formats, and Q5_0 converted exactly to Q8_0 on the way
+# (its values d * (q - 16), q < 32, are Q8_0 values with the same d: gguf/dequant.py's q5_0_as_q8_0)
+KEPT_AS_BLOCKS = BLOCK_FORMATS + ("Q5_0",)
 
 
 def type_name(type_id: int) -> str:
