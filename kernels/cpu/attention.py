@@ -154,6 +154,24 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         sliding_window or 0, softcap or 0.0, int(dt == torch.bfloat16), int(batch.work * hq * d >= PARALLEL_MIN_WORK))
 
 
+def attend_reference(scores: torch.Tensor, vals: torch.Tensor, ctx: int, softcap: float | None,
+                     sliding_window: int | None) -> torch.Tensor:
+    """The references' shared tail: scaled scores [Hkv, g, n, L] of a chunk of n queries after ``ctx``
+    cached tokens, capped, masked (causal, window), softmaxed and applied to the values [Hkv, L, D];
+    returns [n, Hkv * g, D] in fp32."""
+    hk, g, n, total = scores.shape
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(ctx, total).view(n, 1)
+    key = torch.arange(total).view(1, total)
+    hidden = key > pos
+    if sliding_window is not None:
+        hidden |= key <= pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    o = torch.matmul(scores.softmax(-1), vals.unsqueeze(1))  # [Hkv, g, n, D]
+    return o.permute(2, 0, 1, 3).reshape(n, hk * g, vals.shape[-1])
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
                           scale: float, out: torch.Tensor, sliding_window: int | None = None,
                           softcap: float | None = None) -> None:
@@ -171,13 +189,4 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         vals = v_cache[:, blocks].reshape(hk, -1, d)[:, :total].float()
         qs = q[q0:q0 + n].float().view(n, hk, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
         scores = torch.matmul(qs, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, g, n, L]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        pos = torch.arange(ctx, total).view(n, 1)
-        key = torch.arange(total).view(1, total)
-        hidden = key > pos
-        if sliding_window is not None:
-            hidden |= key <= pos - sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
-        o = torch.matmul(scores.softmax(-1), vals.unsqueeze(1))  # [Hkv, g, n, D]
-        out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(out.dtype)
+        out[q0:q0 + n] = attend_reference(scores, vals, ctx, softcap, sliding_window).to(out.dtype)

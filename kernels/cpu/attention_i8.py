@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK, PagedBatch, supports
+from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK, PagedBatch, attend_reference, supports
 from asyncengine.kernels.cpu.build import LazyBinding
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -108,16 +108,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             scores = _rounded_scores(qs, k_rows)
         else:
             scores = torch.matmul(qs, dequantize_rows(k_rows).unsqueeze(1).transpose(-1, -2))  # [Hkv, g, n, L]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        pos = torch.arange(ctx, total).view(n, 1)
-        key = torch.arange(total).view(1, total)
-        hidden = key > pos
-        if sliding_window is not None:
-            hidden |= key <= pos - sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
-        o = torch.matmul(scores.softmax(-1), vals.unsqueeze(1))  # [Hkv, g, n, D]
-        out[q0:q0 + n] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(out.dtype)
+        out[q0:q0 + n] = attend_reference(scores, vals, ctx, softcap, sliding_window).to(out.dtype)
 
 
 def _c_ok(q, k, v, k_cache, v_cache, slot_mapping, out) -> bool:
