@@ -10,6 +10,10 @@ Cases (bf16 caches, GQA 4:1, blocks of 16 shuffled so no sequence's blocks are c
            (4 * D flops per query head and visible key: QK^T and PV)
   decode   256 sequences x 1,024 cached keys, one query row each: GB/s of K/V read
            (2 * D * 2 bytes per KV head and key), and GFLOP/s
+  decode_bench8  the offline workload's decode (bench-model heads, GQA 2): 200 sequences x 400
+           keys over 8 layers' caches (320 MB: from DRAM, not the LLC)
+
+Caches are allocated as the engine allocates them (attention/kv_cache.py).
 
 Peaks, measured in the same run with the same threads:
   matmul   bf16 torch.matmul 2048 x 2048 x 2048 (oneDNN: AMX tiles where the CPU has them), best of
@@ -53,21 +57,30 @@ def copy_peak(reps: int) -> float:
     return 2 * src.numel() * 2 / wall_s(lambda: dst.copy_(src), reps) / 1e9
 
 
-def case(nseq: int, qlen: int, ctx: int, hq: int, hk: int, d: int, bs: int = 16):
-    """The call, its causal flops and its K/V bytes."""
+def case(nseq: int, qlen: int, ctx: int, hq: int, hk: int, d: int, bs: int = 16, layers: int = 1):
+    """The call (over ``layers`` layers' caches, allocated as the engine does), its causal flops and
+    its K/V bytes."""
+    from asyncengine.attention.kv_cache import kv_cache_zeros
     from asyncengine.kernels.cpu import attention as A
 
     per = -(-(ctx + qlen) // bs)
-    kc = torch.randn(hk, nseq * per, bs, d).bfloat16()
-    vc = torch.randn_like(kc)
+    caches = []
+    for _ in range(2 * layers):
+        c = kv_cache_zeros((hk, nseq * per, bs, d), torch.bfloat16, torch.device("cpu"))
+        c.copy_(torch.randn(c.shape))
+        caches.append(c)
     perm = torch.randperm(nseq * per).tolist()
     batch = A.PagedBatch.build([(s * qlen, qlen, ctx, perm[s * per:(s + 1) * per]) for s in range(nseq)], bs)
     q = torch.randn(nseq * qlen, hq, d).bfloat16()
     out = torch.empty_like(q)
     visible = nseq * sum(ctx + i + 1 for i in range(qlen))  # (query row, key) pairs per head
-    flops = 4 * d * hq * visible
-    kv_bytes = nseq * (ctx + qlen) * hk * d * 2 * 2
-    return (lambda: A.paged_attention(q, kc, vc, batch, d ** -0.5, out)), flops, kv_bytes
+    flops = 4 * d * hq * visible * layers
+    kv_bytes = nseq * (ctx + qlen) * hk * d * 2 * 2 * layers
+
+    def run():
+        for i in range(layers):
+            A.paged_attention(q, caches[2 * i], caches[2 * i + 1], batch, d ** -0.5, out)
+    return run, flops, kv_bytes
 
 
 CASES = {
@@ -75,6 +88,8 @@ CASES = {
     "prefill_d128": dict(nseq=1, qlen=512, ctx=0, hq=32, hk=8, d=128),
     "decode_d64": dict(nseq=256, qlen=1, ctx=1023, hq=16, hk=4, d=64),
     "decode_d128": dict(nseq=256, qlen=1, ctx=1023, hq=32, hk=8, d=128),
+    # the offline workload's decode: bench-model heads (GQA 2), 200 sequences x 400 keys, 8 layers
+    "decode_bench8": dict(nseq=200, qlen=1, ctx=399, hq=8, hk=4, d=64, layers=8),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, strategies as st
 from torch import nn
 
 from asyncengine.layers import packed_linear
@@ -42,6 +43,35 @@ def test_packed_equals_f_linear(dtype, bias):
     x3 = torch.randn(2, 5, 96).to(dtype)[:, ::2]
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(m(x3), F.linear(x3, m.weight, m.bias), **tol)
+
+
+@given(st.integers(1, 1 << 16))
+def test_row_buckets_bound_the_padding_and_the_shapes(m):
+    b = packed_linear.bucket_rows(m)
+    assert m <= b <= m + m // packed_linear.ROW_BUCKETS_PER_OCTAVE
+    assert packed_linear.bucket_rows(b) == b  # a bucket is its own bucket
+    if m <= packed_linear.EXACT_ROWS:
+        assert b == m
+
+
+def test_row_buckets_per_octave():
+    """The point of the buckets: a bounded number of shapes for oneDNN to compile and cache."""
+    sizes = {packed_linear.bucket_rows(m) for m in range(1, 4097)}
+    assert len(sizes) == packed_linear.EXACT_ROWS + packed_linear.ROW_BUCKETS_PER_OCTAVE * 7
+
+
+def test_padded_rows_leave_the_real_rows_unchanged():
+    """Row counts that are padded up to a bucket (33-70 rows) give F.linear's bf16 bits, row for row:
+    the padding's zero rows change nothing but the time."""
+    m = dense_linear(64, 48, torch.bfloat16, bias=False)
+    packed_linear.prepack(m)
+    x = torch.randn(70, 64).to(torch.bfloat16)
+    padded = [rows for rows in range(33, 71) if packed_linear.bucket_rows(rows) != rows]
+    assert padded
+    for rows in padded:
+        got = m(x[:rows])
+        assert got.shape == (rows, 48)
+        torch.testing.assert_close(got, F.linear(x[:rows], m.weight), atol=0, rtol=0)
 
 
 def test_what_gets_packed(monkeypatch):
