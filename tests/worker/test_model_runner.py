@@ -53,14 +53,3 @@ def test_a_runner_built_from_views_decodes_as_the_engine(tiny_llama_dir):
     assert [len(t) for t in got.values()] == [6, 6]
     assert list(got.values()) == [list(t) for t in want]
 
-
-def test_the_model_view_resolves_device_and_dtype_once_and_keeps_them_when_pickled():
-    import pickle
-
-    import torch
-
-    model, _, _ = _views("/models/hf-folder")
-    assert model.torch_device == torch.device("cpu") and model.torch_dtype == torch.float32
-    assert model.dtype_reason == "asked for" and model.attention_backend_name == "torch"
-    copy = pickle.loads(pickle.dumps(model))
-    assert copy == model and copy.__dict__ == model.__dict__  # another process gets what this one resolved
