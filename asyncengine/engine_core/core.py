@@ -49,8 +49,9 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     size = max(len(g.layers) for g in groups) if len(groups) > 1 else 0
     layers = len(spec.layer_windows)
     per_block = spec.bytes_per_block * layers // size if size else spec.bytes_per_block
-    n = plan_kv_blocks(config, per_block, max_model_len, spec.available_bytes,
-                       spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
+    seqs = config.scheduler_config.max_num_seqs
+    n = plan_kv_blocks(config.cache_config, seqs, per_block, max_model_len, spec.available_bytes,
+                       spec.kv_budget_bytes, spec.state_bytes_per_seq * seqs).num_blocks
     return n * layers // size if size else n
 
 
