@@ -107,8 +107,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv, config.scheduler_config, max_model_len=self.max_model_len,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1)
-        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
+            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
+            lora=config.lora_config)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         self.expert_tokens: list[int] = []  # MoE: tokens routed to each expert since start
         self.last_expert_tokens: list[int] = []  # ... and in the last step that ran MoE layers
