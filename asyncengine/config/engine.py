@@ -8,13 +8,12 @@ backend) on first use, in the process that runs the model: this module imports n
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
-from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 from asyncengine.config.attention import (AttentionBackendName, check_backend_name, check_batch_invariant,
                                           check_kv_cache_dtype)
+from asyncengine.config.device import (QUANTIZATION_MODES, check_device, check_dtype, check_quantization_device,
+                                       resolve_device, resolve_dtype)
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
@@ -27,62 +26,7 @@ if TYPE_CHECKING:
 
     from asyncengine.config.grammar_limits import GrammarLimits
 
-# torch is imported only where a device or dtype is resolved (EngineConfig.torch_device /
-# torch_dtype, in the engine core): a front end whose core runs in another process never pays for it
-_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-                "float16": "float16", "fp16": "float16", "half": "float16"}
-_DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
-
-
-@lru_cache(maxsize=1)
-def cpu_auto_dtype() -> torch.dtype:
-    """The CPU's fastest GEMM type, by a measured probe cached per machine (platforms/dtype_probe.py):
-    a bf16 CPU flag has meant 4x fp32 on one machine of ours and half of it on another."""
-    from asyncengine.platforms.dtype_probe import fastest_cpu_dtype  # lazy: torch, only where a device or dtype is resolved
-
-    return fastest_cpu_dtype()
-
-
-def check_device(device: str) -> None:
-    """The device's spelling, without torch: auto, cpu, cuda or cuda:N."""
-    if device != "auto" and not _DEVICE_RE.match(str(device)):
-        raise ConfigError(f"device {device!r} is not supported (cpu, cuda, cuda:N, auto)")
-
-
-def resolve_device(device: str) -> torch.device:
-    import torch
-    check_device(device)
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU")
-    return dev
-
-
-def check_dtype(dtype) -> None:
-    """The dtype's spelling (a torch dtype only if the caller has torch already)."""
-    if isinstance(dtype, str):
-        if dtype != "auto" and dtype not in _DTYPE_NAMES:
-            raise ConfigError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
-        return
-    import torch
-
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ConfigError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    import torch
-
-    check_dtype(dtype)
-    if not isinstance(dtype, str):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return cpu_auto_dtype()
-    return getattr(torch, _DTYPE_NAMES[dtype])
+__all__ = ["EngineConfig", "resolve_device", "resolve_dtype"]
 
 
 @dataclasses.dataclass
@@ -296,7 +240,7 @@ class EngineConfig(SubConfigViews):
             raise ConfigError(f"quantization must be one of None (the checkpoint's format), 'none', 'int8' or "
                               f"'int4', got {self.quantization!r}")
         if str(self.device).startswith("cuda"):
-            self._check_quantization_device("cuda")
+            check_quantization_device(self.quantization, "cuda")
         self._check_kv_offload()
         check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         check_multimodal(self.limit_mm_per_prompt, self.mm_max_pixels, self.mm_encoder_cache_tokens)
@@ -333,63 +277,29 @@ class EngineConfig(SubConfigViews):
         if self.speculative is not None and self.speculative.method == "draft_model":
             raise ConfigError("KV offload is not supported with a draft model yet (its cache would not follow)")
 
-    def _check_quantization_device(self, device_type: str) -> None:
-        if self.quantization in ("int8", "int4") and device_type != "cpu":
-            raise ConfigError(f"quantization={self.quantization!r} runs on the CPU kernels only; on "
-                              f"{device_type} load dense weights (quantization=None or 'none')")
-
     @property
     def world_size(self) -> int:
         """Worker ranks of one engine core: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    # Resolved on first use, in the process that runs the model (they import torch, and "auto"
-    # asks the machine: is there a GPU, which CPU dtype is fastest, do the C kernels build).
-    @functools.cached_property
+    # What depends on the machine (device, dtype, attention backend) is resolved by the model's view,
+    # on first use in the process that runs the model (ModelConfig in config/sub_configs.py)
+    @property
     def torch_device(self) -> torch.device:
-        # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
-        from asyncengine.platforms.onednn_caches import bound_onednn_caches  # lazy: torch, only where a device or dtype is resolved
+        return self.model_config.torch_device
 
-        bound_onednn_caches()
-        dev = resolve_device(self.device)
-        self._check_quantization_device(dev.type)
-        return dev
-
-    @functools.cached_property
+    @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto" and self.torch_device.type == "cpu" and self.block_quantized_weights:
-            import torch
-
-            return torch.float32
-        return resolve_dtype(self.dtype, self.torch_device)
+        return self.model_config.torch_dtype
 
     @property
     def block_quantized_weights(self) -> bool:
-        """Whether the weights run on the block-quantized CPU kernels: a GGUF (the default model is
-        one) kept in its blocks, or a dense checkpoint quantized at load."""
-        if self.quantization in ("int8", "int4"):
-            return True
-        model = str(self.model or "smollm2-135m-instruct").strip().lower()
-        return self.quantization is None and (model.endswith(".gguf") or model == "smollm2-135m-instruct")
+        return self.model_config.block_quantized_weights
 
-    @functools.cached_property
+    @property
     def dtype_reason(self) -> str:
-        """Why :attr:`torch_dtype` is what it is, for the ready line and ``status``."""
-        if self.dtype != "auto":
-            return "asked for"
-        if self.torch_device.type == "cuda":
-            return "auto: bfloat16 on a GPU"
-        if self.block_quantized_weights:
-            # measured (docs/cpu_decode.md): the quantized kernels compute in fp32 whatever x's dtype;
-            # bf16 activations only add conversions, and coarser logits flip greedy answers
-            return "auto: block-quantized weights run fp32/int8 kernels"
-        return "auto: the CPU's fastest GEMM type (measured once per machine)"
+        return self.model_config.dtype_reason
 
-    @functools.cached_property
+    @property
     def attention_backend_name(self) -> str:
-        from asyncengine.config.attention import resolve_backend_name  # lazy: config stays cheap to import (front ends, the CLI's help)
-
-        return resolve_backend_name(self.attention_backend, self.torch_device)
-
-
-QUANTIZATION_MODES = (None, "none", "int8", "int4")
+        return self.model_config.attention_backend_name

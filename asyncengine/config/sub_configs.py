@@ -7,7 +7,7 @@ visible in its signature and a test can build it without a whole engine config:
 ==============================  =========================  =========================================
 view (``EngineConfig.<name>``)  type                       handed to
 ==============================  =========================  =========================================
-``model_config``                :class:`ModelConfig`       model loading, worker / model runner
+``model_config``                :class:`ModelConfig`       model loading, model runner, grammar, kernels
 ``cache_config``                :class:`CacheConfig`       KV-cache manager, KV sizing, workers
 ``scheduler_config``            :class:`SchedulerConfig`   Scheduler (and the hybrid cache's slots)
 ``parallel_config``             :class:`ParallelConfig`    executors, workers, data-parallel cores
@@ -33,9 +33,23 @@ from typing import TypeVar
 
 import msgspec
 
+from asyncengine.config import device as machine  # the device and dtype rules (config/device.py)
+from asyncengine.config.attention import resolve_backend_name
+from asyncengine.platforms.onednn_caches import bound_onednn_caches
 
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What is loaded and how it computes (models/, worker/model_runner.py)."""
+
+def _rebuilt(view: type, fields: dict, resolved: dict):
+    """A view unpickled with what it had resolved (another process gets the same device and dtype)."""
+    obj = view(**fields)
+    obj.__dict__.update(resolved)
+    return obj
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, dict=True):
+    """What is loaded and how it computes (models/, worker/model_runner.py). The device, dtype and
+    attention backend are resolved here, on first use in the process that runs the model (torch,
+    and "auto" asks the machine: config/device.py); ``EngineConfig.torch_device`` and its kin
+    return these, so the loader and the runner need nothing but this view."""
 
     model: str | None
     tokenizer: str | None
@@ -51,6 +65,38 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_invariant: bool
     model_impl: str  # "auto" | "native" | "transformers" (models/registry.py)
     runner: str  # "auto" | "generate" | "pooling" (config/runner.py, models/pooling_models.py)
+
+    @functools.cached_property
+    def torch_device(self):
+        # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
+        bound_onednn_caches()
+        dev = machine.resolve_device(self.device)
+        machine.check_quantization_device(self.quantization, dev.type)
+        return dev
+
+    @functools.cached_property
+    def torch_dtype(self):
+        if self.dtype == "auto" and self.torch_device.type == "cpu" and self.block_quantized_weights:
+            import torch
+
+            return torch.float32
+        return machine.resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def block_quantized_weights(self) -> bool:
+        return machine.block_quantized(self.model, self.quantization)
+
+    @functools.cached_property
+    def dtype_reason(self) -> str:
+        """Why :attr:`torch_dtype` is what it is, for the ready line and ``status``."""
+        return machine.dtype_reason(self.dtype, self.torch_device, self.block_quantized_weights)
+
+    @functools.cached_property
+    def attention_backend_name(self) -> str:
+        return resolve_backend_name(self.attention_backend, self.torch_device)
+
+    def __reduce__(self):
+        return _rebuilt, (type(self), msgspec.structs.asdict(self), dict(self.__dict__))
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

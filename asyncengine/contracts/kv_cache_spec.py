@@ -5,7 +5,13 @@ and hands every worker one :class:`KVCacheConfig`, which the worker builds as gi
 own, below both: the core and the worker import it, neither imports the other for it."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:
+    from asyncengine.config.speculative import SpeculativeConfig
+    from asyncengine.config.sub_configs import KVTransferConfig, ParallelConfig
 
 
 class KVCacheSpec(msgspec.Struct, kw_only=True):
@@ -69,23 +75,24 @@ def block_table_groups(layer_windows) -> list[KVCacheGroup]:
 
 
 
-def one_table_reason(config) -> str | None:
+def one_table_reason(speculative: SpeculativeConfig | None, kv_transfer: KVTransferConfig,
+                     parallel: ParallelConfig) -> str | None:
     """Why a model mixing full and sliding layers keeps one table with every block (None: a table
     per group): what moves or reads whole tables, or holds only some layers."""
-    if config.speculative is not None:
+    if speculative is not None:
         return "speculative decoding (a draft model reads the target's table)"
-    if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
+    if kv_transfer.offload_enabled or kv_transfer.kv_role is not None:
         return "KV offload / P/D disaggregation (they move one table's blocks)"
-    if config.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         return "pipeline parallelism (each stage holds some layers)"
     return None
 
 
-def table_groups(config, layer_windows) -> list[KVCacheGroup]:
+def table_groups(layer_windows, one_table: str | None) -> list[KVCacheGroup]:
     """The block tables an engine keeps, the one decision the core and the workers share: per
-    group (:func:`block_table_groups`), or one full table over every layer when
-    :func:`one_table_reason` says so."""
+    group (:func:`block_table_groups`), or one full table over every layer when ``one_table``
+    (:func:`one_table_reason`'s answer for the engine) gives a reason."""
     groups = block_table_groups(layer_windows)
-    if len(groups) > 1 and one_table_reason(config):
+    if len(groups) > 1 and one_table:
         return [KVCacheGroup(sliding_window=None, layers=tuple(range(len(layer_windows))))]
     return groups

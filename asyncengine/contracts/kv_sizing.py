@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncengine.config.sub_configs import CacheConfig
 from asyncengine.errors import ConfigError
 
 
@@ -52,18 +53,20 @@ def bytes_per_block(shape: KVModelShape, block_size: int, dtype_bytes: int) -> i
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * dtype_bytes
 
 
-def plan_kv_cache(config, shape: KVModelShape, available_bytes: int | None) -> KVPlan:
-    """The number of KV blocks for ``config`` (an :class:`~asyncengine.config.EngineConfig`).
+def plan_kv_cache(cache: CacheConfig, max_num_seqs: int, dtype_bytes: int, shape: KVModelShape,
+                  available_bytes: int | None) -> KVPlan:
+    """The number of KV blocks for the cache view ``cache`` (``EngineConfig.cache_config``), the
+    scheduler's ``max_num_seqs`` (the need) and the cache's ``dtype_bytes`` per value.
 
     ``available_bytes``: memory the cache may come out of (CPU: MemAvailable; GPU: free device
     memory), or None if unknown (then the need alone decides). Raises ConfigError when the result
     holds fewer than 2 blocks."""
-    per_block = bytes_per_block(shape, config.block_size, config.torch_dtype.itemsize)
-    return plan_kv_blocks(config, per_block, shape.max_model_len, available_bytes)
+    per_block = bytes_per_block(shape, cache.block_size, dtype_bytes)
+    return plan_kv_blocks(cache, max_num_seqs, per_block, shape.max_model_len, available_bytes)
 
 
-def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: int | None,
-                   budget_bytes: int | None = None, state_bytes: int = 0) -> KVPlan:
+def plan_kv_blocks(cache: CacheConfig, max_num_seqs: int, per_block: int, max_model_len: int,
+                   available_bytes: int | None, budget_bytes: int | None = None, state_bytes: int = 0) -> KVPlan:
     """:func:`plan_kv_cache` from what one block costs (``per_block`` bytes: on a tensor-parallel
     rank, its share of the KV heads) and the memory available (on the rank with the least; None if
     unknown). ``budget_bytes``: a measured budget that replaces the memory-fraction cap (CUDA: what
@@ -73,19 +76,19 @@ def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: 
     ``state_bytes``: memory the hybrid models' state slots take out of the same budget first (all
     ``max_num_seqs`` slots of every Mamba layer); blocks get the rest. With no attention layers
     (``per_block`` 0) blocks cost nothing and only count tokens: as many as the need."""
-    bs = config.block_size
-    need = config.max_num_seqs * -(-max_model_len // bs) + 1
+    bs = cache.block_size
+    need = max_num_seqs * -(-max_model_len // bs) + 1
     if state_bytes:
-        _check_states_fit(config, state_bytes, available_bytes, budget_bytes)
+        _check_states_fit(cache, max_num_seqs, state_bytes, available_bytes, budget_bytes)
     if per_block == 0:
-        n = config.num_kv_blocks if config.num_kv_blocks is not None else need
+        n = cache.num_kv_blocks if cache.num_kv_blocks is not None else need
         return KVPlan(n, 0, "no attention layers: blocks only count tokens")
-    if config.num_kv_blocks is not None:
-        return KVPlan(config.num_kv_blocks, per_block, "num_kv_blocks")
-    if config.kv_cache_bytes is not None:
-        n = (config.kv_cache_bytes - state_bytes) // per_block
+    if cache.num_kv_blocks is not None:
+        return KVPlan(cache.num_kv_blocks, per_block, "num_kv_blocks")
+    if cache.kv_cache_bytes is not None:
+        n = (cache.kv_cache_bytes - state_bytes) // per_block
         if n < 2:
-            raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 blocks of "
+            raise ConfigError(f"kv_cache_bytes={cache.kv_cache_bytes} holds fewer than 2 blocks of "
                               f"{per_block} bytes")
         return KVPlan(int(n), per_block, "kv_cache_bytes")
     # (need: +1, the scheduler may hold one block beyond a full-length sequence's while it grows)
@@ -97,30 +100,31 @@ def plan_kv_blocks(config, per_block: int, max_model_len: int, available_bytes: 
         return KVPlan(int(min(need, n)), per_block, "profiled budget (gpu_memory_utilization)")
     if available_bytes is None:
         return KVPlan(need, per_block, "max_num_seqs x max_model_len")
-    cap = (int(config.kv_cache_memory_fraction * available_bytes) - state_bytes) // per_block
+    cap = (int(cache.kv_cache_memory_fraction * available_bytes) - state_bytes) // per_block
     if cap < 2:
         raise ConfigError(
-            f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of the {available_bytes >> 20} MiB "
+            f"kv_cache_memory_fraction={cache.kv_cache_memory_fraction} of the {available_bytes >> 20} MiB "
             f"available holds fewer than 2 KV blocks of {per_block} bytes: free memory, raise the "
             f"fraction or give kv_cache_bytes")
     if need <= cap:
         return KVPlan(need, per_block, "max_num_seqs x max_model_len")
-    return KVPlan(cap, per_block, f"{config.kv_cache_memory_fraction:g} of available memory")
+    return KVPlan(cap, per_block, f"{cache.kv_cache_memory_fraction:g} of available memory")
 
 
-def _check_states_fit(config, state_bytes: int, available_bytes: int | None, budget_bytes: int | None) -> None:
+def _check_states_fit(cache: CacheConfig, max_num_seqs: int, state_bytes: int, available_bytes: int | None,
+                      budget_bytes: int | None) -> None:
     """ConfigError when the state slots alone exceed the budget they come out of."""
-    if config.kv_cache_bytes is not None:
-        limit, what = config.kv_cache_bytes, f"kv_cache_bytes={config.kv_cache_bytes}"
+    if cache.kv_cache_bytes is not None:
+        limit, what = cache.kv_cache_bytes, f"kv_cache_bytes={cache.kv_cache_bytes}"
     elif budget_bytes is not None:
         limit, what = budget_bytes, f"the profiled budget ({budget_bytes >> 20} MiB)"
-    elif available_bytes is not None and config.num_kv_blocks is None:
-        limit = int(config.kv_cache_memory_fraction * available_bytes)
-        what = f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of {available_bytes >> 20} MiB"
+    elif available_bytes is not None and cache.num_kv_blocks is None:
+        limit = int(cache.kv_cache_memory_fraction * available_bytes)
+        what = f"kv_cache_memory_fraction={cache.kv_cache_memory_fraction} of {available_bytes >> 20} MiB"
     else:
         return
     if state_bytes > limit:
-        raise ConfigError(f"the state slots of max_num_seqs={config.max_num_seqs} requests take "
+        raise ConfigError(f"the state slots of max_num_seqs={max_num_seqs} requests take "
                           f"{state_bytes >> 20} MiB, more than {what}: lower max_num_seqs or give the cache more")
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 
+from asyncengine.config.speculative import SpeculativeConfig
+from asyncengine.config.sub_configs import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
 from asyncengine.contracts.kv_cache_spec import block_table_groups, one_table_reason, table_groups
 from asyncengine.core.block_pool import BlockPool, KVBlock
 from asyncengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
@@ -161,13 +163,13 @@ class GroupedKVCacheManager(KVCacheManager):
         for sub in self.groups:
             sub.hash_root = self.hash_root
 
-    def max_request_len(self, config, model_len: int) -> int:
+    def max_request_len(self, sched: SchedulerConfig, model_len: int) -> int:
         """The longest request whose blocks in every group fit the whole cache at once (a sliding
         group holds a chunk and its window at most, under chunked prefill)."""
         bs = self.block_size
 
         def need(tokens: int) -> int:
-            chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else tokens
+            chunk = sched.max_num_batched_tokens if sched.enable_chunked_prefill else tokens
             return sum(-(-tokens // bs) if w is None else min(-(-tokens // bs), -(-(chunk + w) // bs) + 2)
                        for w in self.windows)
 
@@ -185,29 +187,32 @@ class GroupedKVCacheManager(KVCacheManager):
                                                for b in blocks if b is not NULL_BLOCK)}
 
 
-def make_kv_cache_manager(config, layer_windows, num_blocks: int) -> KVCacheManager:
+def make_kv_cache_manager(cache: CacheConfig, layer_windows, num_blocks: int, *,
+                          speculative: SpeculativeConfig | None, kv_transfer: KVTransferConfig,
+                          parallel: ParallelConfig) -> KVCacheManager:
     """The manager for a model without state layers, by its attention kinds: all full -> the plain
     one; all sliding over one window -> :class:`SlidingWindowKVCacheManager`; mixed -> one table
     per group (:class:`GroupedKVCacheManager`), or one plain table when what the engine runs needs
-    one (``contracts.kv_cache_spec.one_table_reason``: speculative decoding, KV offload, P/D,
-    pipeline parallelism)."""
-    groups = table_groups(config, layer_windows)
-    caching = config.enable_prefix_caching
+    one (``contracts.kv_cache_spec.one_table_reason``, hence the speculative, KV-transfer and
+    parallel views: speculative decoding, KV offload, P/D, pipeline parallelism)."""
+    one_table = one_table_reason(speculative, kv_transfer, parallel)
+    groups = table_groups(layer_windows, one_table)
+    caching = cache.enable_prefix_caching
     if len(groups) == 1 and groups[0].sliding_window is not None:
-        check_sliding_config(config)
-        return SlidingWindowKVCacheManager(num_blocks, config.block_size, groups[0].sliding_window, caching)
+        check_sliding_config(speculative, kv_transfer)
+        return SlidingWindowKVCacheManager(num_blocks, cache.block_size, groups[0].sliding_window, caching)
     if len(block_table_groups(layer_windows)) > len(groups):
         log.info("KV cache: a model mixing full and sliding layers keeps one table with every block under %s",
-                 one_table_reason(config))
+                 one_table)
     if len(groups) > 1:
         log.info("KV cache: %d block tables of %d layers each (%s)", len(groups), len(groups[0].layers),
                  ", ".join(f"window {g.sliding_window}: layers {list(g.layers)}" for g in groups))
-        return GroupedKVCacheManager(num_blocks, config.block_size, [g.sliding_window for g in groups], caching)
-    return KVCacheManager(num_blocks, config.block_size, caching)
+        return GroupedKVCacheManager(num_blocks, cache.block_size, [g.sliding_window for g in groups], caching)
+    return KVCacheManager(num_blocks, cache.block_size, caching)
 
 
-def max_request_len(kv: KVCacheManager, config, num_blocks: int, model_len: int) -> int:
+def max_request_len(kv: KVCacheManager, sched: SchedulerConfig, num_blocks: int, model_len: int) -> int:
     """The longest request the cache serves (core/sliding_window_kv_cache_manager.py for one table)."""
     if isinstance(kv, GroupedKVCacheManager):
-        return kv.max_request_len(config, model_len)
-    return one_table_len(kv, config, num_blocks, model_len)
+        return kv.max_request_len(sched, model_len)
+    return one_table_len(kv, sched, num_blocks, model_len)

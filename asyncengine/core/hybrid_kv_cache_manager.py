@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from asyncengine.config.sub_configs import CacheConfig, SchedulerConfig
+from asyncengine.config.speculative import SpeculativeConfig
+from asyncengine.config.sub_configs import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
 from asyncengine.contracts.kv_cache_spec import KVCacheConfig
 from asyncengine.core.block_pool import KVBlock
 from asyncengine.core.kv_cache_manager import KVCacheManager
@@ -115,17 +116,18 @@ class HybridKVCacheManager(KVCacheManager):
                 "state_cache_bytes": self.slots.num_slots * self.state_bytes_per_slot}
 
 
-def check_hybrid_config(config, hf_config) -> None:
+def check_hybrid_config(speculative: SpeculativeConfig | None, kv_transfer: KVTransferConfig,
+                        parallel: ParallelConfig, hf_config) -> None:
     """Refuse what hybrid models do not support, before any worker starts."""
-    if config.speculative is not None:
+    if speculative is not None:
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         raise ConfigError(f"speculative decoding is not supported for {arch} (a hybrid model with Mamba2 layers): "
                           "rejected drafts would need the SSM state rolled back to the accepted position; "
                           "leave speculative_config unset")
-    if config.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise ConfigError("pipeline parallelism is not supported for hybrid models (Mamba2 layers) yet: "
                           "leave pipeline_parallel_size at 1")
-    if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
+    if kv_transfer.offload_enabled or kv_transfer.kv_role is not None:
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         raise ConfigError(f"KV offload and P/D disaggregation move KV blocks only, not the Mamba2 state slots of "
                           f"{arch} (a hybrid model): leave kv_offload_bytes, kv_offload_dir and prefill/decode "

@@ -34,7 +34,7 @@ import time
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_transfer_state import KVTransferState
 from asyncengine.core.lora_admission import too_many_loras
-from asyncengine.config.sub_configs import SchedulerConfig
+from asyncengine.config.sub_configs import LoRAConfig, SchedulerConfig
 from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
 from asyncengine.core.request import Request, RequestStatus
@@ -47,8 +47,8 @@ from asyncengine.core.step_plan import StepPlan
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, *, max_model_len: int, num_spec_tokens: int = 0,
-                 kv_connector=None, pipeline_parallel: bool = False) -> None:
-        """``config``: the scheduler's view of EngineConfig; ``max_model_len`` as the core resolved it."""
+                 kv_connector=None, pipeline_parallel: bool = False, lora: LoRAConfig | None = None) -> None:
+        """The scheduler's view; ``max_model_len`` as the core resolved it; ``lora``: None = no adapter bound."""
         self.kv = kv
         self.connector = kv_connector
         self.pipeline_parallel = pipeline_parallel
@@ -59,7 +59,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = config.policy
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.max_loras: int | None = None  # LoRA: most adapters running at once (set by the core)
+        self.max_loras = lora.max_loras if lora is not None and lora.enable_lora else None  # adapters at once
         self.waiting = make_queue(config.policy, config.priority_aging_s)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

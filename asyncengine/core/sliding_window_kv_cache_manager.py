@@ -20,6 +20,8 @@ table per group, each group one of these managers (core/grouped_kv_cache_manager
 """
 from __future__ import annotations
 
+from asyncengine.config.speculative import SpeculativeConfig
+from asyncengine.config.sub_configs import KVTransferConfig, SchedulerConfig
 from asyncengine.core.block_pool import KVBlock
 from asyncengine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from asyncengine.core.request import Request
@@ -76,22 +78,22 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         return {"sliding_window": self.sliding_window}
 
 
-def max_request_len(kv: KVCacheManager, config, num_blocks: int, model_len: int) -> int:
+def max_request_len(kv: KVCacheManager, sched: SchedulerConfig, num_blocks: int, model_len: int) -> int:
     """The longest request the cache serves: the whole cache's tokens, or for a sliding-window
     cache under chunked prefill the model's own length, when one chunk plus its window fits."""
-    cache_len = num_blocks * config.block_size
-    if not isinstance(kv, SlidingWindowKVCacheManager) or not config.enable_chunked_prefill:
+    cache_len = num_blocks * kv.block_size
+    if not isinstance(kv, SlidingWindowKVCacheManager) or not sched.enable_chunked_prefill:
         return min(model_len, cache_len)
-    step_blocks = -(-(config.max_num_batched_tokens + kv.sliding_window) // config.block_size) + 2
+    step_blocks = -(-(sched.max_num_batched_tokens + kv.sliding_window) // kv.block_size) + 2
     return model_len if step_blocks <= num_blocks else min(model_len, cache_len)
 
 
-def check_sliding_config(config) -> None:
+def check_sliding_config(speculative: SpeculativeConfig | None, kv_transfer: KVTransferConfig) -> None:
     """Refuse what freeing out-of-window blocks would break, before any worker starts."""
-    if config.speculative is not None:
+    if speculative is not None:
         raise ConfigError("speculative decoding is not supported with sliding-window KV blocks yet: a draft model "
                           "reads the same block tables with its own attention (maybe beyond the window, into freed "
                           "blocks), and freeing under rejected drafts is untested; leave speculative_config unset")
-    if config.kv_offload_bytes is not None or config.kv_offload_dir is not None or config.kv_role is not None:
+    if kv_transfer.offload_enabled or kv_transfer.kv_role is not None:
         raise ConfigError("KV offload and P/D disaggregation move whole block tables, and a sliding-window request's "
                           "table has freed blocks: leave kv_offload_bytes, kv_offload_dir and kv_role unset")

@@ -59,7 +59,8 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         self.processor = InputProcessor(self.tokenizer, self.client.vocab_size, self.client.max_model_len,
                                         self.client.eos_token_ids, self.limits,
                                         self.client.model_info.generation_config,
-                                        mm=MultiModalProcessor.of(self.config, self.client.model_info))
+                                        mm=MultiModalProcessor.of(self.config.multimodal_config, self.client.model_info,
+                                                                  self.config.model_impl))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.intake = PromptIntake(self.processor, self.limits)
         self.admission = Admission(config)

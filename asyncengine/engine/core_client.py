@@ -68,7 +68,7 @@ class CoreClient(ABC):
             from asyncengine.models.model_info import load_model_info  # lazy: the front end imports no torch: core code loads only where it runs here
 
             # the cores import torch while this process reads the model's config and tokenizer
-            return MPClient(config, lambda: load_model_info(config))
+            return MPClient(config, lambda: load_model_info(config.model_config))
         if core is None:
             from asyncengine.engine_core.core import EngineCore  # lazy: the front end imports no torch: core code loads only where it runs here
 

@@ -52,7 +52,8 @@ class LLM:
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
                                         self.engine.eos_token_ids, self.config.limits,
                                         self.engine.model_info.generation_config,
-                                        mm=MultiModalProcessor.of(self.config, self.engine.model_info))
+                                        mm=MultiModalProcessor.of(self.config.multimodal_config, self.engine.model_info,
+                                                                  self.config.model_impl))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         info = self.engine.model_info  # what the model serves (an encoder: pooling only)

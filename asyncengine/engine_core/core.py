@@ -22,7 +22,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.hybrid_kv_cache_manager import check_hybrid_config, make_hybrid_kv_cache_manager
 from asyncengine.core.grouped_kv_cache_manager import make_kv_cache_manager, max_request_len
 from asyncengine.contracts.kv_sizing import plan_kv_blocks
-from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec, table_groups
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec, one_table_reason, table_groups
 from asyncengine.core.request import Request
 from asyncengine.contracts.sched_output import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from asyncengine.core.scheduler import Scheduler
@@ -44,12 +44,14 @@ def num_kv_blocks_for(config: EngineConfig, spec: KVCacheSpec, max_model_len: in
     of the KV heads), the memory the ranks reported and, on CUDA, their profiled budget. A model
     mixing full and sliding layers is planned in whole-model blocks like any other, and its pool
     gets as many of its one-group blocks as that memory holds (core/grouped_kv_cache_manager.py)."""
-    groups = table_groups(config, spec.layer_windows)
+    groups = table_groups(spec.layer_windows, one_table_reason(config.speculative, config.kv_transfer_config,
+                                                               config.parallel_config))
     size = max(len(g.layers) for g in groups) if len(groups) > 1 else 0
     layers = len(spec.layer_windows)
     per_block = spec.bytes_per_block * layers // size if size else spec.bytes_per_block
-    n = plan_kv_blocks(config, per_block, max_model_len, spec.available_bytes,
-                       spec.kv_budget_bytes, spec.state_bytes_per_seq * config.max_num_seqs).num_blocks
+    seqs = config.scheduler_config.max_num_seqs
+    n = plan_kv_blocks(config.cache_config, seqs, per_block, max_model_len, spec.available_bytes,
+                       spec.kv_budget_bytes, spec.state_bytes_per_seq * seqs).num_blocks
     return n * layers // size if size else n
 
 
@@ -65,7 +67,7 @@ class EngineCore:
                              eos_token_ids=list(loaded.eos_token_ids), max_model_len=loaded.max_model_len,
                              vocab_size=loaded.hf_config.vocab_size, path=loaded.path,
                              generation_config=getattr(loaded, "generation_config", None))
-        self.model_info = info or load_model_info(config)
+        self.model_info = info or load_model_info(config.model_config)
         self.config = config = encoder_engine_config(config, self.model_info)  # an encoder: whole prompts per step
         if config.tensor_parallel_size > 1:  # refuse an unsplittable model before spawning workers
             from asyncengine.models.registry import resolve_architecture  # lazy: only for this configuration (TP, PP, a kernel report)
@@ -74,7 +76,8 @@ class EngineCore:
             cls.check_tensor_parallel(self.model_info.hf_config, config.tensor_parallel_size, **ep)
         hybrid = has_state_layers(self.model_info.hf_config)
         if hybrid:
-            check_hybrid_config(config, self.model_info.hf_config)
+            check_hybrid_config(config.speculative, config.kv_transfer_config, config.parallel_config,
+                                self.model_info.hf_config)
         if config.pipeline_parallel_size > 1:
             from asyncengine.layers.parallel import layer_split  # lazy: only for this configuration (TP, PP, a kernel report)
             layer_split(self.model_info.hf_config.num_hidden_layers, config.pipeline_parallel_size)
@@ -86,7 +89,9 @@ class EngineCore:
             plan = KVCacheConfig(num_blocks=num_blocks, block_size=spec.block_size)
             self.executor.initialize_cache(plan)
             if not hybrid:  # by attention kind: full, or sliding (core/sliding_window_kv_cache_manager.py)
-                self.kv = make_kv_cache_manager(config, spec.layer_windows, num_blocks)
+                self.kv = make_kv_cache_manager(config.cache_config, spec.layer_windows, num_blocks,
+                                                speculative=config.speculative, kv_transfer=config.kv_transfer_config,
+                                                parallel=config.parallel_config)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -95,14 +100,15 @@ class EngineCore:
             self.kv = make_hybrid_kv_cache_manager(plan, config.cache_config, config.scheduler_config,
                                                    self.model_info.hf_config, spec.state_bytes_per_seq)
         # a request can never hold more tokens than the whole cache (a sliding-window one: its window)
-        self.max_model_len = max_request_len(self.kv, config, num_blocks, self.model_info.max_model_len)
+        self.max_model_len = max_request_len(self.kv, config.scheduler_config, num_blocks, self.model_info.max_model_len)
         kv_connector = make_scheduler_connector(config.kv_transfer_config, self.kv, spec.connector_bytes_per_block,
-                                                functools.partial(kv_fingerprint, config))
+                                                functools.partial(kv_fingerprint, config.model_config,
+                                                                  config.cache_config, config.tensor_parallel_size))
         self.scheduler = Scheduler(
             self.kv, config.scheduler_config, max_model_len=self.max_model_len,
             num_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
-            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1)
-        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
+            kv_connector=kv_connector, pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
+            lora=config.lora_config)
         self.execute_time_s = 0.0  # time the workers spent in steps (rank 0), for the busy metric
         self.expert_tokens: list[int] = []  # MoE: tokens routed to each expert since start
         self.last_expert_tokens: list[int] = []  # ... and in the last step that ran MoE layers
@@ -135,7 +141,7 @@ class EngineCore:
         from asyncengine.worker.kernel_info import describe  # lazy: the worker's weight code loads only for an update
 
         impl = check_architecture(self.model_info.hf_config, config.model_impl)
-        return describe(config, via_transformers=impl == TRANSFORMERS_BACKEND,
+        return describe(config.model_config, via_transformers=impl == TRANSFORMERS_BACKEND,
                         attention=self.executor.collective_rpc("attention_backend_name")[0])
 
     @property

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from asyncengine.config import EngineConfig
+from asyncengine.config.sub_configs import ModelConfig
 from asyncengine.errors import ModelLoadError
 from asyncengine.models.model_info import (load_tokenizer, read_eos_ids, read_generation_config, read_hf_config,
                                            resolve_max_model_len, resolve_path)
@@ -79,9 +79,10 @@ def _safetensors_weights(path: Path, shard_of=None):
             raise ModelLoadError(f"{fp}: cannot read safetensors file ({e})") from None
 
 
-def load_model(config: EngineConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None,
+def load_model(config: ModelConfig, tp=None, tokenizer: bool = True, hf_config: dict | None = None,
                pp=None, read_weights: bool = True) -> LoadedModel:
-    """Build the model and load its weights. With a ``TPGroup`` of size N (``tp``), build this
+    """Build the model of ``config`` (the model's view, ``EngineConfig.model_config``) and load its
+    weights. With a ``TPGroup`` of size N (``tp``), build this
     rank's shard and read only its slices of the checkpoint. ``tokenizer=False``: a worker, which
     never needs one. ``hf_config``: the model config as a dict, already read by the engine (a
     worker process then never imports transformers for a safetensors checkpoint: seconds saved).
@@ -190,7 +191,7 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
                 table[name] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
 
 
-def choose_weight_storage(model: torch.nn.Module, config: EngineConfig, file_types: dict[str, str] | None,
+def choose_weight_storage(model: torch.nn.Module, config: ModelConfig, file_types: dict[str, str] | None,
                           quiet: bool = False) -> frozenset[str]:
     """Pick every linear layer's storage (dense or a GGUF block format) on the not yet allocated
     model, per ``config.quantization`` (docs/quantization.md), and return the checkpoint names the

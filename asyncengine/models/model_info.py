@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncengine.config import EngineConfig
+from asyncengine.config.sub_configs import ModelConfig
 from asyncengine.errors import ConfigError, ModelLoadError
 from asyncengine.models.registry import check_architecture
 
@@ -55,7 +55,7 @@ def read_eos_ids(path: Path, hf_config) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
-def load_tokenizer(path: str, config: EngineConfig):
+def load_tokenizer(path: str, config: ModelConfig):
     if config.skip_tokenizer_init:
         return None
     tok_path = Path(config.tokenizer or path)
@@ -71,7 +71,7 @@ def load_tokenizer(path: str, config: EngineConfig):
         raise ModelLoadError(f"{tok_path}: cannot load tokenizer ({e})") from None
 
 
-def resolve_max_model_len(hf_config, config: EngineConfig) -> int:
+def resolve_max_model_len(hf_config, config: ModelConfig) -> int:
     # (sliding-window models serve their full length: their layers mask what left the window)
     limit = getattr(hf_config, "max_position_embeddings", None) or 4096
     if config.max_model_len is None:
@@ -97,8 +97,9 @@ class ModelInfo:
     generation_config: dict | None = None
 
 
-def load_model_info(config: EngineConfig) -> ModelInfo:
-    """Config, tokenizer, generation config and limits of the configured model; reads no weight."""
+def load_model_info(config: ModelConfig) -> ModelInfo:
+    """Config, tokenizer, generation config and limits of the model ``config`` (the model's view,
+    ``EngineConfig.model_config``) names; reads no weight."""
     path = resolve_path(config.model)
     if path.endswith(".gguf"):
         if config.model_impl == "transformers":

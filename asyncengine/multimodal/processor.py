@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
+from asyncengine.config.sub_configs import MultiModalConfig
 from asyncengine.contracts.multimodal import MultiModalInput
 from asyncengine.errors import InvalidRequestError
 from asyncengine.multimodal.image_io import ImageLimits, load_image
@@ -40,11 +41,12 @@ class MultiModalProcessor:
             self.tokens_per_image = num_image_tokens(self.info)
 
     @classmethod
-    def of(cls, config, model_info) -> "MultiModalProcessor | None":
-        """The processor of an engine's model (EngineConfig's image limits), or None: no images."""
-        if vision_info(model_info.hf_config) is None or getattr(config, "model_impl", "auto") == "transformers":
+    def of(cls, mm: MultiModalConfig, model_info, model_impl: str = "auto") -> "MultiModalProcessor | None":
+        """The processor of an engine's model (the image limits of its multimodal view), or None: no
+        images. ``model_impl``: the model view's (the Transformers backend takes no images)."""
+        if vision_info(model_info.hf_config) is None or model_impl == "transformers":
             return None  # (the Transformers backend runs the text model alone: it takes no images)
-        limits = ImageLimits(max_images=config.limit_mm_per_prompt, max_pixels=config.mm_max_pixels)
+        limits = ImageLimits(max_images=mm.limit_mm_per_prompt, max_pixels=mm.mm_max_pixels)
         return cls(model_info.path, model_info.hf_config, limits)
 
     @property

@@ -20,6 +20,7 @@ import torch
 from asyncengine.attention.backend import SeqChunk, StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.config.attention import backend_info
+from asyncengine.config.sub_configs import ModelConfig, SchedulerConfig
 from asyncengine.worker.cuda_utils import capture_sizes, padded_batch_size
 
 log = logging.getLogger(__name__)
@@ -81,19 +82,19 @@ class DecodeGraphs:
         return self.outputs[n][:m]
 
 
-def decode_graphs_for(runner: Any, config: Any) -> DecodeGraphs | None:
+def decode_graphs_for(runner: Any, model_config: ModelConfig, sched: SchedulerConfig) -> DecodeGraphs | None:
     """The runner's decode graphs, captured at start, where they apply: a capturable backend, one
     rank, no per-step host decisions (Mamba state slots, MoE expert groups, per-group block tables,
     an encoder's per-step sequence splits).
     A capture failure costs speed, never correctness: the runner then runs eagerly."""
-    if not (backend_info(runner.attn_backend.name).cuda_graphs and not config.enforce_eager
+    if not (backend_info(runner.attn_backend.name).cuda_graphs and not model_config.enforce_eager
             and runner.tp.size == 1 and runner.pp.size == 1 and runner.state_cache is None
             and not getattr(runner.model, "is_moe", False) and not getattr(runner.model, "uses_token_types", False)
             and len(runner.kv_groups) <= 1):
         return None
     try:
         # a decode batch has at most max_num_batched_tokens rows: the input buffers' size
-        largest = min(config.max_num_seqs, config.max_num_batched_tokens)
+        largest = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.kv_caches, runner.inputs, largest)
         graphs.capture()
         return graphs

@@ -8,14 +8,19 @@ import time
 
 import torch
 
-from asyncengine.config import EngineConfig
+from asyncengine.config.grammar_limits import GrammarLimits
+from asyncengine.config.sub_configs import ModelConfig
 from asyncengine.worker.grammar_gate import GatedMatcher
 from asyncengine.worker.request_state import RunnerRequestState
 
 
 class Grammar:
-    def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.config = config
+    def __init__(self, model_config: ModelConfig, limits: GrammarLimits | None, vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+        """``model_config``: whose tokenizer the grammars compile against; ``limits``: what one
+        structured output may cost (None: GrammarLimits()'s defaults, as the structured backend's)."""
+        self.model_config = model_config
+        self.limits = limits
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._compiler = None  # the xgrammar compiler, made on first use
@@ -31,9 +36,10 @@ class Grammar:
             from asyncengine.models.model_info import load_model_info  # lazy: only on this path (loading, profiling, a configuration)
             from asyncengine.structured.backend import compiler_for  # lazy: only on this path (loading, profiling, a configuration)
 
-            key = self.config.tokenizer or self.config.model
-            self._compiler = compiler_for(key, lambda: load_model_info(self.config).tokenizer, self.vocab_size,
-                                          self.eos_token_ids, self.config.grammar_limits)
+            m = self.model_config
+            key = m.tokenizer or m.model
+            self._compiler = compiler_for(key, lambda: load_model_info(m).tokenizer, self.vocab_size,
+                                          self.eos_token_ids, self.limits)
         return self._compiler
 
     def start(self, st: RunnerRequestState) -> None:

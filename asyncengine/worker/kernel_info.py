@@ -2,10 +2,10 @@
 the quantized kernels' activations and instruction set, the attention backend."""
 from __future__ import annotations
 
-from asyncengine.config import EngineConfig
+from asyncengine.config.sub_configs import ModelConfig
 
 
-def describe(config: EngineConfig, via_transformers: bool = False, attention: str | None = None) -> str:
+def describe(config: ModelConfig, via_transformers: bool = False, attention: str | None = None) -> str:
     """E.g. "float32 (auto: block-quantized weights run fp32/int8 kernels); int8 activations x
     quantized weights on avx512_vnni; cpu attention". ``via_transformers``: the model runs through
     the Transformers backend (models/transformers_backend.py), which the line says: it is slower

@@ -30,9 +30,10 @@ class GroupKV(tuple):
         return t
 
 
-def groups_of(config, model) -> list[KVCacheGroup]:
-    """The engine's block tables over this model's layers (the core decides the same way)."""
-    return table_groups(config, getattr(model.args, "layer_windows", ()))
+def groups_of(model, one_table: str | None) -> list[KVCacheGroup]:
+    """The engine's block tables over this model's layers (the core decides the same way);
+    ``one_table``: why the engine keeps one table (``kv_cache_spec.one_table_reason``; None: per group)."""
+    return table_groups(getattr(model.args, "layer_windows", ()), one_table)
 
 
 def layers_per_block(groups: list[KVCacheGroup]) -> int | None:

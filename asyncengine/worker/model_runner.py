@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -33,8 +34,11 @@ from asyncengine.attention.backend import StepBatch
 from asyncengine.attention.buffers import PersistentBuffers
 from asyncengine.attention.kv_cache import kv_cache_zeros
 from asyncengine.attention.selector import get_model_backend, model_backend_name
-from asyncengine.config import EngineConfig
-from asyncengine.contracts.kv_cache_spec import KVCacheConfig
+from asyncengine.config.grammar_limits import GrammarLimits
+from asyncengine.config.speculative import SpeculativeConfig
+from asyncengine.config.sub_configs import (CacheConfig, KVTransferConfig, LoRAConfig, ModelConfig,
+                                            MultiModalConfig, SchedulerConfig)
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheGroup
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.kv_connector.factory import make_worker_connector
 from asyncengine.kv_connector.offload.fingerprint import kv_fingerprint
@@ -52,26 +56,29 @@ from asyncengine.worker.sampling_batch import SamplingBatch
 from asyncengine.worker.sampling_metadata import SamplingMetadata
 from asyncengine.worker.speculation import accept_drafts, draft_outputs, make_proposer, propose_drafts
 from asyncengine.worker.state_cache import StateCache
-from asyncengine.worker.kv_groups import allocate_kv_caches, grouped_metadata, groups_of
+from asyncengine.worker.kv_groups import allocate_kv_caches, grouped_metadata
 from asyncengine.worker.step_layout import StepLayout, classify, lay_out, row_lora_ids
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, kv: KVCacheConfig,
-                 eos_token_ids: list[int], tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None,
-                 pp: PPGroup = FULL) -> None:
-        self.config = config
-        if config.torch_device.type == "cpu":
+    def __init__(self, model: torch.nn.Module, kv: KVCacheConfig, eos_token_ids: list[int], *,
+                 model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 kv_groups: Sequence[KVCacheGroup] = (), kv_transfer_config: KVTransferConfig | None = None,
+                 lora_config: LoRAConfig | None = None, multimodal_config: MultiModalConfig | None = None,
+                 speculative: SpeculativeConfig | None = None, grammar_limits: GrammarLimits | None = None,
+                 tp: TPGroup = SINGLE, draft_model: torch.nn.Module | None = None, pp: PPGroup = FULL) -> None:
+        """Each part of the engine's configuration as its view (config/sub_configs.py); an optional
+        one left None is its feature off. ``kv``: the core's block plan (never re-read from
+        ``cache_config``); ``kv_groups``: the block tables the engine keeps (worker/kv_groups.py)."""
+        self.model_config, self.scheduler_config = model_config, scheduler_config
+        self.device, self.dtype = model_config.torch_device, model_config.torch_dtype
+        if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = model
-        self.tp = tp
-        self.pp = pp
+        self.model, self.tp, self.pp = model, tp, pp
         # the one rank that returns each step's output: tensor rank 0 of the last stage
         self.is_output_rank = tp.rank == 0 and pp.is_last
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
         self.block_size = kv.block_size  # the core's plan (core/kv_cache_spec.py), not re-read from config
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -80,39 +87,39 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.num_blocks = num_blocks = kv.num_blocks
         # the attention backend owns the cache layout and builds each step's attention metadata
-        self.attn_backend = self._attention_backend(config, a)
-        self._init_kv_cache(config, a.num_layers if pp.size == 1 else len(model.layers))
+        self.attn_backend = self._attention_backend(model_config, scheduler_config, cache_config.kv_cache_dtype, a)
+        self.kv_groups = list(kv_groups)
+        self._init_kv_cache(a.num_layers if pp.size == 1 else len(model.layers), kv_transfer_config,
+                            functools.partial(kv_fingerprint, model_config, cache_config, tp.size))
         self.link = None  # pipeline parallel: the stage's link to its neighbours
         if pp.size > 1:
             from asyncengine.worker.pipeline import StageLink  # lazy: CUDA graphs / pipeline parallel only when configured
-
             self.link = StageLink(pp, a.hidden_size, self.dtype, self.device)
         self.recv_wait_s = 0.0  # time spent waiting for the previous stage (the pipeline's bubble)
         # the step's token ids and positions: filled in place every step (pinned + async copy on CUDA)
-        cap = max(config.max_num_batched_tokens, config.max_num_seqs)
+        cap = max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs)
         self.inputs = PersistentBuffers({"input_ids": ((cap,), torch.int64), "positions": ((cap,), torch.int64)},
                                         self.device)
         # hybrid models: the Mamba layers' state slots, one per sequence the scheduler may run
-        self.state_cache = StateCache.for_model(model, config.max_num_seqs, self.dtype, self.device)
+        self.state_cache = StateCache.for_model(model, scheduler_config.max_num_seqs, self.dtype, self.device)
         self.graphs = None  # DecodeGraphs on CUDA with a graph-capturable backend, unless enforce_eager
         if self.device.type == "cuda":
             from asyncengine.worker.cuda_graphs import decode_graphs_for  # lazy: CUDA graphs / pipeline parallel only when configured
-
-            self.graphs = decode_graphs_for(self, config)
+            self.graphs = decode_graphs_for(self, model_config, scheduler_config)
         self.requests: dict[str, RunnerRequestState] = {}
         # vision-language models: the image encoder's outputs by image hash (worker/encoder_cache.py)
-        self.encoder_cache = EncoderCache.for_model(model, self.device, self.dtype,
-                                                    config.multimodal_config.mm_encoder_cache_tokens)
+        self.encoder_cache = EncoderCache.for_model(model, self.device, self.dtype, *(
+            (multimodal_config.mm_encoder_cache_tokens,) if multimodal_config is not None else ()))
         self.lora = None  # multi-LoRA: the adapters' slots and hooks on the model (lora/hooks.py)
-        if config.enable_lora:
+        if lora_config is not None and lora_config.enable_lora:
             from asyncengine.lora.hooks import LoRAModel  # lazy: only LoRA serving needs it
-
-            self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype)
+            self.lora = LoRAModel(model, lora_config.max_loras, lora_config.max_lora_rank, lora_config.max_cpu_loras,
+                                  self.dtype)
         # requests that asked for prompt logprobs (only a gate: empty = skip that work entirely)
         self._prompt_logprob_ids: set[str] = set()
         self._pooling_ids: set[str] = set()  # pooling (embedding) requests, the same kind of gate
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         # the sampler's per-row tables and penalty token ids, kept across steps
         self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, self.generator)
         self.execute_time_s = 0.0  # total time inside execute(), for the busy-fraction metric
@@ -120,40 +127,37 @@ class ModelRunner:
         self.moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
         for m in self.moe_layers:
             m.record_load = True
-        spec = config.speculative
-        self.spec = spec
+        self.spec = speculative
         # structured outputs: matchers and each step's masks (the compiler is made on first use)
-        self.grammar = Grammar(config, self.vocab_size, self.eos_token_ids)
+        self.grammar = Grammar(model_config, grammar_limits, self.vocab_size, self.eos_token_ids)
         self.proposer = None  # spec_decode/proposer.py: n-gram lookup or a draft model
-        if spec is not None:
-            self.proposer = make_proposer(spec, draft_model, num_blocks, self.block_size, self.device,
+        if speculative is not None:
+            self.proposer = make_proposer(speculative, draft_model, num_blocks, self.block_size, self.device,
                                           self.dtype, self.attn_backend.name)
 
-    def _init_kv_cache(self, config: EngineConfig, num_layers: int) -> None:
+    def _init_kv_cache(self, num_layers: int, kv_transfer: KVTransferConfig | None, fingerprint) -> None:
         """This stage's attention layers' caches (a.num_layers is the whole model's: pipeline parallel
-        holds a slice; hybrids count their attention layers there), zeroed, not empty: masked-out
-        slots are multiplied by 0 probabilities, and 0 * NaN = NaN. Models mixing full and sliding
-        layers get one block table per group, layers sharing tensors."""
-        self.kv_groups = groups_of(config, self.model)
+        holds a slice; hybrids count their attention layers there), zeroed: masked-out slots are
+        multiplied by 0 probabilities, and 0 * NaN = NaN. Mixed full/sliding models: a table per group."""
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.kv_groups, num_layers, kv_cache_zeros)
         if len(self.kv_groups) > 1:
             log.info("KV cache: %d block tables, one per group; the native decode step and CUDA graphs take one "
                      "table, so they stay off for this model", len(self.kv_groups))
         # moves KV between the cache and elsewhere around each step (kv_connector/; None: off)
-        self.kv_connector = make_worker_connector(config.kv_transfer_config, self.attn_backend.name, self.kv_caches,
-                                                  functools.partial(kv_fingerprint, config))
+        self.kv_connector = None if kv_transfer is None else make_worker_connector(
+            kv_transfer, self.attn_backend.name, self.kv_caches, fingerprint)
 
-    def _attention_backend(self, config: EngineConfig, a):
+    def _attention_backend(self, model_config: ModelConfig, sched: SchedulerConfig, kv_cache_dtype: str, a):
         """The backend for this model's attention: its scale, soft-cap and windows checked at start."""
-        name = model_backend_name(config.attention_backend, config.attention_backend_name, a)
+        name = model_backend_name(model_config.attention_backend, model_config.attention_backend_name, a)
         backend = get_model_backend(
             name, a, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=a.head_dim, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
-            device=self.device, max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            device=self.device, max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_blocks_per_seq=min(self.num_blocks, -(-a.max_positions // self.block_size)),
             scale=getattr(a, "attn_scale", None),  # Gemma: query_pre_attn_scalar ** -0.5
-            kv_cache_dtype=config.kv_cache_dtype)
-        if config.batch_invariant:
+            kv_cache_dtype=kv_cache_dtype)
+        if model_config.batch_invariant:
             batch_invariant.check_backend(backend)
             backend.batch_invariant = True
         return backend

@@ -111,7 +111,7 @@ def allocate_kv(runner) -> None:
     model = runner.model
     n = model.args.num_layers if runner.pp.size == 1 else len(model.layers)
     runner.kv_caches = allocate_kv_caches(runner.attn_backend, runner.kv_groups, n, kv_cache_zeros)
-    runner.state_cache = StateCache.for_model(model, runner.config.max_num_seqs, runner.dtype, runner.device)
+    runner.state_cache = StateCache.for_model(model, runner.scheduler_config.max_num_seqs, runner.dtype, runner.device)
 
 
 def weights_for_update(worker, update) -> None:

@@ -13,10 +13,11 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from asyncengine.contracts.kv_cache_spec import KVCacheConfig, KVCacheGroup, KVCacheSpec, one_table_reason
 from asyncengine.contracts.sched_output import ModelRunnerOutput, SchedulerOutput
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.platforms.onednn_caches import bound_onednn_caches
@@ -110,7 +111,7 @@ class Worker:
             self.model = self._preloaded.model
             self._preloaded = None
         else:
-            self.model = load_model(self.config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
+            self.model = load_model(self.config.model_config, tp=self.tp, tokenizer=False, hf_config=self._hf_config,
                                     pp=self.pp, read_weights=read_weights).model
         set_quantized_activations(self.model, self.config.quantized_activations)
         if self.config.torch_device.type == "cpu" and hasattr(self.model, "native_step") and self.pp.size == 1:
@@ -119,10 +120,7 @@ class Worker:
             self.model.native_step = NativeStep.for_model(self.model)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
-            import dataclasses
-
-
-            draft_cfg = dataclasses.replace(self.config, model=spec.model, tokenizer=None, speculative_config=None)
+            draft_cfg = msgspec.structs.replace(self.config.model_config, model=spec.model, tokenizer=None)
             self.draft_model = load_model(draft_cfg, tokenizer=False).model
             if self.draft_model.args.vocab_size != self.model.args.vocab_size:
                 raise ConfigError(f"speculative draft model {spec.model!r} has a vocabulary of "
@@ -148,7 +146,7 @@ class Worker:
         if c.torch_device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             budget = self.profile_kv_budget()
         # several block tables: a block spans one group's layers (worker/kv_groups.py)
-        layers = layers_per_block(groups_of(c, self.model))
+        layers = layers_per_block(self._kv_groups())
         per_block = target = kv_bytes_per_block(self.model, c.block_size, c.torch_dtype, layers, c.kv_cache_dtype)
         if self.draft_model is not None:  # the draft's cache has as many blocks
             per_block += kv_bytes_per_block(self.draft_model, c.block_size, c.torch_dtype)
@@ -204,11 +202,20 @@ class Worker:
                  100 * c.gpu_memory_utilization, total / 2**30)
         return budget
 
+    def _kv_groups(self) -> list[KVCacheGroup]:
+        """The block tables over this model's layers, as the core decides them (worker/kv_groups.py)."""
+        c = self.config
+        return groups_of(self.model, one_table_reason(c.speculative, c.kv_transfer_config, c.parallel_config))
+
     def initialize_cache(self, kv: KVCacheConfig) -> None:
         """Build the cache the core planned: ``kv``'s block count and block size, never re-read
-        from the config."""
-        self.runner = ModelRunner(self.config, self.model, kv, self.eos_token_ids, self.tp,
-                                  draft_model=self.draft_model, pp=self.pp)
+        from the config. The worker holds the engine's config; the runner gets the views it reads."""
+        c = self.config
+        self.runner = ModelRunner(
+            self.model, kv, self.eos_token_ids, model_config=c.model_config, cache_config=c.cache_config,
+            scheduler_config=c.scheduler_config, kv_groups=self._kv_groups(), kv_transfer_config=c.kv_transfer_config,
+            lora_config=c.lora_config, multimodal_config=c.multimodal_config, speculative=c.speculative,
+            grammar_limits=c.grammar_limits, tp=self.tp, draft_model=self.draft_model, pp=self.pp)
 
     # ------------------------------------------------------------------ the step
 

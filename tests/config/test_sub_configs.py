@@ -1,6 +1,7 @@
 """Every EngineConfig field has exactly one home, and the views say what the flat config says."""
 import dataclasses
 
+import msgspec
 import pytest
 
 from asyncengine.config import EngineConfig
@@ -60,3 +61,21 @@ def test_views_are_read_only():
 def test_host_pool_default_when_only_a_directory(tmp_path):
     view = EngineConfig(kv_offload_dir=str(tmp_path)).kv_transfer_config
     assert isinstance(view, KVTransferConfig) and view.host_offload_bytes == 512 * 2**20
+
+
+def test_the_model_view_resolves_the_machine_once_and_keeps_it_when_pickled():
+    """The loader and the runner read the device, dtype and backend from the model's view alone;
+    EngineConfig's own properties are that view's, and a pickled view (another process) keeps them."""
+    import pickle
+
+    import torch
+
+    config = EngineConfig(model="/models/hf-folder", dtype="float32", device="cpu", attention_backend="torch")
+    view = config.model_config
+    assert (view.torch_device, view.torch_dtype) == (torch.device("cpu"), torch.float32)
+    assert view.dtype_reason == "asked for" and view.attention_backend_name == "torch"
+    assert (config.torch_device, config.torch_dtype, config.attention_backend_name) == \
+        (view.torch_device, view.torch_dtype, view.attention_backend_name)
+    copy = pickle.loads(pickle.dumps(config)).model_config
+    assert copy == view and copy.__dict__ == view.__dict__
+    assert not msgspec.structs.replace(view, model="/models/other").__dict__  # a changed view resolves afresh

@@ -16,8 +16,11 @@ SHAPE = KVModelShape(num_layers=30, num_kv_heads=3, head_dim=64, max_model_len=8
 PER_BLOCK = 2 * 30 * 16 * 3 * 64 * 4  # fp32, block_size 16
 
 
-def cfg(**kw) -> EngineConfig:
-    return EngineConfig(dtype="float32", device="cpu", **kw)
+def cfg(**kw) -> tuple:
+    """What the sizing reads of an engine config: its cache view, max_num_seqs and the cache's bytes
+    per value (fp32 here)."""
+    config = EngineConfig(dtype="float32", device="cpu", **kw)
+    return config.cache_config, config.scheduler_config.max_num_seqs, config.torch_dtype.itemsize
 
 
 def test_bytes_per_block():
@@ -26,34 +29,34 @@ def test_bytes_per_block():
 
 
 def test_by_need_when_memory_allows():
-    plan = plan_kv_cache(cfg(max_num_seqs=4), SHAPE, available_bytes=64 << 30)
+    plan = plan_kv_cache(*cfg(max_num_seqs=4), SHAPE, available_bytes=64 << 30)
     assert plan.num_blocks == 4 * (8192 // 16) + 1
     assert plan.nbytes == plan.num_blocks * PER_BLOCK
 
 
 def test_capped_at_a_fraction_of_available_memory():
     avail = 8 << 30
-    plan = plan_kv_cache(cfg(max_num_seqs=256, kv_cache_memory_fraction=0.25), SHAPE, available_bytes=avail)
+    plan = plan_kv_cache(*cfg(max_num_seqs=256, kv_cache_memory_fraction=0.25), SHAPE, available_bytes=avail)
     assert plan.num_blocks == (avail // 4) // PER_BLOCK
     assert plan.nbytes <= avail // 4
-    half = plan_kv_cache(cfg(max_num_seqs=256, kv_cache_memory_fraction=0.125), SHAPE, available_bytes=avail)
+    half = plan_kv_cache(*cfg(max_num_seqs=256, kv_cache_memory_fraction=0.125), SHAPE, available_bytes=avail)
     assert half.num_blocks == (avail // 8) // PER_BLOCK
 
 
 def test_explicit_sizes_win_over_need_and_memory():
-    assert plan_kv_cache(cfg(num_kv_blocks=7), SHAPE, available_bytes=1).num_blocks == 7
-    assert plan_kv_cache(cfg(kv_cache_bytes=10 * PER_BLOCK + 5), SHAPE, available_bytes=1).num_blocks == 10
+    assert plan_kv_cache(*cfg(num_kv_blocks=7), SHAPE, available_bytes=1).num_blocks == 7
+    assert plan_kv_cache(*cfg(kv_cache_bytes=10 * PER_BLOCK + 5), SHAPE, available_bytes=1).num_blocks == 10
 
 
 def test_unknown_memory_means_need_alone():
-    assert plan_kv_cache(cfg(max_num_seqs=2), SHAPE, available_bytes=None).num_blocks == 2 * 512 + 1
+    assert plan_kv_cache(*cfg(max_num_seqs=2), SHAPE, available_bytes=None).num_blocks == 2 * 512 + 1
 
 
 def test_too_small_is_a_clear_error():
     with pytest.raises(ConfigError, match="fewer than 2 blocks"):
-        plan_kv_cache(cfg(kv_cache_bytes=PER_BLOCK), SHAPE, available_bytes=None)
+        plan_kv_cache(*cfg(kv_cache_bytes=PER_BLOCK), SHAPE, available_bytes=None)
     with pytest.raises(ConfigError, match="kv_cache_memory_fraction"):
-        plan_kv_cache(cfg(), SHAPE, available_bytes=PER_BLOCK)
+        plan_kv_cache(*cfg(), SHAPE, available_bytes=PER_BLOCK)
     with pytest.raises(ConfigError, match="kv_cache_memory_fraction must be in"):
         cfg(kv_cache_memory_fraction=0)
 

@@ -85,10 +85,11 @@ def test_longest_request_fits_every_group_at_once():
     from asyncengine.config import EngineConfig
 
     kv = GroupedKVCacheManager(NUM_BLOCKS, BS, WINDOWS)  # 60 blocks
-    chunked = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=8)
+    chunked = EngineConfig(model="unused", block_size=BS, max_num_batched_tokens=8).scheduler_config
     # under chunked prefill a sliding group holds at most (8 + 10) / 4 + 2 = 7 blocks: 60 - 14 for the full one
     assert kv.max_request_len(chunked, 10_000) == (NUM_BLOCKS - 2 * 7) * BS
-    whole = EngineConfig(model="unused", block_size=BS, enable_chunked_prefill=False, max_num_batched_tokens=10_000)
+    whole = EngineConfig(model="unused", block_size=BS, enable_chunked_prefill=False,
+                         max_num_batched_tokens=10_000).scheduler_config
     assert kv.max_request_len(whole, 10_000) == NUM_BLOCKS // 3 * BS  # a whole prompt: every group every block
     assert kv.max_request_len(chunked, 50) == 50
 
@@ -151,6 +152,13 @@ def test_prefix_hit_is_what_every_group_serves():
     assert step(kv, g, 40) and kv.get_computed_blocks(req("h", prompt))[1] == 36
 
 
+def manager_for(cfg, layer_windows, num_blocks: int):
+    """The manager an engine core with ``cfg`` makes: its cache view, and the views that decide
+    whether a mixed model keeps one table."""
+    return make_kv_cache_manager(cfg.cache_config, layer_windows, num_blocks, speculative=cfg.speculative,
+                                 kv_transfer=cfg.kv_transfer_config, parallel=cfg.parallel_config)
+
+
 def test_what_needs_one_table_keeps_one(caplog):
     """Speculative decoding, KV offload, P/D and pipeline parallelism read or move whole tables:
     a mixed model keeps one plain table under them (every block, as before per-group tables)."""
@@ -161,12 +169,12 @@ def test_what_needs_one_table_keeps_one(caplog):
     for options in (dict(kv_offload_bytes=2**20), dict(speculative_config=spec)):
         cfg = EngineConfig(model="unused", block_size=BS, **options)
         with caplog.at_level("INFO"):
-            assert type(make_kv_cache_manager(cfg, (None, 8), 40)) is KVCacheManager
+            assert type(manager_for(cfg, (None, 8), 40)) is KVCacheManager
     assert "keeps one table with every block under speculative decoding" in caplog.text
     cfg = EngineConfig(model="unused", block_size=BS)
-    assert type(make_kv_cache_manager(cfg, (None, 8), 40)) is GroupedKVCacheManager
+    assert type(manager_for(cfg, (None, 8), 40)) is GroupedKVCacheManager
     with pytest.raises(ConfigError, match="speculative decoding"):  # all sliding: refused as before
-        make_kv_cache_manager(EngineConfig(model="unused", block_size=BS, speculative_config=spec), (8, 8), 40)
+        manager_for(EngineConfig(model="unused", block_size=BS, speculative_config=spec), (8, 8), 40)
 
 
 class GroupedMachine(RuleBasedStateMachine):

@@ -18,10 +18,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from asyncengine.contracts.kv_cache_spec import kv_cache_groups
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.request import Request
-from asyncengine.core.grouped_kv_cache_manager import GroupedKVCacheManager, make_kv_cache_manager
+from asyncengine.core.grouped_kv_cache_manager import GroupedKVCacheManager
 from asyncengine.core.sliding_window_kv_cache_manager import NULL_BLOCK, SlidingWindowKVCacheManager
 from asyncengine.errors import ConfigError
 from asyncengine.sampling_params import SamplingParams
+from test_grouped_kv_cache_manager import manager_for  # the views an engine core hands the factory
 
 BS, WINDOW, NUM_BLOCKS = 4, 10, 40
 CAP = -(-WINDOW // BS) + 2  # blocks a decoding request may hold: ceil(w / bs) + 2 (w / bs + 2 when bs | w)
@@ -100,13 +101,12 @@ def test_mixed_and_refused_configs(caplog):
 
     cfg = EngineConfig(model="unused", block_size=BS, enable_prefix_caching=True)
     with caplog.at_level("INFO"):
-        assert type(make_kv_cache_manager(cfg, (None, 16), NUM_BLOCKS)) is GroupedKVCacheManager  # a table per group
+        assert type(manager_for(cfg, (None, 16), NUM_BLOCKS)) is GroupedKVCacheManager  # a table per group
     assert "2 block tables" in caplog.text
-    assert type(make_kv_cache_manager(cfg, (None, None), NUM_BLOCKS)) is KVCacheManager
-    assert make_kv_cache_manager(cfg, (16, 16), NUM_BLOCKS).sliding_window == 16
+    assert type(manager_for(cfg, (None, None), NUM_BLOCKS)) is KVCacheManager
+    assert manager_for(cfg, (16, 16), NUM_BLOCKS).sliding_window == 16
     with pytest.raises(ConfigError, match="KV offload"):
-        make_kv_cache_manager(EngineConfig(model="unused", block_size=BS, kv_offload_bytes=2**20),
-                              (16, 16), NUM_BLOCKS)
+        manager_for(EngineConfig(model="unused", block_size=BS, kv_offload_bytes=2**20), (16, 16), NUM_BLOCKS)
 
 
 PROMPTS = [list(range(3, 3 + n)) for n in (6, 13, 21)] + [list(range(3, 15)) + [99] * 9]

@@ -65,26 +65,28 @@ def test_blocks_and_slot_are_taken_together_or_not_at_all():
     assert kv.group_stats()["state_cache_bytes"] == 200
 
 
-def cfg(**kw) -> EngineConfig:
-    return EngineConfig(dtype="float32", device="cpu", **kw)
+def cfg(**kw) -> tuple:
+    """What the sizing reads of an engine config: its cache view and max_num_seqs."""
+    config = EngineConfig(dtype="float32", device="cpu", **kw)
+    return config.cache_config, config.scheduler_config.max_num_seqs
 
 
 def test_states_come_out_of_the_same_budget():
     per_block, states = 1000, 4 * 5000
-    plain = plan_kv_blocks(cfg(max_num_seqs=4, kv_cache_bytes=100_000), per_block, 1024, None)
-    hybrid = plan_kv_blocks(cfg(max_num_seqs=4, kv_cache_bytes=100_000), per_block, 1024, None, state_bytes=states)
+    plain = plan_kv_blocks(*cfg(max_num_seqs=4, kv_cache_bytes=100_000), per_block, 1024, None)
+    hybrid = plan_kv_blocks(*cfg(max_num_seqs=4, kv_cache_bytes=100_000), per_block, 1024, None, state_bytes=states)
     assert plain.num_blocks == 100 and hybrid.num_blocks == 80
-    capped = plan_kv_blocks(cfg(max_num_seqs=64, kv_cache_memory_fraction=0.5), per_block, 4096, 400_000,
+    capped = plan_kv_blocks(*cfg(max_num_seqs=64, kv_cache_memory_fraction=0.5), per_block, 4096, 400_000,
                             state_bytes=states)
     assert capped.num_blocks == (200_000 - states) // per_block
 
 
 def test_no_attention_layers_blocks_only_count_tokens():
-    plan = plan_kv_blocks(cfg(max_num_seqs=2), 0, 1024, 1 << 30, state_bytes=2 * 5000)
+    plan = plan_kv_blocks(*cfg(max_num_seqs=2), 0, 1024, 1 << 30, state_bytes=2 * 5000)
     assert plan.num_blocks == 2 * (1024 // 16) + 1 and plan.nbytes == 0
-    assert plan_kv_blocks(cfg(max_num_seqs=2, num_kv_blocks=24), 0, 1024, None).num_blocks == 24
+    assert plan_kv_blocks(*cfg(max_num_seqs=2, num_kv_blocks=24), 0, 1024, None).num_blocks == 24
 
 
 def test_states_larger_than_the_budget_are_refused():
     with pytest.raises(ConfigError, match="state slots of max_num_seqs=256"):
-        plan_kv_blocks(cfg(max_num_seqs=256, kv_cache_bytes=1 << 20), 1000, 1024, None, state_bytes=256 * 8192)
+        plan_kv_blocks(*cfg(max_num_seqs=256, kv_cache_bytes=1 << 20), 1000, 1024, None, state_bytes=256 * 8192)

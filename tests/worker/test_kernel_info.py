@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import asyncengine.config.engine as config_module
+import asyncengine.config.device as config_module
 from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError
 from asyncengine.kernels.cpu import quant

@@ -15,8 +15,10 @@ def test_the_runner_builds_the_planned_cache_not_the_configs(tiny_llama_dir):
     from asyncengine.worker.model_runner import ModelRunner
 
     cfg = EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", block_size=16, attention_backend="torch")
-    model = load_model(cfg, tokenizer=False).model
-    runner = ModelRunner(cfg, model, KVCacheConfig(num_blocks=6, block_size=32), eos_token_ids=[])
+    model = load_model(cfg.model_config, tokenizer=False).model
+    runner = ModelRunner(model, KVCacheConfig(num_blocks=6, block_size=32), eos_token_ids=[],
+                         model_config=cfg.model_config, cache_config=cfg.cache_config,
+                         scheduler_config=cfg.scheduler_config)
     assert (runner.block_size, runner.num_blocks) == (32, 6)
     assert runner.attn_backend.block_size == 32
     from asyncengine.layers.attention import TorchPagedAttention

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+from asyncengine.config.sub_configs import CacheConfig, ModelConfig
+
 FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
@@ -32,13 +34,13 @@ def model_identity(path: str) -> list:
     return out
 
 
-def kv_fingerprint(config) -> bytes:
-    """32 bytes naming this engine's KV bytes (an ``EngineConfig``; resolves device and dtype)."""
+def kv_fingerprint(model: ModelConfig, cache: CacheConfig, tensor_parallel_size: int) -> bytes:
+    """32 bytes naming this engine's KV bytes (resolves the model view's device and dtype)."""
     from asyncengine.models.model_info import resolve_path  # lazy: reads the model's files only when a fingerprint is asked for
 
-    parts = [f"asyncengine-kv-v{FORMAT_VERSION}", repr(model_identity(resolve_path(config.model))),
-             str(config.torch_dtype), config.attention_backend_name, str(config.block_size),
-             str(config.tensor_parallel_size)]
-    if config.kv_cache_dtype != "auto":  # int8 rows + scales (16-bit caches keep their old fingerprints)
-        parts.append(f"kv_cache_dtype={config.kv_cache_dtype}")
+    parts = [f"asyncengine-kv-v{FORMAT_VERSION}", repr(model_identity(resolve_path(model.model))),
+             str(model.torch_dtype), model.attention_backend_name, str(cache.block_size),
+             str(tensor_parallel_size)]
+    if cache.kv_cache_dtype != "auto":  # int8 rows + scales (16-bit caches keep their old fingerprints)
+        parts.append(f"kv_cache_dtype={cache.kv_cache_dtype}")
     return hashlib.sha256("\n".join(parts).encode()).digest()
