@@ -40,64 +40,76 @@ int ae_lora_groups_init(ae_lora_groups *g, const ae_step_lora *lo, int T) {
     return 0;
 }
 
-static float dot(const float *a, const float *b, long n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (long i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+/* out[i] = x[rows[i]] . a for up to 4 rows: 4 independent sums (the FMA latency hides), one read of
+ * a. Each sum runs the same way whichever place its row takes, so a row's bits do not depend on
+ * the others (batch invariance). */
+static void dot4(const float *a, const float *x, long ldx, const int32_t *rows, int n, long K, float *out) {
+    const float *x0 = x + (size_t)rows[0] * ldx, *x1 = n > 1 ? x + (size_t)rows[1] * ldx : x0;
+    const float *x2 = n > 2 ? x + (size_t)rows[2] * ldx : x0, *x3 = n > 3 ? x + (size_t)rows[3] * ldx : x0;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (long i = 0; i < K; i++) {
+        const float av = a[i];
+        s0 += x0[i] * av, s1 += x1[i] * av, s2 += x2[i] * av, s3 += x3[i] * av;
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-/* tmp[row, pk] = x[row] . A_s[pk] for each (slot, part * R + k): one read of each A row per slot. */
-static void shrink(const ae_lora_proj *p, const ae_lora_groups *g, const float *x, long ldx, long K, int nparts,
-                   int par, int nthreads) {
-    const int S = g->num_slots, R = g->max_rank, W = 3 * R, items = S * nparts * R;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
-    for (int it = 0; it < items; it++) {
-        const int s = it / (nparts * R), pk = it % (nparts * R);
-        const int n0 = g->start[s], n1 = g->start[s + 1];
-        if (n0 == n1 || pk % R >= p->rank[s]) continue;
-        const float *arow = p->a + ((size_t)s * nparts * R + pk) * (size_t)K;
+/* Slot s, part q: tmp[row, q R + k] = x[row] . A_s[q R + k] for the slot's rows, then
+ * y[row, part's columns] += tmp[row, q R ..] Bt_s[.., columns]: one read of the part's A and B for
+ * all the slot's rows. The delta of each chunk of columns is summed apart, then added once (as
+ * torch's y += (x A^T) B^T). */
+static void slot_part(const ae_lora_proj *p, const ae_lora_groups *g, int s, int q, int nparts, const float *x,
+                      long ldx, long K, float *y, long ldy, long col, long n, long N) {
+    const int R = g->max_rank, W = 3 * R, r = p->rank[s], n0 = g->start[s], n1 = g->start[s + 1];
+    const float *a = p->a + ((size_t)s * nparts * R + (size_t)q * R) * (size_t)K;
+    for (int k = 0; k < r; k++)
+        for (int i = n0; i < n1; i += 4) {
+            float d[4];
+            const int m = n1 - i < 4 ? n1 - i : 4;
+            dot4(a + (size_t)k * K, x, ldx, g->order + i, m, K, d);
+            for (int j = 0; j < m; j++) g->tmp[(size_t)g->order[i + j] * W + (size_t)q * R + k] = d[j];
+        }
+    for (long j0 = col; j0 < col + n; j0 += CHUNK) {
+        const long len = col + n - j0 < CHUNK ? col + n - j0 : CHUNK;
         for (int i = n0; i < n1; i++) {
             const int row = g->order[i];
-            g->tmp[(size_t)row * W + pk] = dot(x + (size_t)row * ldx, arow, K);
+            const float *t = g->tmp + (size_t)row * W + (size_t)q * R;
+            float acc[CHUNK] = {0};
+            if (len == CHUNK) { /* a constant trip count: the sums stay in registers */
+                for (int k = 0; k < r; k++) {
+                    const float tk = t[k], *bk = p->bt + ((size_t)s * R + k) * (size_t)N + j0;
+#pragma omp simd
+                    for (int j = 0; j < CHUNK; j++) acc[j] += tk * bk[j];
+                }
+            } else {
+                for (int k = 0; k < r; k++) {
+                    const float tk = t[k], *bk = p->bt + ((size_t)s * R + k) * (size_t)N + j0;
+#pragma omp simd
+                    for (long j = 0; j < len; j++) acc[j] += tk * bk[j];
+                }
+            }
+            float *yr = y + (size_t)row * ldy + j0;
+#pragma omp simd
+            for (long j = 0; j < len; j++) yr[j] += acc[j];
         }
     }
 }
 
 void ae_lora_apply(const ae_lora_proj *p, const ae_lora_groups *g, const float *x, long ldx, long K, float *y,
                    long ldy, const long *parts, int nparts, int nthreads) {
-    const int S = g->num_slots, R = g->max_rank, W = 3 * R;
-    long N = 0, chunks = 0, work = 0;
-    for (int q = 0; q < nparts; q++) N += parts[q], chunks += (parts[q] + CHUNK - 1) / CHUNK;
+    const int S = g->num_slots;
+    long N = 0, work = 0, cols[4] = {0};
+    if (nparts < 1 || nparts > 3) return; /* (3: the tmp rows hold qkv's parts, the most) */
+    for (int q = 0; q < nparts; q++) N += parts[q], cols[q + 1] = N;
     for (int s = 0; s < S; s++) work += (long)(g->start[s + 1] - g->start[s]) * p->rank[s];
-    if (!work || nparts > 3) return; /* (3: the tmp rows hold qkv's parts, the most) */
-    const int par = nthreads > 1 && work * nparts * (K + N) >= (1L << 16);
-    shrink(p, g, x, ldx, K, nparts, par, nthreads);
-    /* y[row, j] += tmp[row, part's rank block] . Bt_s[.., j]: each item one slot's chunk of one part's
-     * columns, over all of the slot's rows; its delta is summed apart, then added once (as torch's
-     * y += (x A^T) B^T) */
-    const long items = (long)S * chunks;
+    if (!work) return;
+    /* one work item per (slot, part): one fork per projection, no barrier inside */
+    const int par = nthreads > 1 && work * (K * nparts + N) >= (1L << 16);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
-    for (long it = 0; it < items; it++) {
-        const int s = (int)(it / chunks), r = p->rank[s];
-        const int n0 = g->start[s], n1 = g->start[s + 1];
-        if (n0 == n1 || r == 0) continue;
-        long c = it % chunks, col = 0;
-        int q = 0;
-        while (c >= (parts[q] + CHUNK - 1) / CHUNK) c -= (parts[q] + CHUNK - 1) / CHUNK, col += parts[q++];
-        const long j0 = col + c * CHUNK, len = (col + parts[q] - j0) < CHUNK ? col + parts[q] - j0 : CHUNK;
-        for (int i = n0; i < n1; i++) {
-            const int row = g->order[i];
-            const float *t = g->tmp + (size_t)row * W + (size_t)q * R;
-            float acc[CHUNK] = {0};
-            for (int k = 0; k < r; k++) {
-                const float tk = t[k], *bk = p->bt + ((size_t)s * R + k) * (size_t)N + j0;
-#pragma omp simd
-                for (long j = 0; j < len; j++) acc[j] += tk * bk[j];
-            }
-            float *yr = y + (size_t)row * ldy + j0;
-#pragma omp simd
-            for (long j = 0; j < len; j++) yr[j] += acc[j];
-        }
+    for (int it = 0; it < S * nparts; it++) {
+        const int s = it / nparts, q = it % nparts;
+        if (g->start[s] < g->start[s + 1] && p->rank[s] > 0)
+            slot_part(p, g, s, q, nparts, x, ldx, K, y, ldy, cols[q], parts[q], N);
     }
 }
