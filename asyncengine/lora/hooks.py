@@ -1,7 +1,9 @@
 """LoRA on a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3: ``model.layers[i].self_attn.qkv_proj``
 ...): forward hooks on its four linear layers per decoder layer add each adapter's low-rank product
-to that adapter's rows, grouped (grouped.py). The model's own code is unchanged; a step with
-adapters goes the torch path (the native C decode step takes no adapters: ``lora_active``).
+to that adapter's rows, grouped (grouped.py). The model's own code is unchanged. The native C decode
+step (models/llama_native.py) runs no module, so no hook: it reads the same slot stacks through
+``model.lora`` and this step's slot per row (:attr:`LoRAModel.native_rows`) and adds the products
+in C (kernels/cpu/lora.c).
 
 Under tensor parallelism each rank holds its slice of every adapter (sharding.py); not yet under
 pipeline parallelism."""
@@ -30,8 +32,9 @@ class LoRAModel:
             raise ConfigError("LoRA adapters do not run under pipeline parallelism yet")
         if not hasattr(model, "lora_active"):
             raise ConfigError(f"LoRA adapters run on Llama-family models only, not {type(model).__name__}")
-        self.model, self.max_lora_rank = model, max_lora_rank
+        self.max_lora_rank = max_lora_rank
         self.groups: list = []
+        self.native_rows: torch.Tensor | None = None  # int32 [T] slot per row (-1 base); None: no adapter rows
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
         layers = []
         for i, layer in enumerate(model.layers):
@@ -41,14 +44,24 @@ class LoRAModel:
                     raise ConfigError(f"layer {i} {name} fuses {len(lin.parts)} parts, LoRA expects {len(modules)}")
                 for module, n in zip(modules, lin.parts):
                     self.shapes[(i, module)] = (lin.in_features, n)
-                ls = LinearSlots(i, list(zip(modules, lin.parts)), lin.in_features, max_loras, max_lora_rank,
-                                 lin.weight.device, dtype or torch.float32)
-                lin.register_forward_hook(self._hook(ls))
-                layers.append(ls)
+                device = (lin.qweight if lin.quantized else lin.weight).device
+                layers.append(LinearSlots(i, list(zip(modules, lin.parts)), lin.in_features, max_loras,
+                                          max_lora_rank, device, dtype or torch.float32))
         self.slots = LoRASlots(layers, max_loras, max_cpu_loras or max_loras)
         self.sharded = getattr(getattr(model, "tp", None), "size", 1) > 1
         if self.sharded:  # adapters are checked whole, then cut as the base weights are
             self.shapes = full_shapes(model)
+        self.attach(model)
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook ``model`` (at start, or a model reloaded after sleep level 2 with the same shapes);
+        the slots, their adapters and their pointers stay as they are."""
+        self.model = model
+        ls_iter = iter(self.slots.layers)
+        for layer in model.layers:
+            for block, name, _ in FUSED:
+                getattr(getattr(layer, block), name).register_forward_hook(self._hook(next(ls_iter)))
+        model.lora = self
 
     def _hook(self, ls: LinearSlots):
         def hook(module, inputs, out):
@@ -78,14 +91,15 @@ class LoRAModel:
 
     def set_rows(self, row_lora_ids: list[int]) -> None:
         """This step's adapter id per token row (0 = base); puts the adapters in slots and groups the
-        rows once for every layer. The native decode step is skipped while any row has an adapter."""
+        rows once for every layer (the hooks' groups, and the native step's slot per row)."""
         ids = set(row_lora_ids) - {0}
         if not ids:
-            self.groups = []
+            self.groups, self.native_rows = [], None
             self.model.lora_active = False
             return
         slot_of = self.slots.activate(ids)
         device = self.slots.layers[0].a.device if self.slots.layers else None
         row_slots = torch.tensor([slot_of.get(i, -1) for i in row_lora_ids], dtype=torch.long, device=device)
         self.groups = row_groups(row_slots)
+        self.native_rows = row_slots.to("cpu", torch.int32) if row_slots.device.type == "cpu" else None
         self.model.lora_active = True

@@ -4,7 +4,10 @@ that loading an adapter into a slot is a copy, never an allocation.
 
 A fused layer (q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``) gets one stack whose rank
 axis holds each part's rank block side by side and whose B is block-diagonal over the output
-columns: one pair of matmuls per adapter per fused layer."""
+columns: one pair of matmuls per adapter per fused layer. Beside B, ``bt`` holds those diagonal
+blocks transposed ([slots, max_rank, out]: part p's block in p's own columns), the layout the
+native decode step's C loop reads (kernels/cpu/lora.c), and ``rank`` each slot's rank there. The
+C step keeps pointers into these stacks, so they are filled in place, never reallocated."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -25,12 +28,17 @@ class LinearSlots:
         width = max_rank * len(parts)
         self.a = torch.zeros(max_loras, width, fan_in, device=device, dtype=dtype)
         self.b = torch.zeros(max_loras, out, width, device=device, dtype=dtype)
+        # only the CPU's native step reads it
+        self.bt = torch.zeros(max_loras, max_rank, out, dtype=dtype) if torch.device(device).type == "cpu" else None
+        self.rank = torch.zeros(max_loras, dtype=torch.int32, device=device)
 
     def fill(self, slot: int, adapter: LoRAAdapter | None) -> bool:
         """Copy ``adapter``'s parts into ``slot`` (zeros where it has none); True if it has any."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        any_part, col = False, 0
+        if self.bt is not None:
+            self.bt[slot].zero_()
+        any_part, col, rank = False, 0, 0
         for i, (module, n) in enumerate(self.parts):
             pair = adapter.weights.get((self.layer, module)) if adapter is not None else None
             if pair is not None:
@@ -38,8 +46,11 @@ class LinearSlots:
                 r0 = i * self.max_rank
                 self.a[slot, r0:r0 + a.shape[0]] = a
                 self.b[slot, col:col + n, r0:r0 + a.shape[0]] = b
-                any_part = True
+                if self.bt is not None:
+                    self.bt[slot, :a.shape[0], col:col + n] = b.t()
+                any_part, rank = True, max(rank, a.shape[0])
             col += n
+        self.rank[slot] = rank
         return any_part
 
 

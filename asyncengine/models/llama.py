@@ -157,7 +157,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral; Qwen2/Qwen3 are the subclasses below."""
 
-    lora_active = False  # a step with LoRA rows goes the torch path (lora/hooks.py adds their products)
+    lora_active = False  # this step has LoRA rows (lora/hooks.py adds their products; the native step too)
+    lora = None  # the LoRAModel hooked on this model (lora/hooks.py): the native step reads its slots
 
     qkv_bias = False
     qk_norm = False
@@ -222,8 +223,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native_step is not None and intermediate is None and not self.lora_active \
-                and self.native_step.accepts(x.shape[0], meta):
+        if self.native_step is not None and intermediate is None and self.native_step.accepts(x.shape[0], meta):
             return self.native_step(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, rope, kv, meta, residual)

@@ -9,7 +9,10 @@ LM head and sampling.
 When it runs (:func:`native_step_reason` says why not, otherwise None): CPU, fp32 activations,
 every projection in a GGUF block format, the cpu attention backend's kernels, one rank, no q/k
 norm (Qwen3 keeps the per-op path), a step of at most ``MAX_TOKENS`` rows all attended by the
-kernel. ``ASYNCENGINE_NATIVE_STEP=0`` turns it off (the per-op model is the reference, and the
+kernel. Rows under LoRA adapters run in it too: after each projection's GEMM, kernels/cpu/lora.c
+adds each adapter's low-rank product to its rows, from the slot stacks of ``model.lora``
+(lora/hooks.py) on the CPU in fp32 (a tensor-parallel or non-CPU LoRA keeps the per-op path and its
+hooks). ``ASYNCENGINE_NATIVE_STEP=0`` turns it off (the per-op model is the reference, and the
 test holds the two to the same greedy tokens); ``=1`` makes a model it cannot serve an error.
 """
 from __future__ import annotations
@@ -50,6 +53,27 @@ class _Batch(ctypes.Structure):
                 ("query_starts", ctypes.c_void_p), ("query_lens", ctypes.c_void_p),
                 ("context_lens", ctypes.c_void_p), ("T", ctypes.c_int32), ("num_seqs", ctypes.c_int32),
                 ("attn_parallel", ctypes.c_int32)]
+
+
+class _LoRAProj(ctypes.Structure):  # ae_lora_proj (kernels/cpu/lora.h)
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_void_p)]
+
+
+class _LoRA(ctypes.Structure):  # ae_step_lora
+    _fields_ = [("proj", ctypes.c_void_p), ("row_slot", ctypes.c_void_p), ("num_slots", ctypes.c_int32),
+                ("max_rank", ctypes.c_int32)]
+
+
+def lora_native_reason(lora) -> str | None:
+    """None where the native step can add ``lora``'s (a LoRAModel) products, else why not."""
+    if lora is None:
+        return "no LoRA slots on the model"
+    if lora.sharded:
+        return "LoRA under tensor parallelism"
+    ls = lora.slots.layers
+    if not ls or ls[0].bt is None or ls[0].a.dtype != torch.float32:
+        return "LoRA slots are not float32 on the cpu"
+    return None
 
 
 def _mode() -> str:
@@ -96,10 +120,16 @@ class NativeStep:
         self.model = model
         self.lib = load()
         self.fn = self.lib.ae_llama_step
-        self.fn.argtypes = [ctypes.c_void_p] * 6
+        self.fn.argtypes = [ctypes.c_void_p] * 7
         self.fn.restype = ctypes.c_int
         self._caches_key = None
         self._layers = None
+        self._lora = None  # (the LoRAModel, its projection table): built once, its slots never move
+        self.lora_calls = 0  # steps run here with adapter rows (the tests hold it above zero)
+
+    def forget(self) -> None:
+        """Drop the tables (they point into the KV caches and the LoRA slots): sleep, weight updates."""
+        self._keep = self._layers = self._caches_key = self._lora = None
 
     @classmethod
     def for_model(cls, model) -> "NativeStep | None":
@@ -120,6 +150,9 @@ class NativeStep:
         from asyncengine.attention.cpu_backend import CpuAttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
         from asyncengine.attention.int8_cache import Int8AttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
 
+        m = self.model
+        if m.lora_active and lora_native_reason(m.lora) is not None:
+            return False
         return (num_tokens <= MAX_TOKENS and isinstance(meta, (CpuAttentionMetadata, Int8AttentionMetadata))
                 and not meta.prefills and getattr(meta.backend, "kernels", False) and meta.backend.dtype == torch.float32)
 
@@ -148,6 +181,24 @@ class NativeStep:
             self._keep = kv_caches  # the table points into them
         return self._layers
 
+    def _lora_step(self, t: int) -> _LoRA | None:
+        """This step's adapters for the C step (None: base rows only)."""
+        m = self.model
+        lora = m.lora
+        if not m.lora_active or lora is None or lora.native_rows is None:
+            return None
+        rows = lora.native_rows
+        if rows.numel() != t:
+            raise ValueError(f"native step: {rows.numel()} LoRA row slots for a step of {t} rows")
+        if self._lora is None or self._lora[0] is not lora:
+            if len(lora.slots.layers) != 4 * len(m.layers):
+                raise ValueError(f"native step: {len(lora.slots.layers)} LoRA slot stacks for {len(m.layers)} layers")
+            table = (_LoRAProj * len(lora.slots.layers))(*[
+                _LoRAProj(ls.a.data_ptr(), ls.bt.data_ptr(), ls.rank.data_ptr()) for ls in lora.slots.layers])
+            self._lora = (lora, table)
+        self.lora_calls += 1
+        return _LoRA(ctypes.addressof(self._lora[1]), rows.data_ptr(), lora.slots.max_loras, lora.max_lora_rank)
+
     def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor:
         """x: the step's embeddings [T, H] fp32 (used as scratch); returns the final norm's output."""
         from asyncengine.kernels.cpu.attention import PARALLEL_MIN_WORK  # lazy: the kernels build/load (C compile, triton) only on this path
@@ -169,8 +220,11 @@ class NativeStep:
                        p.context_lens.data_ptr(), t, p.num_seqs,
                        int(p.work * m.num_heads * d >= PARALLEL_MIN_WORK))
         hidden = torch.empty(t, a.hidden_size, dtype=torch.float32)
+        lora = self._lora_step(t)
         rc = self.fn(ctypes.addressof(self._layer_table(kv_caches, backend)), ctypes.addressof(dims),
-                     ctypes.addressof(batch), x.data_ptr(), m.norm.weight.data_ptr(), hidden.data_ptr())
+                     ctypes.addressof(batch), x.data_ptr(), m.norm.weight.data_ptr(), hidden.data_ptr(),
+                     None if lora is None else ctypes.addressof(lora))
         if rc:
-            raise MemoryError(f"the native decode step failed ({rc}: out of memory?)")
+            raise MemoryError(f"the native decode step failed ({rc}: out of memory?)") if rc == -2 else \
+                RuntimeError(f"the native decode step failed ({rc}: a bad argument, a LoRA row slot, or a GEMM)")
         return hidden

@@ -49,8 +49,8 @@ def trim() -> None:
 
 def _forget_native_table(model) -> None:
     step = getattr(model, "native_step", None) if model is not None else None
-    if step is not None:  # its layer table points into the KV tensors
-        step._keep = step._layers = step._caches_key = None
+    if step is not None:  # its tables point into the KV tensors (and the LoRA slots)
+        step.forget()
 
 
 def sleep(worker, level: int) -> int:
@@ -87,7 +87,7 @@ def wake_up(worker, tags: list[str]) -> int:
         worker.model = runner.model = None
         trim()
         worker.load_model()  # the checkpoint again, packed as at load
-        runner.model = worker.model
+        _reattach(worker)
         worker.weights_dropped = False
     if worker.model is not None and not worker.weights_dropped and getattr(worker, "repack_on_wake", False):
         _repack(worker)  # the same packed copies as before: the same bits
@@ -95,6 +95,13 @@ def wake_up(worker, tags: list[str]) -> int:
     if "kv_cache" in tags and runner.kv_caches is None:
         allocate_kv(runner)
     return rss_bytes()
+
+
+def _reattach(worker) -> None:
+    """A model loaded again: the runner's, and the LoRA hooks and slots (kept, adapters and all) on it."""
+    worker.runner.model = worker.model
+    if getattr(worker.runner, "lora", None) is not None:
+        worker.runner.lora.attach(worker.model)
 
 
 def _repack(worker) -> None:
@@ -124,5 +131,5 @@ def weights_for_update(worker, update) -> None:
                          "or wake_up(['weights']) first")
     if worker.model is None:
         worker.load_model(read_weights=False)
-        worker.runner.model = worker.model
+        _reattach(worker)
 

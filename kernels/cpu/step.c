@@ -7,12 +7,18 @@
  * (and the interpreter lock: ctypes releases it for the whole call, so an app's Python runs
  * beside the step instead of between its ops).
  *
+ * LoRA (lora.c): with adapter rows, each projection's output gets their grouped low-rank product
+ * right after its GEMM (as lora/hooks.py's forward hooks add it on the per-op path); base rows are
+ * not touched.
+ *
  * Batch invariance (issue 24) is a property of the kernels it calls: the int8 GEMM already gives
  * every row the same bits whatever M is; attention splits per (sequence, kv head), never over keys.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "lora.h"
 
 /* the kernels of quant.c, quant_i8.c, ops.c, attention.c */
 int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
@@ -71,23 +77,34 @@ static int gemm(int act_int8, int type, const float *x, int64_t M, int64_t K, co
                     : ae_q_gemm(type, x, M, K, w, N, bias, out, N, 0, nthreads);
 }
 
-/* x: [T, H] the embeddings (overwritten: scratch); hidden: [T, H] the final norm's output.
- * Returns 0, -1 on a bad argument or a failed GEMM, -2 when out of memory. */
+/* x: [T, H] the embeddings (overwritten: scratch); hidden: [T, H] the final norm's output; lora:
+ * the step's adapters, NULL for none. Returns 0, -1 on a bad argument or a failed GEMM, -2 when
+ * out of memory. */
 int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_step_batch *b, float *x,
-                  const float *final_norm, float *hidden) {
+                  const float *final_norm, float *hidden, const ae_step_lora *lora) {
     const int T = b->T, H = dm->hidden, Hq = dm->num_heads, Hkv = dm->num_kv_heads, D = dm->head_dim;
     const int I = dm->inter, nt = dm->nthreads;
     if (T < 1 || H < 1 || Hq % Hkv) return -1;
     const long q_size = (long)Hq * D, kv_size = (long)Hkv * D, qkv_n = q_size + 2 * kv_size;
     /* one allocation for the step's scratch: residual, h, qkv, attention output, gate_up, act */
     const size_t n = (size_t)T * (2 * H + qkv_n + q_size + 2 * (long)I + I);
+    ae_lora_groups g = {0};
+    if (lora) {
+        const int e = ae_lora_groups_init(&g, lora, T);
+        if (e) return e;
+    }
     float *buf = (float *)malloc(n * sizeof(float));
-    if (!buf) return -2;
+    if (!buf) {
+        if (lora) ae_lora_groups_free(&g);
+        return -2;
+    }
+    const long qkv_parts[3] = {q_size, kv_size, kv_size}, h_part[1] = {H}, gu_parts[2] = {I, I};
     float *res = buf, *h = res + (size_t)T * H, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * qkv_n;
     float *gu = att + (size_t)T * q_size, *act = gu + (size_t)T * 2 * I;
     int rc = 0;
     for (int l = 0; l < dm->num_layers && !rc; l++) {
         const ae_step_layer *L = layers + l;
+        const ae_lora_proj *P = lora ? lora->proj + 4 * (size_t)l : NULL; /* qkv, o, gate_up, down */
         if (l == 0) { /* the first layer's norm has no residual to add: the stream starts as x */
             memcpy(res, x, sizeof(float) * (size_t)T * H);
             ae_ops_rms_norm(x, H, 0, T, 1, h, L->in_norm, H, dm->eps, 0, 0);
@@ -95,6 +112,7 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
             ae_ops_add_rms_norm(x, res, res, h, L->in_norm, T, H, dm->eps, 0, 0);
         }
         rc |= gemm(L->act_int8, L->qkv_type, h, T, H, L->qkv, qkv_n, L->qkv_bias, qkv, nt);
+        if (P) ae_lora_apply(P, &g, h, H, H, qkv, qkv_n, qkv_parts, 3, nt);
         /* q and k heads side by side in the fused projection: rotated in place, in one pass */
         ae_ops_rotary(qkv, qkv_n, qkv, qkv_n, T, Hq + Hkv, D, b->cos, b->sin_signed, 0, 0);
         if (dm->kv_int8)
@@ -109,12 +127,16 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
                                      b->query_lens, b->context_lens, b->num_seqs, Hq, Hkv, D, dm->num_blocks,
                                      dm->block_size, dm->scale, L->window, 0.0f, 0, b->attn_parallel);
         rc |= gemm(L->act_int8, L->o_type, att, T, q_size, L->o, H, NULL, x, nt);
+        if (P) ae_lora_apply(P + 1, &g, att, q_size, q_size, x, H, h_part, 1, nt);
         ae_ops_add_rms_norm(x, res, res, h, L->post_norm, T, H, dm->eps, 0, 0);
         rc |= gemm(L->act_int8, L->gate_up_type, h, T, H, L->gate_up, 2 * I, NULL, gu, nt);
+        if (P) ae_lora_apply(P + 2, &g, h, H, H, gu, 2 * I, gu_parts, 2, nt);
         ae_ops_silu_mul(gu, 2 * I, act, T, I, 0, 0);
         rc |= gemm(L->act_int8, L->down_type, act, T, I, L->down, H, NULL, x, nt);
+        if (P) ae_lora_apply(P + 3, &g, act, I, I, x, H, h_part, 1, nt);
     }
     if (!rc) ae_ops_add_rms_norm(x, res, res, hidden, final_norm, T, H, dm->eps, 0, 0);
     free(buf);
+    if (lora) ae_lora_groups_free(&g);
     return rc ? -1 : 0;
 }
