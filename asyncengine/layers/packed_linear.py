@@ -16,12 +16,12 @@ Off with ``ASYNCENGINE_PREPACK=0``; never in the batch-invariant mode, whose lin
 kernel.
 
 Row buckets (:func:`bucket_rows`): oneDNN builds (JIT-compiles) one primitive per input shape, ~3 ms
-each here, and keeps 1,024 in its cache. A serving step's row count is the running sequences plus a
-prefill chunk: nearly every step brings a new M, so every step compiled its projections' kernels
-again (py-spy, offline workload, bench model, bf16, Xeon AMX: primitive creation 7.5% of the model
-thread) and a long-lived server cycles its cache forever. Rows above ``EXACT_ROWS`` are padded up to
-one of 16 sizes per power of two (at most 1/16 more rows, ~3% on average): a bounded set of shapes,
-compiled once each. The zero rows are dropped from the result; in bf16 the real rows keep F.linear's
+each here, and keeps CAPACITY of them (128: platforms/onednn_caches.py). A serving step's row count
+is the running sequences plus a prefill chunk: nearly every step brings a new M, so nearly every step
+compiled its projections' kernels again (py-spy, offline workload, bench model, bf16, Xeon AMX:
+primitive creation 7.5% of the model thread). Rows above ``EXACT_ROWS`` are padded up to one of 16
+sizes per power of two (at most 1/16 more rows, ~3% on average): far fewer shapes, so far more hits
+(4.1% of the thread left compiling on the same run). The zero rows are dropped from the result; in bf16 the real rows keep F.linear's
 bits (tests/layers/test_packed_linear.py), in fp32 they may differ in summation order only, as
 between any two row counts. Measured, offline workload, same sitting, interleaved: +1.5% to +7.7%
 output tok/s over 4 pairs.
