@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from asyncengine.errors import ConfigError
-from asyncengine.lora.grouped import add_lora, row_groups
+from asyncengine.lora.grouped import RowGroups, add_lora, row_groups
 from asyncengine.lora.peft_adapter import LoRAAdapter, load_peft_adapter
 from asyncengine.lora.sharding import full_shapes, shard_adapter
 from asyncengine.lora.slots import LinearSlots, LoRASlots
@@ -33,7 +33,7 @@ class LoRAModel:
         if not hasattr(model, "lora_active"):
             raise ConfigError(f"LoRA adapters run on Llama-family models only, not {type(model).__name__}")
         self.max_lora_rank = max_lora_rank
-        self.groups: list = []
+        self.groups: RowGroups | None = None  # this step's adapter rows (grouped.py); None: none
         self.native_rows: torch.Tensor | None = None  # int32 [T] slot per row (-1 base); None: no adapter rows
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
         layers = []
@@ -65,7 +65,7 @@ class LoRAModel:
 
     def _hook(self, ls: LinearSlots):
         def hook(module, inputs, out):
-            if self.groups:
+            if self.groups is not None:
                 add_lora(out, inputs[0], self.groups, ls.a, ls.b)
             return out
         return hook
@@ -94,7 +94,7 @@ class LoRAModel:
         rows once for every layer (the hooks' groups, and the native step's slot per row)."""
         ids = set(row_lora_ids) - {0}
         if not ids:
-            self.groups, self.native_rows = [], None
+            self.groups, self.native_rows = None, None
             self.model.lora_active = False
             return
         slot_of = self.slots.activate(ids)
