@@ -33,7 +33,8 @@ from typing import TypeVar
 
 import msgspec
 
-from asyncengine.config import device as machine  # the device and dtype rules (config/device.py)
+from asyncengine.config.device import (block_quantized, check_quantization_device, dtype_reason, resolve_device,
+                                       resolve_dtype)
 from asyncengine.config.attention import resolve_backend_name
 from asyncengine.platforms.onednn_caches import bound_onednn_caches
 
@@ -70,8 +71,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def torch_device(self):
         # before this process's first oneDNN call (the dtype probe's GEMMs come after this)
         bound_onednn_caches()
-        dev = machine.resolve_device(self.device)
-        machine.check_quantization_device(self.quantization, dev.type)
+        dev = resolve_device(self.device)
+        check_quantization_device(self.quantization, dev.type)
         return dev
 
     @functools.cached_property
@@ -80,16 +81,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             import torch
 
             return torch.float32
-        return machine.resolve_dtype(self.dtype, self.torch_device)
+        return resolve_dtype(self.dtype, self.torch_device)
 
     @property
     def block_quantized_weights(self) -> bool:
-        return machine.block_quantized(self.model, self.quantization)
+        return block_quantized(self.model, self.quantization)
 
     @functools.cached_property
     def dtype_reason(self) -> str:
         """Why :attr:`torch_dtype` is what it is, for the ready line and ``status``."""
-        return machine.dtype_reason(self.dtype, self.torch_device, self.block_quantized_weights)
+        return dtype_reason(self.dtype, self.torch_device, self.block_quantized_weights)
 
     @functools.cached_property
     def attention_backend_name(self) -> str:

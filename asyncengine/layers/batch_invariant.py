@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from asyncengine.errors import ConfigError
+from asyncengine.layers.linear import Linear
 
 
 def require_kernels() -> None:
@@ -35,7 +36,6 @@ def require_kernels() -> None:
 
 def enable(model: nn.Module) -> None:
     """Route every projection of ``model`` (and its LM head) through the fixed-order kernels."""
-    from asyncengine.layers.linear import Linear  # lazy: avoids an import cycle with layers.linear / loads only on this path
 
     require_kernels()
     for m in model.modules():

@@ -23,8 +23,12 @@ import os
 
 import torch
 
+from asyncengine.attention.cpu_backend import CpuAttentionMetadata
+from asyncengine.attention.int8_cache import Int8AttentionMetadata
 from asyncengine.kernels.cpu import quant
 from asyncengine.kernels.cpu.build import load
+from asyncengine.layers.linear import Linear
+from asyncengine.models.llama import LlamaForCausalLM
 
 # Steps up to this many token rows (decode batches, speculative rows, short prefill chunks) run
 # natively; longer prefill chunks keep the per-op path, whose large-M GEMMs (fp32 mode: tiled
@@ -85,7 +89,6 @@ def _mode() -> str:
 
 def native_step_reason(model) -> str | None:
     """None where :class:`NativeStep` can run ``model``'s steps, else why not."""
-    from asyncengine.models.llama import LlamaForCausalLM  # lazy: avoids an import cycle / loads only on this model path
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not of the Llama family"
@@ -147,9 +150,6 @@ class NativeStep:
         return cls(model)
 
     def accepts(self, num_tokens: int, meta) -> bool:
-        from asyncengine.attention.cpu_backend import CpuAttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
-        from asyncengine.attention.int8_cache import Int8AttentionMetadata  # lazy: avoids an import cycle / loads only on this model path
-
         m = self.model
         if m.lora_active and lora_native_reason(m.lora) is not None:
             return False
@@ -158,7 +158,6 @@ class NativeStep:
 
     def _layer_table(self, kv_caches, backend):
         # the layers' modes and layouts too: set_quantized_activations may switch them between steps
-        from asyncengine.layers.linear import Linear  # lazy: avoids an import cycle / loads only on this model path
 
         key = (tuple(k.data_ptr() for k, _ in kv_caches), Linear.mode_epoch, quant.ACTIVATIONS)
         if key != self._caches_key:

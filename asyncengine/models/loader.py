@@ -13,6 +13,8 @@ import torch
 
 from asyncengine.config.sub_configs import ModelConfig
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers.linear import BLOCK_FORMATS, VocabEmbedding
+from asyncengine.layers.parallel import SINGLE
 from asyncengine.models.model_info import (load_tokenizer, read_eos_ids, read_generation_config, read_hf_config,
                                            resolve_max_model_len, resolve_path)
 from asyncengine.models.registry import resolve_architecture
@@ -93,7 +95,6 @@ def load_model(config: ModelConfig, tp=None, tokenizer: bool = True, hf_config: 
     a shard reads only its slices (load_gguf(shard_of=...)). What it is doing is logged at INFO on
     this module's logger (the CLI shows it as one status line on stderr). ``read_weights=False``:
     the model's storage only, uninitialised (a full update_weights fills it: worker/sleep_mode.py)."""
-    from asyncengine.layers.parallel import SINGLE  # lazy: avoids an import cycle / loads only on this model path
 
     say = log.info
     tp = tp or SINGLE
@@ -206,7 +207,6 @@ def choose_weight_storage(model: torch.nn.Module, config: ModelConfig, file_type
     C kernels are unavailable (no compiler, ASYNCENGINE_CPU_KERNELS=0): dequantizing once at load
     keeps today's speed, where dequantizing per call would cost every step a full decode of the
     weights."""
-    from asyncengine.layers.linear import BLOCK_FORMATS, VocabEmbedding  # lazy: avoids an import cycle / loads only on this model path
 
     mode = config.quantization
     if mode == "none" or config.torch_device.type != "cpu" or not hasattr(model, "checkpoint_layers"):

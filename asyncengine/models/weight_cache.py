@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from asyncengine.platforms.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 3: a Q5_0 tensor is cached as the Q8_0 blocks it converts to exactly (was re-quantized)
@@ -49,7 +51,6 @@ def enabled_for(path: str) -> bool:
 
 def cache_file(path: str, dtype: torch.dtype, model_cls: type, variant: str = "") -> Path:
     """``variant``: anything else the content depends on (which layers keep which block format)."""
-    from asyncengine.platforms.paths import cache_dir  # lazy: avoids an import cycle / loads only on this model path
 
     st = os.stat(path)
     key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, str(dtype), model_cls.__name__,

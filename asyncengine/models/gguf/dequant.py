@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers.linear import QuantizedTensor
 from asyncengine.models.gguf.tensors import (
     PERMUTED_QK_ARCHITECTURES,
     check_tensor_names,
@@ -164,7 +165,6 @@ def _quantized_shard(f: GGUFFile, t: TensorInfo, hf: str, spec, permute: bool, n
 
 def quantized_view(f: GGUFFile, t: TensorInfo):
     """A 2-D block-format tensor as a ``QuantizedTensor`` over the memory map (no copy; layers copy out of it)."""
-    from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
 
     rows, cols = t.shape
     if t.type_name == "Q5_0":
@@ -191,7 +191,6 @@ def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
 def expert_view(f: GGUFFile, t: TensorInfo, expert: int):
     """Expert ``expert`` of a stacked block-format tensor [E, rows, cols] as a ``QuantizedTensor``:
     its rows are a contiguous run of whole blocks, so a view of the map (no copy)."""
-    from asyncengine.layers.linear import QuantizedTensor  # lazy: avoids an import cycle / loads only on this model path
 
     n, rows, cols = t.shape
     raw = f.torch_bytes(t).view(n * rows, -1)

@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.models.tokenizer import ChatTokenizer, byte_level_bpe
 
 if typing.TYPE_CHECKING:
     from asyncengine.models.gguf.reader import GGUFFile
@@ -37,7 +38,6 @@ def fast_tokenizer(f: GGUFFile, md: dict[str, Any]):
     pre = md.get("tokenizer.ggml.pre")
     if pre not in _DIGIT_SPLIT_PRE and pre not in ("default", "gpt2", None):
         return None
-    from asyncengine.models.tokenizer import ChatTokenizer, byte_level_bpe  # lazy: avoids an import cycle / loads only on this model path
 
     tokens = f.read_array("tokenizer.ggml.tokens")
     merges = f.read_array("tokenizer.ggml.merges")
