@@ -311,3 +311,32 @@ def write_st_pooling(path, pooling: str, normalize: bool) -> None:
         "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
         "pooling_mode_lasttoken": pooling == "last"}))
+
+
+def decode_step_runner(model, token_ids: list[int], ctx: list[int]):
+    """One decode step of ``len(ctx)`` sequences straight through ``model`` (CPU attention backend,
+    contexts of ``ctx`` keys filled with random K/V): returns ``(run, meta)``, where ``run()`` restores
+    the same KV state and runs the step (whatever ``model.native_step`` is set to at the time)."""
+    from asyncengine.attention import SeqChunk, StepBatch, get_backend
+
+    a = model.args
+    backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
+                          block_size=16, num_blocks=16, dtype=torch.float32, device=torch.device("cpu"),
+                          max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=4)
+    torch.manual_seed(0)
+    caches = backend.allocate_kv_caches(a.num_layers)
+    for k, v in caches:  # a filled context to attend over
+        k.normal_()
+        v.normal_()
+    saved = [(k.clone(), v.clone()) for k, v in caches]
+    seqs = [SeqChunk(i, 1, c, [4 * i + j for j in range(4)]) for i, c in enumerate(ctx)]
+    meta = backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=[64 * i + c for i, c in enumerate(ctx)]))
+    ids, pos = torch.tensor(token_ids), torch.tensor(ctx)
+
+    def run() -> torch.Tensor:
+        for (k, v), (k0, v0) in zip(caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+        with torch.inference_mode():
+            return model(ids, pos, caches, meta)
+    return run, meta

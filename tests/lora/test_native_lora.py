@@ -15,7 +15,7 @@ import transformers
 from asyncengine import LLM, LoRARequest, SamplingParams
 from gguf_utils import quantized_reference
 from lora_utils import ADAPTERS, make_adapter, merged_model_dir
-from model_utils import compare, random_requests
+from model_utils import compare, decode_step_runner, random_requests
 
 COMMON = dict(dtype="float32", quantization="int8", quantized_activations="fp32", skip_tokenizer_init=True,
               num_threads=2, freeze_gc_after_load=False)
@@ -73,7 +73,6 @@ def test_native_step_with_adapters_is_token_exact(setup, hf_reference, monkeypat
 
 
 def test_one_step_adapter_rows_and_base_rows(setup, monkeypatch):
-    from asyncengine.attention import SeqChunk, StepBatch, get_backend
     from asyncengine.config import EngineConfig
     from asyncengine.lora.hooks import LoRAModel
     from asyncengine.models import llama_native
@@ -85,30 +84,13 @@ def test_one_step_adapter_rows_and_base_rows(setup, monkeypatch):
     lm = LoRAModel(model, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
     for i, (name, path) in enumerate(adapters.items(), start=1):
         lm.load(name, i, path)
-    a = model.args
-    backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
-                          block_size=16, num_blocks=16, dtype=torch.float32, device=torch.device("cpu"),
-                          max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=4)
-    torch.manual_seed(0)
-    caches = backend.allocate_kv_caches(a.num_layers)
-    for k, v in caches:
-        k.normal_()
-        v.normal_()
-    saved = [(k.clone(), v.clone()) for k, v in caches]
-    ctx = [5, 17, 30, 9]
-    seqs = [SeqChunk(i, 1, c, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]) for i, c in enumerate(ctx)]
-    meta = backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=[64 * i + c for i, c in enumerate(ctx)]))
-    ids, pos = torch.tensor([3, 100, 200, 7]), torch.tensor(ctx)
+    run, _ = decode_step_runner(model, [3, 100, 200, 7], [5, 17, 30, 9])
     native = llama_native.NativeStep.for_model(model)
 
     def step(rows: list[int], use_native: bool) -> torch.Tensor:
-        for (k, v), (k0, v0) in zip(caches, saved):
-            k.copy_(k0)
-            v.copy_(v0)
         lm.set_rows(rows)
         model.native_step = native if use_native else None
-        with torch.inference_mode():
-            return model(ids, pos, caches, meta)
+        return run()
 
     mixed = [1, 0, 3, 1]  # adapter 1's rows apart (not one slice), a base row, the rank-16 adapter
     got, torch_path = step(mixed, True), step(mixed, False)

@@ -11,7 +11,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.models import llama_native
 from gguf_utils import tiny_hf_model, write_tiny_gguf
-from model_utils import random_requests
+from model_utils import decode_step_runner, random_requests
 
 VOCAB = 320
 REQUESTS = random_requests(6, VOCAB, seed=11, plen=(3, 40), olen=(4, 14))
@@ -90,35 +90,17 @@ def test_native_step_with_the_int8_kv_cache(ggufs, monkeypatch):
 def _one_step_setup(path):
     """The model, and a function running one decode step of 3 sequences over a filled context
     (natively or per op) from the same KV state each time."""
-    from asyncengine.attention import SeqChunk, StepBatch, get_backend
     from asyncengine.config import EngineConfig
     from asyncengine.models.loader import load_model
 
     model = load_model(EngineConfig(model=path, dtype="float32"), tokenizer=False).model
-    a = model.args
-    backend = get_backend("cpu", num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=a.head_dim,
-                          block_size=16, num_blocks=16, dtype=torch.float32, device=torch.device("cpu"),
-                          max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=4)
-    torch.manual_seed(0)
-    caches = backend.allocate_kv_caches(a.num_layers)
-    for k, v in caches:  # a filled context to attend over
-        k.normal_()
-        v.normal_()
-    saved = [(k.clone(), v.clone()) for k, v in caches]
-    ctx = [5, 17, 30]
-    seqs = [SeqChunk(i, 1, c, [4 * i, 4 * i + 1, 4 * i + 2]) for i, c in enumerate(ctx)]
-    meta = backend.build_metadata(StepBatch(seqs=seqs, slot_mapping=[64 * i + c for i, c in enumerate(ctx)]))
-    ids, pos = torch.tensor([3, 100, 200]), torch.tensor(ctx)
+    run, meta = decode_step_runner(model, [3, 100, 200], [5, 17, 30])
     native = llama_native.NativeStep.for_model(model)
     assert native is not None and native.accepts(3, meta)
 
     def step(use_native: bool) -> torch.Tensor:
-        for (k, v), (k0, v0) in zip(caches, saved):
-            k.copy_(k0)
-            v.copy_(v0)
         model.native_step = native if use_native else None
-        with torch.inference_mode():
-            return model(ids, pos, caches, meta)
+        return run()
 
     return model, step
 
