@@ -25,7 +25,7 @@ import torch
 
 from asyncengine.attention.cpu_backend import CpuAttentionMetadata
 from asyncengine.attention.int8_cache import Int8AttentionMetadata
-from asyncengine.kernels.cpu import quant
+from asyncengine.kernels.cpu import lora as cpu_lora, quant
 from asyncengine.kernels.cpu.build import load
 from asyncengine.layers.linear import Linear
 from asyncengine.models.llama import LlamaForCausalLM
@@ -59,25 +59,11 @@ class _Batch(ctypes.Structure):
                 ("attn_parallel", ctypes.c_int32)]
 
 
-class _LoRAProj(ctypes.Structure):  # ae_lora_proj (kernels/cpu/lora.h)
-    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("rank", ctypes.c_void_p)]
-
-
-class _LoRA(ctypes.Structure):  # ae_step_lora
-    _fields_ = [("proj", ctypes.c_void_p), ("row_slot", ctypes.c_void_p), ("num_slots", ctypes.c_int32),
-                ("max_rank", ctypes.c_int32)]
-
-
 def lora_native_reason(lora) -> str | None:
     """None where the native step can add ``lora``'s (a LoRAModel) products, else why not."""
     if lora is None:
         return "no LoRA slots on the model"
-    if lora.sharded:
-        return "LoRA under tensor parallelism"
-    ls = lora.slots.layers
-    if not ls or ls[0].bt is None or ls[0].a.dtype != torch.float32:
-        return "LoRA slots are not float32 on the cpu"
-    return None
+    return lora.cpu_kernel_reason()
 
 
 def _mode() -> str:
@@ -180,7 +166,7 @@ class NativeStep:
             self._keep = kv_caches  # the table points into them
         return self._layers
 
-    def _lora_step(self, t: int) -> _LoRA | None:
+    def _lora_step(self, t: int) -> cpu_lora.StepLoRA | None:
         """This step's adapters for the C step (None: base rows only)."""
         m = self.model
         lora = m.lora
@@ -192,11 +178,10 @@ class NativeStep:
         if self._lora is None or self._lora[0] is not lora:
             if len(lora.slots.layers) != 4 * len(m.layers):
                 raise ValueError(f"native step: {len(lora.slots.layers)} LoRA slot stacks for {len(m.layers)} layers")
-            table = (_LoRAProj * len(lora.slots.layers))(*[
-                _LoRAProj(ls.a.data_ptr(), ls.bt.data_ptr(), ls.rank.data_ptr()) for ls in lora.slots.layers])
-            self._lora = (lora, table)
+            self._lora = (lora, cpu_lora.proj_table(lora.slots.layers))
         self.lora_calls += 1
-        return _LoRA(ctypes.addressof(self._lora[1]), rows.data_ptr(), lora.slots.max_loras, lora.max_lora_rank)
+        return cpu_lora.StepLoRA(ctypes.addressof(self._lora[1]), rows.data_ptr(), lora.slots.max_loras,
+                                 lora.max_lora_rank)
 
     def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor:
         """x: the step's embeddings [T, H] fp32 (used as scratch); returns the final norm's output."""

@@ -120,3 +120,33 @@ def test_adapters_survive_sleep_level_2(setup, monkeypatch):
         assert llm.engine.collective_rpc(_lora_calls)[0] == 0  # a fresh step on the reloaded model
         assert _generate(llm, loras, prompts) == before
         assert llm.engine.collective_rpc(_lora_calls)[0] > 0
+
+
+def test_hooks_take_the_c_loop_on_cpu_fp32(setup, monkeypatch):
+    """A dense fp32 model on the per-op path (no native step): its hooks add the adapters through
+    lora.c too, one call per projection; the rows equal grouped.py's torch apply within fp32
+    summation order, base rows untouched."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.lora.hooks import LoRAModel
+    from asyncengine.models.loader import load_model
+
+    base, adapters, _ = setup
+    model = load_model(EngineConfig(model=base, dtype="float32"), tokenizer=False).model
+    model.native_step = None
+    lm = LoRAModel(model, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
+    for i, (name, path) in enumerate(adapters.items(), start=1):
+        lm.load(name, i, path)
+    run, _ = decode_step_runner(model, [3, 100, 200, 7], [5, 17, 30, 9])
+    mixed = [1, 0, 3, 1]
+    lm.set_rows(mixed)
+    assert lm.step_groups is not None and lm.cpu_kernel_reason() is None
+    with_c = run()
+    lm.set_rows(mixed)
+    lm.step_groups = None  # grouped.py's torch apply
+    with_torch = run()
+    lm.set_rows([0, 0, 0, 0])
+    plain = run()
+    torch.testing.assert_close(with_c, with_torch, rtol=1e-4, atol=1e-4)
+    assert torch.equal(with_c[1], plain[1])
+    for r in (0, 2, 3):
+        assert (with_c[r] - plain[r]).abs().max() > 1e-2
