@@ -1,5 +1,5 @@
-"""Multi-LoRA through the engine: 16 requests mixing the base model and three adapters (ranks 4, 8,
-16 over different modules) with max_loras=2, greedy token-exact against transformers + PEFT
+"""Multi-LoRA through the engine (tiny Llama and tiny Qwen2): 16 requests mixing the base model and
+three adapters (ranks 4, 8, 16 over different modules) with max_loras=2, greedy token-exact against transformers + PEFT
 merge_and_unload per adapter. The same prompts run under every adapter with prefix caching on: a KV
 block shared across adapters would change the tokens (the block hash includes the adapter)."""
 import pytest
@@ -25,17 +25,26 @@ def _max_adapters_per_step(worker) -> list[int]:
     return worker.lora_seen
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):
-    base = tiny_model_dir("llama")
-    root = tmp_path_factory.mktemp("loras")
+def _setup(tiny_model_dir, tmp_path_factory, arch: str):
+    base = tiny_model_dir(arch)
+    root = tmp_path_factory.mktemp(f"loras-{arch}")
     adapters = {n: make_adapter(base, str(root / n), n, seed=k) for k, n in enumerate(ADAPTERS)}
     merged = {n: merged_model_dir(base, p, str(root / f"merged-{n}")) for n, p in adapters.items()}
     return base, adapters, merged
 
 
-def test_mixed_batch_token_exact(setup, hf_reference):
-    base, adapters, merged = setup
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    return _setup(tiny_model_dir, tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch_setup(request, tiny_model_dir, tmp_path_factory, setup):
+    return setup if request.param == "llama" else _setup(tiny_model_dir, tmp_path_factory, request.param)
+
+
+def test_mixed_batch_token_exact(arch_setup, hf_reference):
+    base, adapters, merged = arch_setup
     prompts = random_requests(4, 512, seed=5, plen=(20, 40), olen=(6, 10))
     loras = [None] + [LoRARequest(n, i, p) for i, (n, p) in enumerate(adapters.items(), start=1)]
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=3,
