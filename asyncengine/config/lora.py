@@ -7,6 +7,7 @@ sized for it once, so that a new adapter never reallocates them mid-serving.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -60,6 +61,20 @@ def check_adapter_files(path: str, max_rank: int) -> dict:
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ConfigError(f"LoRA adapter {path!r} has rank {rank}; this engine takes 1..{max_rank} (max_lora_rank)")
     return cfg
+
+
+def adapter_fingerprint(path: str) -> str:
+    """What names an adapter's weights beyond its request id, for the prefix cache's keys: the
+    folder's real path and its weights file's size and modification time. Request ids are the
+    app's numbering and restart with it, while the disk KV tier outlives the process: keyed by id
+    alone, another adapter under a reused id would read this one's blocks after a restart. A file
+    the front end cannot see (another host) is named by its path alone."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(os.path.join(real, "adapter_model.safetensors"))
+    except OSError:
+        return real
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
 
 
 # PEFT's target modules on Llama-family decoders, the block each lives in, and its tensors' key

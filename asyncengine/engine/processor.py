@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from asyncengine.core.request import Request
 from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
-from asyncengine.config.lora import check_adapter_files, check_adapter_shapes, model_shapes
+from asyncengine.config.lora import adapter_fingerprint, check_adapter_files, check_adapter_shapes, model_shapes
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.models.sampling_defaults import model_defaults, resolve
 from asyncengine.sampling_params import SamplingParams
@@ -157,11 +157,12 @@ def check_lora_request(lora_request, config, hf_config=None) -> None:
 
 
 def lora_salt(cache_salt: str | None, lora_request) -> str | None:
-    """The prefix cache keys blocks by salt: an adapter's id joins it, so the same prompt under two
-    adapters (or an adapter and the base model) shares no KV block, here, offloaded or in P/D."""
+    """The prefix cache keys blocks by salt: an adapter's id and its weights' fingerprint join it,
+    so the same prompt under two adapters (or an adapter and the base model) shares no KV block,
+    here, offloaded (across restarts too) or in P/D."""
     if lora_request is None:
         return cache_salt
-    return f"{cache_salt or ''}\x00lora:{lora_request.id}"
+    return f"{cache_salt or ''}\x00lora:{lora_request.id}:{adapter_fingerprint(lora_request.path)}"
 
 
 def render_chat_checked(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
