@@ -33,7 +33,7 @@ import time
 
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_transfer_state import KVTransferState
-from asyncengine.core.lora_admission import too_many_loras
+from asyncengine.core.lora_admission import put_back, too_many_loras
 from asyncengine.config.sub_configs import LoRAConfig, SchedulerConfig
 from asyncengine.core.parallel_samples import ParallelSamples
 from asyncengine.core.pipeline_in_flight import PipelineInFlight
@@ -49,16 +49,13 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, *, max_model_len: int, num_spec_tokens: int = 0,
                  kv_connector=None, pipeline_parallel: bool = False, lora: LoRAConfig | None = None) -> None:
         """The scheduler's view; ``max_model_len`` as the core resolved it; ``lora``: None = no adapter bound."""
-        self.kv = kv
-        self.connector = kv_connector
+        self.kv, self.connector = kv, kv_connector
         self.pipeline_parallel = pipeline_parallel
         self.pp_in_flight = PipelineInFlight()  # pipeline parallel: requests in a batch not yet back
         self.num_spec_tokens = num_spec_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = config.policy
-        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy, self.enable_chunked_prefill = config.policy, config.enable_chunked_prefill
         self.max_loras = lora.max_loras if lora is not None and lora.enable_lora else None  # adapters at once
         self.waiting = make_queue(config.policy, config.priority_aging_s)
         self.running: list[Request] = []
@@ -230,13 +227,14 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         num_scheduled, new_reqs, budget = plan.num_scheduled, plan.new_reqs, plan.budget
-        priority = self.policy == "priority"
+        priority, skipped = self.policy == "priority", []  # skipped: requests whose adapter must wait
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             if req.num_output_placeholders or req.request_id in self.pp_in_flight:
                 break  # a step of it is still in flight from before its preemption
             if too_many_loras(req, self.running, self.max_loras):
-                break  # its adapter would be one too many in a step: it waits, taking no slot
+                skipped.append(self.waiting.pop())  # one adapter too many: it waits, the requests behind it need not
+                continue
             if len(self.running) >= self.max_num_seqs:
                 if not (priority and self._preempt_lower(req, plan)):
                     break
@@ -282,6 +280,7 @@ class Scheduler:
             new_reqs.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
+        put_back(self.waiting, skipped)
         plan.budget = budget
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
