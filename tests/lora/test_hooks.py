@@ -1,7 +1,8 @@
 """LoRA hooks on the native Llama/Qwen2 models inside a real engine: greedy token-exact against
 transformers + PEFT merge_and_unload, per adapter, with three adapters cycling through two device
-slots. The engine does not route adapters per request yet, so a worker-side wrapper sets every row
-of a step to the adapter under test (the grouped apply over mixed rows: test_grouped.py)."""
+slots, driven from the worker: a wrapper sets every row of a step to the adapter under test, so the
+hooks and the slots' LRU are tested apart from the engine's per-request routing (that is
+test_multi_lora.py; the grouped apply over mixed rows: test_grouped.py)."""
 import pytest
 
 from asyncengine import LLM, SamplingParams
@@ -51,7 +52,7 @@ def test_adapters_token_exact_vs_peft_merged(arch, tiny_model_dir, hf_reference,
     base = tiny_model_dir(arch)
     adapters = {n: make_adapter(base, str(tmp_path / n), n, seed=k) for k, n in enumerate(ADAPTERS)}
     requests = random_requests(4, 512, seed=3, plen=(3, 30), olen=(4, 10))
-    # no prefix caching: the scheduler does not key blocks by adapter yet (docs/lora.md)
+    # no prefix caching: these requests carry no LoRARequest, so their blocks are not keyed by adapter
     llm = LLM(base, dtype="float32", enable_prefix_caching=False, max_num_seqs=4)
     llm.engine.collective_rpc(_attach, (adapters,))
     order = [1, 2, 3, 0, 1]  # three adapters through two slots: the LRU evicts and reloads
