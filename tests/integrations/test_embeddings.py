@@ -80,3 +80,18 @@ def test_bad_requests_are_400(server, body, param):
 def test_client_error_type(client):
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=MODEL, input="x", dimensions=100000)
+
+
+@pytest.mark.parametrize("body", [
+    {"input": ["x"] * 257},  # more inputs than max_prompts (256)
+    {"input": "word " * 200_000},  # more characters than the prompt limit allows
+    {"input": list(range(5, 1100))},  # more token ids than max_model_len (1024)
+], ids=["inputs", "chars", "tokens"])
+def test_limits_are_400_and_the_server_serves_on(client, server, body):
+    r = httpx.post(server.base_url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and err["message"], err
+    ok = client.embeddings.create(model=MODEL, input="still serving")
+    assert len(ok.data) == 1
+    server.wait_clean()

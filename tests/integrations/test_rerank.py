@@ -82,6 +82,9 @@ def test_rerank_sorts_and_cuts(bert, http):
     ("/rerank", {"query": QUERY, "documents": [" ".join(["cat"] * 80)]}, "documents"),
     ("/score", {"text_1": ["a", "b"], "text_2": DOCS}, "text_1"),
     ("/score", {"text_1": QUERY, "text_2": []}, "text_2"),
+    ("/rerank", {"query": QUERY, "documents": ["d"] * 257}, "documents"),  # over max_prompts pairs
+    ("/score", {"text_1": QUERY, "text_2": ["d"] * 257}, "text_2"),
+    ("/rerank", {"query": QUERY, "documents": ["word " * 200_000]}, "documents"),  # over the characters
 ])
 def test_bad_input_is_a_400_naming_the_field(bert, http, path, body, param):
     r = http.post(path, json=body)
