@@ -21,6 +21,10 @@ from asyncengine.lora.peft_adapter import LoRAAdapter, load_peft_adapter
 from asyncengine.lora.sharding import full_shapes, shard_adapter
 from asyncengine.lora.slots import LinearSlots, LoRASlots
 
+# Steps up to this many rows add their adapters with lora.c's loop (decode-sized: dispatch is the
+# cost there); longer prefill chunks' products are matmul-sized, where torch's GEMM is faster
+C_LOOP_MAX_ROWS = 64
+
 # (block, fused layer, the PEFT modules fused into it, in their output order)
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("self_attn", "o_proj", ("o_proj",)),
          ("mlp", "gate_up_proj", ("gate_proj", "up_proj")), ("mlp", "down_proj", ("down_proj",)))
@@ -131,7 +135,7 @@ class LoRAModel:
         self.groups = row_groups(row_slots)
         self.native_rows = row_slots.to("cpu", torch.int32) if row_slots.device.type == "cpu" else None
         self.step_groups = None
-        if self.native_rows is not None and self.cpu_kernel_reason() is None:
+        if self.native_rows is not None and len(row_lora_ids) <= C_LOOP_MAX_ROWS and self.cpu_kernel_reason() is None:
             if self._table is None:
                 self._table = cpu_lora.proj_table(self.slots.layers)
             self.step_groups = cpu_lora.StepGroups(self._table, self.native_rows, self.slots.max_loras,

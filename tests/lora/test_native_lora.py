@@ -150,3 +150,7 @@ def test_hooks_take_the_c_loop_on_cpu_fp32(setup, monkeypatch):
     assert torch.equal(with_c[1], plain[1])
     for r in (0, 2, 3):
         assert (with_c[r] - plain[r]).abs().max() > 1e-2
+    from asyncengine.lora.hooks import C_LOOP_MAX_ROWS
+
+    lm.set_rows([1] * (C_LOOP_MAX_ROWS + 1))  # a prefill-sized step: torch's matmuls
+    assert lm.groups is not None and lm.step_groups is None
