@@ -36,19 +36,27 @@ def files(tmp_path_factory):
 
 
 def test_engine_matches_transformers_on_the_dequantized_weights(files):
-    path = files["uniform"]
+    ref_model, reqs, outs = _generate_against_transformers(files["uniform"], seed=5, n=6)
+    assert_greedy_parity(ref_model, reqs, outs)
+
+
+def _generate_against_transformers(path, seed: int, n: int, check=None):
+    """transformers' model on the file's dequantized weights, ``n`` random greedy requests, and the
+    engine's outputs for them (fp32 activations); ``check(llm)`` runs on the engine first."""
     ref_model = _transformers_gguf_model(path)
-    rng = random.Random(5)
+    rng = random.Random(seed)
     vocab = ref_model.config.vocab_size
-    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 12)) for _ in range(6)]
+    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 12)) for _ in range(n)]
     llm = LLM(str(path), dtype="float32", quantized_activations="fp32", skip_tokenizer_init=True)
     try:
+        if check is not None:
+            check(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
                             [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
                             use_tqdm=False)
     finally:
         llm.shutdown()
-    assert_greedy_parity(ref_model, reqs, outs)
+    return ref_model, reqs, outs
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
@@ -118,19 +126,12 @@ def test_a_q5_0_layer_runs_on_q8_0_blocks(tmp_path):
     path = write_tiny_gguf(tmp_path / "q5.gguf", model, tok, qtype="Q4_K",
                            tensor_qtypes={f"blk.{i}.{p}.weight": "Q5_0" for i in (0, 1)
                                           for p in ("attn_q", "attn_k", "attn_v", "ffn_down")})
-    ref_model = _transformers_gguf_model(path)
-    rng = random.Random(7)
-    vocab = ref_model.config.vocab_size
-    reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 12)) for _ in range(4)]
-    llm = LLM(str(path), dtype="float32", quantized_activations="fp32", skip_tokenizer_init=True)
-    try:
+
+    def blocks_not_a_dequantized_copy(llm):
         qtypes = llm.engine.collective_rpc(_q5_layers_qtypes)[0]
-        assert qtypes == ["Q8_0"] * 4, qtypes  # blocks, not a dequantized copy
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
-                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
+        assert qtypes == ["Q8_0"] * 4, qtypes
+
+    ref_model, reqs, outs = _generate_against_transformers(path, seed=7, n=4, check=blocks_not_a_dequantized_copy)
     assert_greedy_parity(ref_model, reqs, outs)
 
 
