@@ -64,6 +64,17 @@ def available_memory_bytes() -> int:
     return host_available_bytes() or 0
 
 
+def fits(count: int, need: int) -> bool:
+    """Whether ``count`` packed copies of ``need`` bytes in all fit MEMORY_SHARE of the memory
+    available now (if not, it logs what is skipped)."""
+    budget = int(MEMORY_SHARE * available_memory_bytes())
+    if need > budget:
+        log.warning("not packing %d dense projections for oneDNN: the copies (%.0f MiB) would exceed "
+                    "%d%% of the memory available (%.0f MiB)", count, need / 2**20,
+                    round(100 * MEMORY_SHARE), budget / 2**20)
+    return need <= budget
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight [N, K] in oneDNN's blocked layout (an opaque tensor for :func:`linear`)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
@@ -86,6 +97,19 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if mb != m:
         y = y[:m]
     return y.view(*lead, out_features)
+
+
+def linear_epilogue(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` then exact (erf) GELU, or ``+ residual``, inside oneDNN's GEMM epilogue: the
+    output is written once instead of once per elementwise pass (bias, GELU, add). x [M, K]
+    contiguous; rows are not bucketed here (the caller pads M: models/bert.py pads a whole batch
+    once). GELU's bits equal ``F.gelu(F.linear(...))``'s; the add may differ in summation order only."""
+    if residual is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+    if gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "none")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def bucket_rows(m: int) -> int:
@@ -114,11 +138,7 @@ def prepack(model: nn.Module) -> int:
             continue
         todo.append(m)
     need = sum(m.weight.numel() * m.weight.element_size() for m in todo)
-    budget = int(MEMORY_SHARE * available_memory_bytes())
-    if need > budget:
-        log.warning("not packing %d dense projections for oneDNN: the copies (%.0f MiB) would exceed "
-                    "%d%% of the memory available (%.0f MiB)", len(todo), need / 2**20,
-                    round(100 * MEMORY_SHARE), budget / 2**20)
+    if not fits(len(todo), need):
         return 0
     for m in todo:
         m.onednn_weight = pack(m.weight)

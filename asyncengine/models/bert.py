@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import packed_linear
 from asyncengine.layers.pooler import pool_batch
 
 ENCODER_ARCHS = ("BertModel", "BertForSequenceClassification")
@@ -76,30 +77,44 @@ class _Layer(nn.Module):
         self.attention = _Attention(h, eps)
         self.intermediate = _Intermediate(h, c["intermediate_size"])
         self.output = _Dense(c["intermediate_size"], h, eps)
-        # q/k/v as one GEMM (fuse_qkv, once the weights are final); not a parameter: not in the checkpoint
+        # made by BertEncoder.prepare once the weights are final; not parameters (not in the checkpoint):
+        # q/k/v as one (weight, bias), and the oneDNN-packed qkv, attention-output, intermediate and
+        # output weights (None where oneDNN does not run them)
         self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.packed: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, x: torch.Tensor, where: tuple, key_mask: torch.Tensor) -> torch.Tensor:
-        """x packed [T, H]; ``where`` = (seq, pos, n, L) of each token; key_mask [n, 1, 1, L].
+        """x packed [M, H] (M >= T tokens: rows past T are the padding of a row bucket);
+        ``where`` = (flat, padded, rows): each token's row in the padded [n * L] block, that
+        zero-filled block [n * L, 3H] and a zero-filled [M, H] (both shared by the layers);
+        key_mask [n, 1, 1, L].
 
         Only the attention sees padding: the projections and the MLP (most of the FLOPs) run on
-        the packed tokens, so a batch of uneven lengths does no work for its pad."""
-        seq, pos, n, L = where
-        h = x.shape[-1]
-        sa = self.attention.self
-
-        def split(t):
-            padded = t.new_zeros(n, L, h)
-            padded[seq, pos] = t
-            return padded.view(n, L, self.heads, h // self.heads).transpose(1, 2)
-
-        if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split(h, dim=-1)
-        else:
-            q, k, v = sa.query(x), sa.key(x), sa.value(x)
-        a = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=key_mask)
-        x = self.attention.output(a.transpose(1, 2)[seq, pos].reshape(-1, h), x)
-        return self.output(F.gelu(self.intermediate.dense(x)), x)
+        the packed tokens, so a batch of uneven lengths does no work for its pad. The pad rows of
+        both buffers are written nowhere, so they stay zero (finite keys and values the mask
+        hides) in every layer, and q, k and v are strided views of the one block: no per-layer
+        fill or copy. With packed weights the bias, GELU and residual adds run in the GEMMs'
+        epilogues (layers/packed_linear.py)."""
+        flat, padded, rows = where
+        n, L, T, h = key_mask.shape[0], key_mask.shape[-1], flat.numel(), x.shape[-1]
+        att_out, inter, out = self.attention.output, self.intermediate.dense, self.output
+        if self.packed is not None:
+            qkv = packed_linear.linear_epilogue(x, self.packed[0], self.qkv[1])
+        elif self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)
+        else:  # a hand-built model: three GEMMs
+            sa = self.attention.self
+            qkv = torch.cat([sa.query(x), sa.key(x), sa.value(x)], dim=-1)
+        padded.index_copy_(0, flat, qkv[:T])
+        q, k, v = padded.view(n, L, 3, self.heads, h // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask)
+        torch.index_select(a.transpose(1, 2).reshape(n * L, h), 0, flat, out=rows[:T])
+        if self.packed is None:
+            x = att_out(rows, x)
+            return out(F.gelu(inter(x)), x)
+        x = att_out.LayerNorm(packed_linear.linear_epilogue(rows, self.packed[1], att_out.dense.bias, residual=x))
+        mid = packed_linear.linear_epilogue(x, self.packed[2], inter.bias, gelu=True)
+        return out.LayerNorm(packed_linear.linear_epilogue(mid, self.packed[3], out.dense.bias, residual=x))
 
 
 class _Encoder(nn.Module):
@@ -137,12 +152,25 @@ class BertEncoder(nn.Module):
         # RoBERTa's position ids start after its padding index (transformers' create_position_ids_from_input_ids)
         self.position_offset = c.get("pad_token_id", 1) + 1 if c.get("model_type") in ("roberta", "xlm-roberta") else 0
 
-    def fuse_qkv(self) -> None:
-        """Copy each layer's q, k, v weights into one matrix; call again after changing weights."""
-        for layer in self.encoder.layer:
+    def prepare(self) -> None:
+        """Fuse each layer's q, k, v weights into one matrix and, where oneDNN runs this model's
+        projections (CPU, fp32 or bf16, ``ASYNCENGINE_PREPACK`` not off, the copies fit the memory
+        budget), pack the four GEMMs' weights once. Call again after changing weights."""
+        layers = list(self.encoder.layer)
+        for layer in layers:
             sa = layer.attention.self
             layer.qkv = (torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]).detach(),
                          torch.cat([sa.query.bias, sa.key.bias, sa.value.bias]).detach())
+            layer.packed = None
+        w = layers[0].qkv[0] if layers else None
+        if (w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
+                or not packed_linear.enabled() or not packed_linear.available()):
+            return
+        weights = [[ly.qkv[0], ly.attention.output.dense.weight, ly.intermediate.dense.weight,
+                    ly.output.dense.weight] for ly in layers]
+        if packed_linear.fits(4 * len(layers), sum(t.numel() * t.element_size() for ws in weights for t in ws)):
+            for layer, ws in zip(layers, weights):
+                layer.packed = tuple(packed_linear.pack(t) for t in ws)
 
     @property
     def hidden_size(self) -> int:
@@ -158,11 +186,17 @@ class BertEncoder(nn.Module):
         pos = torch.arange(T, device=input_ids.device) - starts[seq]
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.embeddings(input_ids, pos + self.position_offset if self.position_offset else pos, types)
-        n, L = lens.numel(), int(lens.max())
+        n, L, h = lens.numel(), int(lens.max()), x.shape[-1]
         key_mask = (torch.arange(L, device=x.device)[None, :] < lens[:, None]).view(n, 1, 1, L)
-        for layer in self.encoder.layer:
-            x = layer(x, (seq, pos, n, L), key_mask)
-        return x
+        layers = self.encoder.layer
+        # packed GEMMs: rows padded to a bucket, so a new batch size rarely means a new oneDNN primitive
+        M = packed_linear.bucket_rows(T) if layers and layers[0].packed is not None else T
+        if M != T:
+            x = torch.cat([x, x.new_zeros(M - T, h)])
+        where = (seq * L + pos, x.new_zeros(n * L, 3 * h), x.new_zeros(M, h))
+        for layer in layers:
+            x = layer(x, where, key_mask)
+        return x[:T]
 
     def classify(self, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         """The sequence-classification logits [n, num_labels] from the CLS token (tanh pooler)."""
@@ -204,7 +238,7 @@ def load_bert(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Bert
     except RuntimeError as e:
         raise ModelLoadError(f"{root}: checkpoint does not fit {archs[0]}: {e}") from None
     model = model.to(dtype).eval()
-    model.fuse_qkv()
+    model.prepare()
     return model
 
 

@@ -85,7 +85,7 @@ class BertForEngine(nn.Module):
                 if mine[name].shape != t.shape:
                     raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(mine[name].shape)}")
                 mine[name].copy_(t)
-        self.bert.fuse_qkv()
+        self.bert.prepare()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches=None, meta=None,
                 token_type_ids: torch.Tensor | None = None, **_) -> torch.Tensor:

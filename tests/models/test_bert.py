@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import transformers
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import packed_linear
 from asyncengine.layers.pooler import PoolingSpec
 from asyncengine.models.bert import classify_token_ids, embed_token_ids, load_bert, rerank_scores
 from asyncengine.models.st_pooling import read_st_pooling
@@ -31,9 +32,30 @@ def test_hidden_states_match_transformers_on_a_packed_batch(tmp_path):
         for i, s in enumerate(seqs):
             want = ref(input_ids=torch.tensor([s])).last_hidden_state[0]
             torch.testing.assert_close(got[qsl[i]:qsl[i + 1]], want, rtol=1e-4, atol=1e-5)
-        for layer in ours.encoder.layer:  # the unfused q/k/v path (a hand-built model) gives the same
+        assert all(layer.packed is not None for layer in ours.encoder.layer) == packed_linear.available()
+        for layer in ours.encoder.layer:  # F.linear with q/k/v fused (no oneDNN) gives the same
+            layer.packed = None
+        torch.testing.assert_close(ours(torch.tensor(sum(seqs, [])), qsl), got, rtol=1e-5, atol=1e-6)
+        for layer in ours.encoder.layer:  # and the unfused q/k/v path (a hand-built model)
             layer.qkv = None
         torch.testing.assert_close(ours(torch.tensor(sum(seqs, [])), qsl), got, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_gemms_pad_rows_to_a_bucket_and_match_the_exact_batch(tmp_path):
+    """A batch of 41 tokens runs its packed GEMMs on a bucket of 42 rows (one pad row that no
+    token attends); its hidden states equal those of transformers per sequence."""
+    ref = _tiny_bert(tmp_path)
+    ours = load_bert(tmp_path)
+    assert (ours.encoder.layer[0].packed is not None) == packed_linear.available()
+    rng = random.Random(1)
+    seqs = [[rng.randrange(5, 18) for _ in range(n)] for n in (17, 24)]
+    assert packed_linear.bucket_rows(41) == 42
+    with torch.no_grad():
+        got = ours(torch.tensor(sum(seqs, [])), torch.tensor([0, 17, 41]))
+        assert got.shape[0] == 41
+        for s, part in zip(seqs, got.split([17, 24])):
+            want = ref(input_ids=torch.tensor([s])).last_hidden_state[0]
+            torch.testing.assert_close(part, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("last", True)])
