@@ -3,7 +3,8 @@
 tower: 768 hidden, 12 layers; a SmolLM2-135M-shaped Llama: 576 hidden, 30 layers) at each image
 size, timing (a) the vision tower + projector alone for one image, (b) a prompt of one image and a
 few words end to end (encoder + LM prefill over its placeholders, one output token), and (c) a
-text-only prompt of the same token count. Prefix caching off; medians of --rounds.
+text-only prompt of the same token count. Prefix caching off and a new image every call (so
+neither the prefix cache nor the encoder cache serves a repeat); medians of --rounds.
 
     python benchmarks/image_encoder_cost.py --sizes 224 336 --rounds 5 --threads 2
 """
@@ -65,10 +66,16 @@ def measure(size: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         make_checkpoint(Path(d), size)
         llm = LLM(d, dtype="float32", device="cpu", enable_prefix_caching=False, max_num_batched_tokens=4096)
-        img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8))
+        rng = np.random.default_rng(0)
+
+        def image_prompt():  # a new image every call: the encoder cache (keyed by the image) never hits
+            img = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+            return {"prompt": "<image> describe it", "multi_modal_data": {"image": img}}
+
         one = SamplingParams(max_tokens=1, temperature=0.0)
-        image_prompt = {"prompt": "<image> describe it", "multi_modal_data": {"image": img}}
-        n_tokens = len(llm.generate(image_prompt, one, use_tqdm=False)[0].prompt_token_ids)
+        first = image_prompt()
+        img = first["multi_modal_data"]["image"]
+        n_tokens = len(llm.generate(first, one, use_tqdm=False)[0].prompt_token_ids)
         from asyncengine.config import EngineConfig
         from asyncengine.models.loader import load_model
 
@@ -79,7 +86,7 @@ def measure(size: int, rounds: int) -> dict:
         with torch.inference_mode():
             out["encoder_ms"] = 1e3 * median_s(lambda: model.encode_images(px), rounds)
         text_ids = [5 + i % 400 for i in range(n_tokens)]
-        out["image_prompt_ms"] = 1e3 * median_s(lambda: llm.generate(image_prompt, one, use_tqdm=False), rounds)
+        out["image_prompt_ms"] = 1e3 * median_s(lambda: llm.generate(image_prompt(), one, use_tqdm=False), rounds)
         out["text_prompt_ms"] = 1e3 * median_s(
             lambda: llm.generate({"prompt_token_ids": text_ids}, one, use_tqdm=False), rounds)
         llm.shutdown()
