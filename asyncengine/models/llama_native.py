@@ -41,7 +41,8 @@ class _Layer(ctypes.Structure):
                 ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
                 ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
-                ("down_type", ctypes.c_int32), ("window", ctypes.c_int32), ("act_int8", ctypes.c_int32)]
+                ("down_type", ctypes.c_int32), ("window", ctypes.c_int32), ("act_int8", ctypes.c_int32),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -84,8 +85,9 @@ def native_step_reason(model) -> str | None:
         return "partial rotary (Phi-4-mini) is not in the native step"
     if getattr(model, "is_moe", False):
         return "mixture-of-experts layers are not in the native step (the torch step runs them)"
-    if model.args.qk_norm:
-        return "q/k norms (Qwen3) are not in the native step"
+    if model.args.qk_norm and any(n.eps != model.norm.eps for layer in model.layers
+                                  for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)):
+        return "q/k norms with another epsilon than the layer norms'"
     if model.tp.size > 1:
         return "tensor parallel"
     if load() is None:
@@ -161,7 +163,9 @@ class NativeStep:
                     qkv.bias.data_ptr() if qkv.bias is not None else None, kc.data_ptr(), vc.data_ptr(),
                     quant.type_id(qkv.qtype, qkv.packed), quant.type_id(o.qtype, o.packed),
                     quant.type_id(gu.qtype, gu.packed), quant.type_id(down.qtype, down.packed),
-                    at.sliding_window or 0, int(acts.pop() == "int8"))
+                    at.sliding_window or 0, int(acts.pop() == "int8"),
+                    at.q_norm.weight.data_ptr() if at.q_norm is not None else None,
+                    at.k_norm.weight.data_ptr() if at.k_norm is not None else None)
             self._layers, self._caches_key = table, key
             self._keep = kv_caches  # the table points into them
         return self._layers

@@ -1,5 +1,5 @@
 /* One native call for the decoder layers of a Llama-family step (fp32 activations, block-quantized
- * weights): per layer add + RMSNorm, QKV projection (+ bias), rotary, KV-cache write, paged
+ * weights): per layer add + RMSNorm, QKV projection (+ bias), per-head q/k RMSNorm (Qwen3), rotary, KV-cache write, paged
  * attention, output projection, add + RMSNorm, gate/up projection, SiLU-and-mul, down projection;
  * then the final add + RMSNorm. It calls the same kernels, in the same order, on the same
  * buffers as the per-op model (asyncengine/models/llama.py), so its results are those of the
@@ -53,6 +53,7 @@ typedef struct {
     int32_t qkv_type, o_type, gate_up_type, down_type; /* GGML type ids (| AE_Q_X8: the x8 layout) */
     int32_t window;                   /* sliding window, 0 = none */
     int32_t act_int8;                 /* 1: int8 activations (ae_q_gemm_i8), 0: fp32 (ae_q_gemm) */
+    const float *q_norm, *k_norm;     /* [D] per-head RMSNorm weights of q and k (Qwen3), or NULL */
 } ae_step_layer;
 
 /* The model's shapes and constants. */
@@ -86,8 +87,9 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
     const int I = dm->inter, nt = dm->nthreads;
     if (T < 1 || H < 1 || Hq % Hkv) return -1;
     const long q_size = (long)Hq * D, kv_size = (long)Hkv * D, qkv_n = q_size + 2 * kv_size;
-    /* one allocation for the step's scratch: residual, h, qkv, attention output, gate_up, act */
-    const size_t n = (size_t)T * (2 * H + qkv_n + q_size + 2 * (long)I + I);
+    /* one allocation for the step's scratch: residual, h, qkv, attention output, gate_up, act, and
+     * the normed q and k heads (Qwen3) */
+    const size_t n = (size_t)T * (2 * H + qkv_n + q_size + 2 * (long)I + I + q_size + kv_size);
     ae_lora_groups g = {0};
     if (lora) {
         const int e = ae_lora_groups_init(&g, lora, T);
@@ -101,6 +103,7 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
     const long qkv_parts[3] = {q_size, kv_size, kv_size}, h_part[1] = {H}, gu_parts[2] = {I, I};
     float *res = buf, *h = res + (size_t)T * H, *qkv = h + (size_t)T * H, *att = qkv + (size_t)T * qkv_n;
     float *gu = att + (size_t)T * q_size, *act = gu + (size_t)T * 2 * I;
+    float *qn = act + (size_t)T * I, *kn = qn + (size_t)T * q_size;
     int rc = 0;
     for (int l = 0; l < dm->num_layers && !rc; l++) {
         const ae_step_layer *L = layers + l;
@@ -113,16 +116,25 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
         }
         rc |= gemm(L->act_int8, L->qkv_type, h, T, H, L->qkv, qkv_n, L->qkv_bias, qkv, nt);
         if (P) ae_lora_apply(P, &g, h, H, H, qkv, qkv_n, qkv_parts, 3, nt);
-        /* q and k heads side by side in the fused projection: rotated in place, in one pass */
-        ae_ops_rotary(qkv, qkv_n, qkv, qkv_n, T, Hq + Hkv, D, b->cos, b->sin_signed, 0, 0);
+        const float *qp = qkv, *kp = qkv + q_size;
+        long q_stride = qkv_n, k_stride = qkv_n;
+        if (L->q_norm) { /* Qwen3: each q and k head RMS-normed into its own rows, then rotated there */
+            ae_ops_rms_norm(qkv, qkv_n, D, T, Hq, qn, L->q_norm, D, dm->eps, 0, 0);
+            ae_ops_rms_norm(qkv + q_size, qkv_n, D, T, Hkv, kn, L->k_norm, D, dm->eps, 0, 0);
+            ae_ops_rotary(qn, q_size, qn, q_size, T, Hq, D, b->cos, b->sin_signed, 0, 0);
+            ae_ops_rotary(kn, kv_size, kn, kv_size, T, Hkv, D, b->cos, b->sin_signed, 0, 0);
+            qp = qn, kp = kn, q_stride = q_size, k_stride = kv_size;
+        } else { /* q and k heads side by side in the fused projection: rotated in place, in one pass */
+            ae_ops_rotary(qkv, qkv_n, qkv, qkv_n, T, Hq + Hkv, D, b->cos, b->sin_signed, 0, 0);
+        }
         if (dm->kv_int8)
-            ae_attn_i8_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n,
+            ae_attn_i8_write_and_attend(kp, k_stride, qkv + q_size + kv_size, qkv_n, b->slots, T, qp, q_stride,
                                         att, (int8_t *)L->k_cache, (int8_t *)L->v_cache, b->block_ids,
                                         b->block_starts, b->query_starts, b->query_lens, b->context_lens,
                                         b->num_seqs, Hq, Hkv, D, dm->num_blocks, dm->block_size, dm->scale,
                                         L->window, 0.0f, 0, b->attn_parallel);
         else
-            ae_attn_write_and_attend(qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, b->slots, T, qkv, qkv_n,
+            ae_attn_write_and_attend(kp, k_stride, qkv + q_size + kv_size, qkv_n, b->slots, T, qp, q_stride,
                                      att, L->k_cache, L->v_cache, b->block_ids, b->block_starts, b->query_starts,
                                      b->query_lens, b->context_lens, b->num_seqs, Hq, Hkv, D, dm->num_blocks,
                                      dm->block_size, dm->scale, L->window, 0.0f, 0, b->attn_parallel);

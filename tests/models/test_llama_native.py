@@ -1,7 +1,7 @@
 """The native decode step (asyncengine/models/llama_native.py, kernels/cpu/step.c) against the
 per-op model it replaces: the same kernels in the same order, so greedy outputs must be
 token-exact, in fp32 and in int8 activations alike, on batches of several sequences (the attention
-tables), with a QKV bias (Qwen2), a tied head, and every block format. Also: the native step really
+tables), with a QKV bias (Qwen2), per-head q/k norms (Qwen3), a tied head, and every block format. Also: the native step really
 ran, the per-op path runs where it does not apply, and the switch refuses what it cannot do."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ VOCAB = 320
 REQUESTS = random_requests(6, VOCAB, seed=11, plen=(3, 40), olen=(4, 14))
 COMMON = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128, num_threads=2,
               freeze_gc_after_load=False, max_num_seqs=4)
-CASES = [("llama", "Q4_1", {}), ("qwen2", "Q8_0", {}), ("llama", "Q4_0", {"tie_word_embeddings": True})]
+CASES = [("llama", "Q4_1", {}), ("qwen2", "Q8_0", {}), ("llama", "Q4_0", {"tie_word_embeddings": True}),
+         ("qwen3", "Q8_0", {})]  # Qwen3: per-head q/k norms
 
 
 @pytest.fixture(scope="module")
