@@ -60,7 +60,21 @@ def check_adapter_files(path: str, max_rank: int) -> dict:
     rank = cfg.get("r")
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ConfigError(f"LoRA adapter {path!r} has rank {rank}; this engine takes 1..{max_rank} (max_lora_rank)")
+    check_adapter_options(cfg, repr(path))
     return cfg
+
+
+def check_adapter_options(cfg: dict, where: str) -> None:
+    """What PEFT can save that this engine does not apply: refused, not silently ignored."""
+    if cfg.get("use_dora"):
+        raise ConfigError(f"LoRA adapter {where}: DoRA adapters are not supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ConfigError(f"LoRA adapter {where}: per-module rank_pattern / alpha_pattern are not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise ConfigError(f"LoRA adapter {where}: fan_in_fan_out (Conv1D bases) is not supported")
+    if cfg.get("modules_to_save"):
+        raise ConfigError(f"LoRA adapter {where}: modules_to_save (whole embedding / lm_head copies) is not "
+                          f"supported; LoRA targets: {', '.join(TARGETS)}")
 
 
 def adapter_fingerprint(path: str) -> str:
@@ -95,9 +109,13 @@ def model_shapes(hf_config) -> dict[tuple[int, str], tuple[int, int]]:
     return {(i, m): s for i in range(hf_config.num_hidden_layers) for m, s in one.items()}
 
 
-def check_adapter_shapes(path: str, rank: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> None:
-    """The tensors' names and shapes from the safetensors header (no tensor is read, no torch):
-    an adapter made for another base model is refused before it reaches a worker."""
+# safetensors dtypes an adapter may hold: bytes per value, and the exponent bits that are all ones
+# exactly for inf and NaN (read as unsigned integers of that width)
+FLOAT_DTYPES = {"F32": (4, 0x7F800000), "F16": (2, 0x7C00), "BF16": (2, 0x7F80)}
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    """The safetensors header of an adapter's weights file and where its data starts."""
     file = Path(path) / "adapter_model.safetensors"
     try:
         with open(file, "rb") as f:
@@ -107,6 +125,46 @@ def check_adapter_shapes(path: str, rank: int, shapes: dict[tuple[int, str], tup
         header = None
     if not isinstance(header, dict):
         raise ConfigError(f"LoRA adapter {path!r}: adapter_model.safetensors is unreadable")
+    return header, 8 + n
+
+
+def check_adapter_values(path: str) -> None:
+    """Every tensor of the weights file whole (the file not cut short) and finite: read once per
+    adapter version by the front end (numpy, no torch), so that a NaN or a truncated file is a 400
+    here instead of a failed load inside the engine's step."""
+    import numpy as np  # lazy: only adapter checks read tensors here
+
+    header, start = _read_header(path)
+    file = Path(path) / "adapter_model.safetensors"
+    size = file.stat().st_size
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        width, exp = FLOAT_DTYPES.get(meta.get("dtype"), (0, 0))
+        shape, offsets = meta.get("shape"), meta.get("data_offsets")
+        if not width:
+            raise ConfigError(f"LoRA adapter {path!r}: {key} is {meta.get('dtype')}, not F32, F16 or BF16")
+        if (not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(v, int) and v >= 0 for v in [*shape, *offsets])):
+            raise ConfigError(f"LoRA adapter {path!r}: {key} has a malformed header entry")
+        count = 1
+        for v in shape:
+            count *= v
+        a, b = offsets
+        if b - a != count * width or start + b > size:
+            raise ConfigError(f"LoRA adapter {path!r}: {key} lies past the end of adapter_model.safetensors "
+                              f"(cut short?) or does not match its shape")
+        if count:
+            raw = np.memmap(file, dtype=np.uint32 if width == 4 else np.uint16, mode="r", offset=start + a,
+                            shape=(count,))
+            if np.any((raw & exp) == exp):
+                raise ConfigError(f"LoRA adapter {path!r}: {key} holds NaN or infinite values")
+
+
+def check_adapter_shapes(path: str, rank: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> None:
+    """The tensors' names and shapes from the safetensors header (no tensor is read, no torch):
+    an adapter made for another base model is refused before it reaches a worker."""
+    header, _ = _read_header(path)
     for key, meta in header.items():
         if key == "__metadata__":
             continue

@@ -62,6 +62,7 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
                                         mm=MultiModalProcessor.of(self.config.multimodal_config, self.client.model_info,
                                                                   self.config.model_impl))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._lora_folders: dict[int, str] = {}  # LoRA id -> its folder: one id never names two adapters
         self.intake = PromptIntake(self.processor, self.limits)
         self.admission = Admission(config)
         # what a request with no sampling fields decodes with (the processor fills unset fields
@@ -256,7 +257,7 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
                                                   self.processor.eos_token_ids)
         self._check_id_free(request_id, params.n)  # after n is known to be within max_n
         check_request(self._tasks, params)  # an encoder cannot generate, a decoder cannot rerank
-        check_lora_request(lora_request, self.config, self.client.model_info.hf_config)
+        check_lora_request(lora_request, self.config, self.client.model_info.hf_config, self._lora_folders)
         self.admission.check_admissible(params)
         kind, payload = self.intake.precheck(prompt, params)
         slot = RequestSlot(request_id, params.output_kind)
@@ -274,7 +275,7 @@ class AsyncLLMEngine(TrainerControls, NamedLoRAs, EngineClient):  # trainer_api.
         return RequestStream(slot, self._abort_slot)
 
     def _check_lora(self, lora_request: LoRARequest) -> None:
-        check_lora_request(lora_request, self.config, self.client.model_info.hf_config)
+        check_lora_request(lora_request, self.config, self.client.model_info.hf_config, self._lora_folders)
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         """A live request's id (or a core id of its samples) cannot be given to another request: its

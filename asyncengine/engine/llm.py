@@ -49,6 +49,7 @@ class LLM:
         with gc_policy.paused(self.config.freeze_gc_after_load):  # engine_core/gc_policy.py
             self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._lora_folders: dict[int, str] = {}  # LoRA id -> its folder: one id never names two adapters
         self.processor = InputProcessor(self.tokenizer, self.engine.vocab_size, self.engine.max_model_len,
                                         self.engine.eos_token_ids, self.config.limits,
                                         self.engine.model_info.generation_config,
@@ -104,7 +105,7 @@ class LLM:
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         for lr in set(loras):
-            check_lora_request(lr, self.config, self.engine.model_info.hf_config)
+            check_lora_request(lr, self.config, self.engine.model_info.hf_config, self._lora_folders)
         if self.engine.asleep:
             raise InvalidRequestError(f"the engine is asleep ({', '.join(sorted(self.engine.asleep))}): "
                                       "wake_up() first")

@@ -6,13 +6,16 @@ rules and limits themselves live in ``validation.py`` (shared with the HTTP serv
 """
 from __future__ import annotations
 
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from asyncengine.core.request import Request
 from asyncengine.engine import validation
 from asyncengine.engine.validation import RequestLimits
-from asyncengine.config.lora import adapter_fingerprint, check_adapter_files, check_adapter_shapes, model_shapes
+from asyncengine.config.lora import (adapter_fingerprint, check_adapter_files, check_adapter_shapes,
+                                     check_adapter_values, model_shapes)
 from asyncengine.errors import ConfigError, InvalidRequestError
 from asyncengine.models.sampling_defaults import model_defaults, resolve
 from asyncengine.sampling_params import SamplingParams
@@ -141,9 +144,18 @@ class InputProcessor:
         return req, text
 
 
-def check_lora_request(lora_request, config, hf_config=None) -> None:
-    """A LoRARequest needs enable_lora, and its adapter's files and rank must pass (config/lora.py),
-    before the request reaches a worker: a bad adapter is a 400, not a failed step."""
+# fingerprints (path, size, mtime) of adapter files whose every tensor was read and found whole and
+# finite: a version is scanned once per process, later requests only stat the file
+_VALUES_CHECKED: OrderedDict[str, None] = OrderedDict()
+_VALUES_CHECKED_MAX = 256
+
+
+def check_lora_request(lora_request, config, hf_config=None, ids: dict[int, str] | None = None) -> None:
+    """A LoRARequest needs enable_lora, and its adapter's files, options, rank, shapes and values
+    must pass (config/lora.py) before the request reaches a worker: a bad adapter is a 400, not a
+    failed step. ``ids``: the engine's adapter id -> folder map, so that one id never names two
+    adapters (the worker keys its loaded adapters by id: a second folder under the same id would
+    silently run the first one's weights)."""
     if lora_request is None:
         return
     if not config.enable_lora:
@@ -152,8 +164,19 @@ def check_lora_request(lora_request, config, hf_config=None) -> None:
         cfg = check_adapter_files(lora_request.path, config.max_lora_rank)
         if hf_config is not None and hasattr(hf_config, "intermediate_size"):
             check_adapter_shapes(lora_request.path, cfg["r"], model_shapes(hf_config))
+        fingerprint = adapter_fingerprint(lora_request.path)
+        if fingerprint not in _VALUES_CHECKED:
+            check_adapter_values(lora_request.path)
+            _VALUES_CHECKED[fingerprint] = None
+            if len(_VALUES_CHECKED) > _VALUES_CHECKED_MAX:
+                _VALUES_CHECKED.popitem(last=False)
     except ConfigError as e:
         raise InvalidRequestError(str(e)) from None
+    if ids is not None:
+        folder = os.path.realpath(lora_request.path)
+        if ids.setdefault(lora_request.id, folder) != folder:
+            raise InvalidRequestError(f"LoRA id {lora_request.id} already names the adapter at {ids[lora_request.id]!r}; "
+                                      f"give the adapter at {folder!r} an id of its own")
 
 
 def lora_salt(cache_salt: str | None, lora_request) -> str | None:

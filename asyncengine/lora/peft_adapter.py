@@ -31,16 +31,6 @@ def _scale(cfg: dict, rank: int) -> float:
     return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
 
 
-def _check_options(cfg: dict, where: str) -> None:
-    """What PEFT can save that this engine does not apply: refused, not silently ignored."""
-    if cfg.get("use_dora"):
-        raise ConfigError(f"LoRA adapter {where}: DoRA adapters are not supported")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ConfigError(f"LoRA adapter {where}: per-module rank_pattern / alpha_pattern are not supported")
-    if cfg.get("fan_in_fan_out"):
-        raise ConfigError(f"LoRA adapter {where}: fan_in_fan_out (Conv1D bases) is not supported")
-
-
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     path = folder / "adapter_model.safetensors"
     if not path.is_file():
@@ -61,8 +51,7 @@ def load_peft_adapter(name: str, lora_id: int, path: str, shapes: dict[tuple[int
     a tensor whose shape is not the base's (an adapter trained for another model)."""
     folder = Path(path)
     where = f"{name!r} ({path})"
-    cfg = check_adapter_files(path, max_rank)
-    _check_options(cfg, where)
+    cfg = check_adapter_files(path, max_rank)  # the options too (config/lora.py)
     rank = cfg["r"]
     scale = _scale(cfg, rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -46,8 +46,8 @@ async def _tokens(eng, lora: LoRARequest | None, rid: str) -> list[int]:
 
 
 async def _reference(base: str, loras: dict) -> dict[str, list[int]]:
-    """Each adapter's tokens on an engine with no tier at all."""
-    async with AsyncLLMEngine(_config(base)) as eng:
+    """Each adapter's tokens on an engine with no tier and no prefix cache at all."""
+    async with AsyncLLMEngine(_config(base, enable_prefix_caching=False)) as eng:
         return {n: await asyncio.wait_for(_tokens(eng, lr, f"ref-{n}"), HANG_GUARD_S) for n, lr in loras.items()}
 
 

@@ -85,3 +85,58 @@ def test_bad_requests_refused_and_engine_serves(setup, tmp_path, tiny_model_dir)
     plain = LLM(base, dtype="float32")
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         plain.generate([[5, 6, 7]], sp, lora_request=LoRARequest("a4", 1, adapters["a4"]))
+
+
+def _hostile_copies(src: str, root) -> dict[str, str]:
+    """Copies of a good adapter that pass the header checks but not a read of their values or
+    options: a NaN in lora_B, a config with alpha_pattern, a weights file cut short."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = {}
+    for kind in ("nan", "alpha_pattern", "truncated"):
+        d = root / kind
+        shutil.copytree(src, d)
+        out[kind] = str(d)
+    tensors = load_file(f"{src}/adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(root / "nan" / "adapter_model.safetensors"))
+    cfg = json.loads((root / "alpha_pattern" / "adapter_config.json").read_text())
+    cfg["alpha_pattern"] = {"q_proj": 32}
+    (root / "alpha_pattern" / "adapter_config.json").write_text(json.dumps(cfg))
+    weights = root / "truncated" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return out
+
+
+def test_adapters_bad_inside_are_refused_and_nothing_else_changes(setup, tmp_path, hf_reference):
+    """Hostile adapters whose headers look right (NaN values, an option we do not apply, a file cut
+    short) and one id given to two folders: each an InvalidRequestError before anything is queued;
+    base and good-adapter requests before and after give transformers' tokens."""
+    base, adapters, merged = setup
+    bad = _hostile_copies(adapters["a4"], tmp_path)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompts = random_requests(2, 512, seed=9, plen=(8, 16), olen=(5, 5))
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    good = LoRARequest("a4", 1, adapters["a4"])
+
+    def run():
+        outs = llm.generate([list(p) for p, _ in prompts] * 2, sp, use_tqdm=False, lora_request=[None, None, good, good])
+        return [o.outputs[0].token_ids for o in outs]
+
+    before = run()
+    for kind, match in (("nan", "NaN or infinite"), ("alpha_pattern", "alpha_pattern"), ("truncated", "cut short")):
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest(kind, 10, bad[kind]))
+    with pytest.raises(InvalidRequestError, match="LoRA id 1 already names"):
+        llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("a8", 1, adapters["a8"]))
+    after = run()
+    assert after == before
+    for got, ref_dir in ((after[:2], base), (after[2:], merged["a4"])):
+        counts = compare(got, hf_reference(ref_dir, prompts))
+        assert counts["exact"] + counts["near_tie"] == 2
+    assert llm.engine.stats()["num_waiting"] + llm.engine.stats()["num_running"] == 0
