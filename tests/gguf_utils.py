@@ -400,3 +400,14 @@ def quantize_k(data: np.ndarray, qtype: str) -> np.ndarray:
     parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_pack_scales(sc.astype(np.uint8), mn.astype(np.uint8))]
     parts += [qh, qs] if qtype == "Q5_K" else [qs]
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def dense_reference_dir(tmp_path, hf_model, weights: dict[str, torch.Tensor]) -> str:
+    """A safetensors checkpoint of ``hf_model``'s architecture holding ``weights`` (HF names)."""
+    model = transformers.AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    d = tmp_path / "reference"
+    model.save_pretrained(d)
+    return str(d)

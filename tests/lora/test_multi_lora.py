@@ -140,3 +140,37 @@ def test_adapters_bad_inside_are_refused_and_nothing_else_changes(setup, tmp_pat
         counts = compare(got, hf_reference(ref_dir, prompts))
         assert counts["exact"] + counts["near_tie"] == 2
     assert llm.engine.stats()["num_waiting"] + llm.engine.stats()["num_running"] == 0
+
+
+def _count_loads(worker) -> None:
+    lm = worker.runner.lora
+    worker.lora_loads, inner = [], lm.load
+
+    def load(name, lora_id, path):
+        worker.lora_loads.append(lora_id)
+        return inner(name, lora_id, path)
+
+    lm.load = load
+
+
+def _loads_and_host(worker) -> tuple[list[int], int]:
+    return worker.lora_loads, len(worker.runner.lora.slots.host)
+
+
+def test_host_lru_evicts_and_reloads_from_disk(setup, hf_reference):
+    """One device slot and one host copy: every change of adapter evicts the last one from host
+    memory, so the first adapter comes back from disk; each run equals transformers + PEFT."""
+    base, adapters, merged = setup
+    prompts = random_requests(2, 512, seed=13, plen=(8, 20), olen=(5, 5))
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1)
+    llm.engine.collective_rpc(_count_loads)
+    order = [("a4", 1), ("a8", 2), ("a16", 3), ("a4", 1)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for name, i in order:
+        outs = llm.generate([list(p) for p, _ in prompts], sp, use_tqdm=False,
+                            lora_request=LoRARequest(name, i, adapters[name]))
+        counts = compare([o.outputs[0].token_ids for o in outs], hf_reference(merged[name], prompts))
+        assert counts["exact"] + counts["near_tie"] == 2, name
+    loads, host = llm.engine.collective_rpc(_loads_and_host)[0]
+    assert loads == [1, 2, 3, 1]  # a4 was evicted from host memory and read from disk again
+    assert host <= 2  # max_cpu_loras, plus one while the others hold the slots (lora/slots.py)

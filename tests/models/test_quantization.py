@@ -23,7 +23,7 @@ from asyncengine.errors import ConfigError
 from asyncengine.kernels.cpu import quant
 from asyncengine.layers.linear import Linear, weight_nbytes
 from asyncengine.models.loader import load_model
-from gguf_utils import tiny_hf_model, write_tiny_gguf
+from gguf_utils import dense_reference_dir, tiny_hf_model, write_tiny_gguf
 from model_utils import compare, random_requests
 
 VOCAB = 320
@@ -54,17 +54,6 @@ def run(path: str, requests=REQUESTS, on_llm=None, **cfg) -> list[list[int]]:
 
 def formats(model) -> dict[str, str | None]:
     return {name: m.qtype for name, m in model.named_modules() if isinstance(m, Linear)}
-
-
-def dense_reference_dir(tmp_path, hf_model, weights: dict[str, torch.Tensor]) -> str:
-    """A safetensors checkpoint of ``hf_model``'s architecture holding ``weights`` (HF names)."""
-    model = transformers.AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    d = tmp_path / "reference"
-    model.save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
