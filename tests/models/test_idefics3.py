@@ -30,8 +30,9 @@ REGIMES = {
     "alone": dict(num_kv_blocks=256, block_size=16),
     # chunks of 8 tokens, blocks of 4: chunks start and end inside 16-row tile runs
     "chunked": dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8),
-    # 64 blocks of 4 = 256 slots: the longest request (~215 tokens) fits, the batch does not
-    "preempt": dict(num_kv_blocks=64, block_size=4),
+    # 60 blocks of 4 = 240 slots: the longest request (214 tokens) fits, the batch (~530) does not;
+    # prefill chunks of 32 keep several requests growing at once (recompute preemptions)
+    "preempt": dict(num_kv_blocks=60, block_size=4, max_num_batched_tokens=32),
 }
 
 
@@ -59,8 +60,8 @@ def _prompt(text, images):
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
-def _params(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+def _params(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 def _num_encoded(worker) -> int:
@@ -97,18 +98,20 @@ def test_same_image_hits_the_prefix_cache_another_does_not(split):
     d = split[0]
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=128, block_size=4)
     text = "<image> describe this picture please"
-    first = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    first = llm.generate(_prompt(text, [image(7)]), _params(6, logprobs=0), use_tqdm=False)[0]
     s1 = llm.engine.stats()
-    same = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    same = llm.generate(_prompt(text, [image(7)]), _params(6, logprobs=0), use_tqdm=False)[0]
     s2 = llm.engine.stats()
     hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
     n = len(same.prompt_token_ids)
     assert hits == (n - 1) // 4 * 4 and hits >= 5 * TOKENS_PER_TILE  # all but the block of the last token
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    other = llm.generate(_prompt(text, [image(8)]), _params(6), use_tqdm=False)[0]
+    assert same.outputs[0].cumulative_logprob == pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
+    other = llm.generate(_prompt(text, [image(8)]), _params(6, logprobs=0), use_tqdm=False)[0]
     s3 = llm.engine.stats()
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
-    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    # (the tiny LM may pick the same tokens for another image; its probabilities differ)
+    assert other.outputs[0].cumulative_logprob != pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
     llm.shutdown()
 
 
@@ -134,3 +137,14 @@ def test_tiles_cross_to_an_engine_core_process(split):
             return await asyncio.gather(*(one(i) for i in picked))
 
     compare(asyncio.run(main()), [refs[i] for i in picked])
+
+
+def test_pixel_shuffle_is_transformers():
+    import torch
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector
+
+    from asyncengine.models.idefics3 import pixel_shuffle
+
+    x = torch.randn(3, 64, 5)
+    for scale in (2, 4):
+        assert torch.equal(pixel_shuffle(x, scale), Idefics3Connector.pixel_shuffle(None, x, scale))
