@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import transformers
+from PIL import Image
 
 from idefics3_utils import TOKENS_PER_TILE, hf_idefics3_greedy, make_tiny_idefics3
 from model_utils import compare
@@ -25,23 +26,24 @@ REQUESTS = [
     ("Two: <image> and <image>, compare", [image(3), image(4, (20, 20))], 9),
     ("The lazy dog", [], 6),
     ("<image> again the first", [image(1)], 7),
+    # one colour: its five tiles are the same pixels, one hash (one encoding, five runs)
+    ("A plain <image> page", [Image.new("RGB", (40, 50), (200, 30, 30))], 5),
 ]
 REGIMES = {
     "alone": dict(num_kv_blocks=256, block_size=16),
     # chunks of 8 tokens, blocks of 4: chunks start and end inside 16-row tile runs
     "chunked": dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8),
-    # 60 blocks of 4 = 240 slots: the longest request (214 tokens) fits, the batch (~530) does not;
+    # 60 blocks of 4 = 240 slots: the longest request (214 tokens) fits, the batch (~640) does not;
     # prefill chunks of 32 keep several requests growing at once (recompute preemptions)
     "preempt": dict(num_kv_blocks=60, block_size=4, max_num_batched_tokens=32),
 }
 
 
 def _tiles(model_dir, requests) -> int:
-    """Distinct tiles of the requests' images, by transformers' image processor."""
+    """Distinct tiles (by pixels) of the requests' images, by transformers' image processor."""
     ip = transformers.AutoProcessor.from_pretrained(model_dir).image_processor
-    seen = {id(im): im for _, ims, _ in requests for im in ims}
-    distinct = {im.tobytes(): im for im in seen.values()}
-    return sum(ip(im, return_tensors="np")["pixel_values"].shape[1] for im in distinct.values())
+    return len({tile.tobytes() for _, ims, _ in requests for im in ims
+                for tile in ip(im, return_tensors="np")["pixel_values"][0]})
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +86,13 @@ def _run(checkpoint, **engine):
 
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_idefics3_parity(split, regime):
-    assert split[2] == 5 + 3 + 5 + 5  # the images are split: 2 x 2 + 1, 1 x 2 + 1, ...
+    assert split[2] == 5 + 3 + 5 + 5 + 1  # the images are split: 2 x 2 + 1, 1 x 2 + 1, ...; one colour: 1
     stats = _run(split, **REGIMES[regime])
     assert (stats["num_preemptions"] > 0) == (regime == "preempt")
 
 
 def test_idefics3_parity_unsplit(unsplit):
-    assert unsplit[2] == 4  # one tile per image
+    assert unsplit[2] == 5  # one tile per image
     _run(unsplit, **REGIMES["chunked"])
 
 
