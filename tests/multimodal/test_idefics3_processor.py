@@ -54,6 +54,8 @@ def test_refusals(model_dir):
     with pytest.raises(InvalidRequestError, match="1 image placeholders .* for 2 images"):
         mm.process([5, tok], {"image": [image(1), image(2)]})
     ids, inputs = mm.process([5, tok, 6], {"image": [image(1)]})
+    with pytest.raises(InvalidRequestError, match="tiles in one prompt, over the limit of 2 images of 37"):
+        mm.check_prepared(ids, inputs[:1] * (2 * 37 + 1))
     for bad in (msgspec.structs.replace(inputs[0], offset=0), msgspec.structs.replace(inputs[0], data=b"x"),
                 msgspec.structs.replace(inputs[0], length=3), "not an input"):
         with pytest.raises(InvalidRequestError, match="do not match"):
