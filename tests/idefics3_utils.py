@@ -13,8 +13,9 @@ TOKENS_PER_TILE = (TILE // PATCH) ** 2 // SCALE ** 2  # 16
 LONGEST_EDGE = 2 * TILE  # images are resized to this longest edge, then cut into up to 2 x 2 tiles
 
 
-def make_tiny_idefics3(out_dir: str, split: bool = True, seed: int = 0) -> str:
-    """``split``: the image processor's ``do_image_splitting`` (False: one tile per image)."""
+def make_tiny_idefics3(out_dir: str, split: bool = True, tie: bool = False, seed: int = 0) -> str:
+    """``split``: the image processor's ``do_image_splitting`` (False: one tile per image); ``tie``:
+    the head is the embedding (the outer config's ``tie_word_embeddings``, as transformers reads it)."""
     save_tiny_tokenizer(out_dir, 512)
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     tags = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -27,7 +28,7 @@ def make_tiny_idefics3(out_dir: str, split: bool = True, seed: int = 0) -> str:
                                   rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                                   tie_word_embeddings=False)
     cfg = transformers.Idefics3Config(vision_config=vc.to_dict(), text_config=tc.to_dict(), scale_factor=SCALE,
-                                      image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+                                      image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = transformers.Idefics3ForConditionalGeneration(cfg)
     scale_weights(model)

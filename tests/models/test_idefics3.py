@@ -54,7 +54,7 @@ def split(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def unsplit(tmp_path_factory):
-    d = make_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_unsplit")), split=False)
+    d = make_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3_unsplit")), split=False, tie=True)
     return d, hf_idefics3_greedy(d, REQUESTS), _tiles(d, REQUESTS)
 
 
@@ -91,8 +91,13 @@ def test_idefics3_parity(split, regime):
     assert (stats["num_preemptions"] > 0) == (regime == "preempt")
 
 
-def test_idefics3_parity_unsplit(unsplit):
-    assert unsplit[2] == 5  # one tile per image
+def test_idefics3_parity_unsplit_tied(unsplit):
+    """One tile per image, and a head tied to the embedding (no lm_head in the checkpoint)."""
+    from safetensors import safe_open
+
+    with safe_open(f"{unsplit[0]}/model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert unsplit[2] == 5
     _run(unsplit, **REGIMES["chunked"])
 
 
