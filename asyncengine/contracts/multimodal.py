@@ -10,7 +10,8 @@ import msgspec
 
 
 class MultiModalInput(msgspec.Struct, frozen=True, kw_only=True):
-    """One image of a prompt, ready for the vision encoder (float32 pixel values, C-order)."""
+    """One image of a prompt, ready for the vision encoder (float32 pixel values, C-order); for
+    Idefics3 one tile of an image (its tiles' runs are apart in the prompt: each its own input)."""
 
     hash: str  # sha256 hex of the processed pixel values and their shape
     offset: int  # the first prompt position of its placeholder run

@@ -144,9 +144,9 @@ TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 # vision-language checkpoints we serve with their images: the text part stands for the config (so
 # every reader of the LM's sizes finds them), the vision facts ride along as a plain dict ``llava``
-VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"})
 _VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy",
-                "projector_hidden_act", "multimodal_projector_bias")
+                "projector_hidden_act", "multimodal_projector_bias", "scale_factor")
 
 
 def text_part(config):
@@ -159,6 +159,10 @@ def text_part(config):
         text.architectures = archs
         text.llava = {k: getattr(config, k) for k in _VISION_KEYS if hasattr(config, k)}
         text.llava["vision_config"] = config.vision_config.to_dict()
+        text.llava["model_type"] = config.model_type  # which processor (multimodal/processor.py)
+        if "Idefics3ForConditionalGeneration" in archs:  # its outer config ties the head or not
+            text.llava["image_token_index"] = config.image_token_id
+            text.tie_word_embeddings = bool(config.tie_word_embeddings)
         return text
     if text is None or not TEXT_PART_ARCHITECTURES.intersection(archs):
         return config

@@ -23,6 +23,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "asyncengine.models.gemma:Gemma3ForConditionalGeneration",  # text only
     # vision-language: CLIP tower + projector + our Llama (models/llava.py)
     "LlavaForConditionalGeneration": "asyncengine.models.llava:LlavaForConditionalGeneration",
+    # Idefics3 / SmolVLM: SigLIP-shaped tower + pixel-shuffle connector + our Llama (models/idefics3.py)
+    "Idefics3ForConditionalGeneration": "asyncengine.models.idefics3:Idefics3ForConditionalGeneration",
     "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
     # mixture of experts (models/moe.py)
     "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",

@@ -8,6 +8,7 @@ prefix cache key it by (contracts/multimodal.py)."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Mapping, Sequence
 
 from asyncengine.config.sub_configs import MultiModalConfig
@@ -30,6 +31,22 @@ def num_image_tokens(info: dict) -> int:
     return n + (1 if info.get("vision_feature_select_strategy", "default") == "full" else 0)
 
 
+# model_type -> "module:class" of its processor where it is not this module's (LLaVA's one run per
+# image); by name, as the model registry does, since each subclasses MultiModalProcessor
+PROCESSORS: dict[str, str] = {
+    "idefics3": "asyncengine.multimodal.idefics3_processor:Idefics3Processor",  # tiles (Idefics3 / SmolVLM)
+}
+
+
+def processor_class(info: dict) -> type:
+    """The processor class of a model's image facts (:func:`vision_info`)."""
+    path = PROCESSORS.get(info.get("model_type", ""))
+    if path is None:
+        return MultiModalProcessor
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class MultiModalProcessor:
     def __init__(self, model_path: str, hf_config, limits: ImageLimits | None = None) -> None:
         self.info = vision_info(hf_config)
@@ -47,7 +64,7 @@ class MultiModalProcessor:
         if vision_info(model_info.hf_config) is None or model_impl == "transformers":
             return None  # (the Transformers backend runs the text model alone: it takes no images)
         limits = ImageLimits(max_images=mm.limit_mm_per_prompt, max_pixels=mm.mm_max_pixels)
-        return cls(model_info.path, model_info.hf_config, limits)
+        return processor_class(vision_info(model_info.hf_config))(model_info.path, model_info.hf_config, limits)
 
     @property
     def enabled(self) -> bool:
