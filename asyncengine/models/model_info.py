@@ -144,9 +144,10 @@ TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 # vision-language checkpoints we serve with their images: the text part stands for the config (so
 # every reader of the LM's sizes finds them), the vision facts ride along as a plain dict ``llava``
-VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                  "Qwen2_5_VLForConditionalGeneration"})
 _VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy",
-                "projector_hidden_act", "multimodal_projector_bias")
+                "projector_hidden_act", "multimodal_projector_bias", "image_token_id")
 
 
 def text_part(config):

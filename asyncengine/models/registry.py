@@ -23,6 +23,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "asyncengine.models.gemma:Gemma3ForConditionalGeneration",  # text only
     # vision-language: CLIP tower + projector + our Llama (models/llava.py)
     "LlavaForConditionalGeneration": "asyncengine.models.llava:LlavaForConditionalGeneration",
+    # dynamic-resolution ViT (transformers') + our Qwen2 with M-RoPE (models/qwen2_vl.py)
+    "Qwen2VLForConditionalGeneration": "asyncengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "asyncengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
     # mixture of experts (models/moe.py)
     "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",

@@ -1,0 +1,90 @@
+"""Qwen2-VL (models/qwen2_vl.py) token-exact against transformers' own processor + model (fp32,
+greedy, the near-tie rule): dynamic-resolution images of several sizes (square, wide, tall, one
+shrunk by ``max_pixels``, two of different sizes in one prompt), M-RoPE positions through the
+engine, alone, mixed with text-only requests, with prefill chunks that start and end inside an
+image's placeholder rows, and under preemption. The prefix cache keys blocks by image hash: the
+same image reuses them, the same text with another image does not."""
+from __future__ import annotations
+
+import pytest
+
+from model_utils import compare
+from qwen_vl_utils import hf_qwen2_vl_greedy, make_tiny_qwen2_vl
+from vlm_utils import image
+
+from asyncengine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+# (text, images, max tokens). Rows per image (patch 14, merge 2): 56x56 -> 2x2 = 4; 168x56 (wide)
+# -> 2x6 = 12; 112x112 -> 4x4 = 16; 28x84 (tall) -> 3x1 = 3; 300x200 -> shrunk under max_pixels
+REQUESTS = [
+    (f"The quick {IMG} brown fox", [image(1, (56, 56))], 10),
+    ("def f(x):", [], 8),
+    (f"{IMG}\nParis is the capital of", [image(2, (168, 56))], 12),
+    (f"Two: {IMG} and {IMG}, compare", [image(3, (112, 112)), image(4, (28, 84))], 9),
+    ("The lazy dog", [], 6),
+    (f"{IMG} again the first", [image(1, (56, 56))], 7),
+    (f"big {IMG} shrunk", [image(5, (300, 200))], 6),
+]
+REGIMES = {
+    "alone": dict(num_kv_blocks=256, block_size=16),
+    # chunks of 8 tokens, blocks of 4: chunks start and end inside the 12- and 16-row runs
+    "chunked": dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=8),
+    # 16 blocks of 4 = 64 slots: the longest request fits, the batch does not (recompute)
+    "preempt": dict(num_kv_blocks=16, block_size=4),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    d = make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+    return d, hf_qwen2_vl_greedy(d, REQUESTS)
+
+
+def _prompt(text, images):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _num_encoded(worker) -> int:
+    return worker.runner.encoder_cache.num_encoded
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_qwen2_vl_parity(qwen2_vl, regime):
+    d, (refs, prompt_ids) = qwen2_vl
+    llm = LLM(d, dtype="float32", device="cpu", **REGIMES[regime])
+    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+                        use_tqdm=False)
+    # placeholders expanded as transformers does, image by image (each its own grid)
+    assert [o.prompt_token_ids for o in outs] == prompt_ids
+    compare([o.outputs[0].token_ids for o in outs], refs)
+    # six distinct images (the first comes twice): each encoded once, whatever the chunks or preemptions
+    assert llm.engine.collective_rpc(_num_encoded) == [6]
+    stats = llm.engine.stats()
+    assert (stats["num_preemptions"] > 0) == (regime == "preempt")
+    llm.shutdown()
+
+
+def test_same_image_hits_the_prefix_cache_another_does_not(qwen2_vl):
+    d, _ = qwen2_vl
+    llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    text = f"{IMG} describe this picture please"
+    first = llm.generate(_prompt(text, [image(7, (112, 56))]), _params(6), use_tqdm=False)[0]
+    s1 = llm.engine.stats()
+    same = llm.generate(_prompt(text, [image(7, (112, 56))]), _params(6), use_tqdm=False)[0]
+    s2 = llm.engine.stats()
+    hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
+    n = len(same.prompt_token_ids)
+    assert hits == (n - 1) // 4 * 4 and hits >= 8  # all but the block of the last token: the image's too
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    other = llm.generate(_prompt(text, [image(8, (112, 56))]), _params(6), use_tqdm=False)[0]
+    s3 = llm.engine.stats()
+    assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    llm.shutdown()

@@ -1,0 +1,59 @@
+"""A tiny random Qwen2-VL checkpoint (dynamic-resolution ViT + Qwen2 LM with M-RoPE) saved with
+its processor, and transformers' own greedy reference (its processor + model), for the Qwen2-VL
+tests. Patch 14, merge 2: an image gives (h/28) x (w/28) placeholder rows; the processor's
+``min_pixels`` is lowered to 28 x 28 (a 28 x 84 image stays as it is) and ``max_pixels`` to
+112 x 112 (a larger image is shrunk)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from model_utils import Reference, save_tiny_tokenizer, scale_weights
+
+PATCH, MERGE = 14, 2
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
+SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def make_tiny_qwen2_vl(out_dir: str, seed: int = 0) -> str:
+    save_tiny_tokenizer(out_dir, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    text = dict(vocab_size=520, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
+                eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3)
+    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                                     video_token_id=ids["<|video_pad|>"],
+                                     vision_start_token_id=ids["<|vision_start|>"],
+                                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    scale_weights(model)
+    model.save_pretrained(out_dir)
+    ip = transformers.Qwen2VLImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+                                            patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
+    transformers.Qwen2VLProcessor(image_processor=ip, tokenizer=tok).save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_qwen2_vl_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
+    """transformers' processor + Qwen2VLForConditionalGeneration.generate, one request at a time,
+    greedy, fp32, EOS ignored. ``requests``: (text with <|image_pad|> marks, images, max tokens).
+    Returns (references, the processor's prompt ids: placeholders expanded)."""
+    proc = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs, prompts = [], []
+    with torch.inference_mode():
+        for text, images, max_tokens in requests:
+            inp = proc(text=text, images=images or None, return_tensors="pt")
+            out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            n = inp["input_ids"].shape[1]
+            margins = [float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits]
+            refs.append(Reference(out.sequences[0, n:].tolist(), margins))
+            prompts.append(inp["input_ids"][0].tolist())
+    return refs, prompts
