@@ -15,7 +15,9 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_tiny_qwen2_vl(out_dir: str, seed: int = 0) -> str:
+def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2") -> str:
+    """``version`` "2": Qwen2-VL; "2.5": Qwen2.5-VL (its windowed ViT: windows of 2 x 2 merged rows,
+    the second block full attention)."""
     save_tiny_tokenizer(out_dir, 512)
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     tok.add_special_tokens({"additional_special_tokens": SPECIALS})
@@ -24,28 +26,35 @@ def make_tiny_qwen2_vl(out_dir: str, seed: int = 0) -> str:
                 num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
                 eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=PATCH,
-                  spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3)
-    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                                     video_token_id=ids["<|video_pad|>"],
-                                     vision_start_token_id=ids["<|vision_start|>"],
-                                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    common = dict(patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3, num_heads=4,
+                  depth=2)
+    if version == "2":
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=2 * PATCH * MERGE,
+                      fullatt_block_indexes=[1])
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     scale_weights(model)
     model.save_pretrained(out_dir)
     ip = transformers.Qwen2VLImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
                                             patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
-    transformers.Qwen2VLProcessor(image_processor=ip, tokenizer=tok).save_pretrained(out_dir)
+    proc_cls = transformers.Qwen2VLProcessor if version == "2" else transformers.Qwen2_5_VLProcessor
+    proc_cls(image_processor=ip, tokenizer=tok).save_pretrained(out_dir)
     return out_dir
 
 
 def hf_qwen2_vl_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
-    """transformers' processor + Qwen2VLForConditionalGeneration.generate, one request at a time,
+    """transformers' processor + its Qwen2(.5)-VL model's generate, one request at a time,
     greedy, fp32, EOS ignored. ``requests``: (text with <|image_pad|> marks, images, max tokens).
     Returns (references, the processor's prompt ids: placeholders expanded)."""
-    proc = transformers.AutoProcessor.from_pretrained(model_dir)
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    proc = transformers.AutoProcessor.from_pretrained(model_dir)  # Qwen2-VL's or Qwen2.5-VL's
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     refs, prompts = [], []
     with torch.inference_mode():
         for text, images, max_tokens in requests:

@@ -24,23 +24,35 @@ def _merge(m: MultiModalInput) -> int:
     return round((t * h * w / m.length) ** 0.5)
 
 
-def request_positions(images: list[MultiModalInput], start: int, stop: int) -> torch.Tensor:
-    """[3, stop - start] M-RoPE positions of one request's tokens ``start..stop-1``."""
-    p = torch.arange(start, stop, dtype=torch.long)
-    out = p.expand(3, -1).clone()
-    shift = 0  # of the tokens after the images so far
+def request_positions(images: list[MultiModalInput], start: int, stop: int) -> list[list[int]]:
+    """The (temporal, height, width) position lists of one request's tokens ``start..stop-1``:
+    plain Python (a decode row is one append per stream), the tensor made once per step."""
+    out: list[list[int]] = [[], [], []]
+    p, shift = start, 0  # shift: of the tokens after the images so far
+
+    def text(upto: int) -> int:
+        rows = range(p + shift, upto + shift)
+        for stream in out:
+            stream.extend(rows)
+        return upto
+
     for m in sorted(images, key=lambda m: m.offset):
+        if p >= stop:
+            return out
+        if p < m.offset:  # the text before this image
+            p = text(min(stop, m.offset))
         merge = _merge(m)
-        _, h, w = (x // merge if i else x for i, x in enumerate(m.grid_thw))
-        first = m.offset + shift  # the run's start position
-        inside = (p >= m.offset) & (p < m.end)
-        if bool(inside.any()):
-            i = p[inside] - m.offset
-            out[0, inside] = first + i // (h * w)
-            out[1, inside] = first + (i // w) % h
-            out[2, inside] = first + i % w
-        shift += max(h, w) - m.length
-        out[:, p >= m.end] += max(h, w) - m.length
+        gh, gw = m.grid_thw[1] // merge, m.grid_thw[2] // merge
+        if m.offset <= p < m.end:  # its placeholder rows: on the merged grid, from the run's start
+            first, q = m.offset + shift, min(stop, m.end)
+            for i in range(p - m.offset, q - m.offset):
+                out[0].append(first + i // (gh * gw))
+                out[1].append(first + (i // gw) % gh)
+                out[2].append(first + i % gw)
+            p = q
+        shift += max(gh, gw) - m.length
+    if p < stop:
+        text(stop)
     return out
 
 
@@ -50,10 +62,9 @@ def step_positions(req_ids: list[str], seqs, images: dict[str, list[MultiModalIn
     context_len), or None when none of its requests has an image."""
     if not any(images.get(rid) for rid in req_ids):
         return None
-    parts = []
+    out: list[list[int]] = [[], [], []]
     for rid, seq in zip(req_ids, seqs):
-        start, stop = seq.context_len, seq.context_len + seq.query_len
         mine = [m for m in images.get(rid, ()) if m.grid_thw]
-        parts.append(request_positions(mine, start, stop) if mine
-                     else torch.arange(start, stop, dtype=torch.long).expand(3, -1))
-    return torch.cat(parts, dim=1).to(device)
+        for stream, rows in zip(out, request_positions(mine, seq.context_len, seq.context_len + seq.query_len)):
+            stream.extend(rows)
+    return torch.tensor(out, dtype=torch.long, device=device)

@@ -42,12 +42,13 @@ def test_every_chunk_matches_transformers_and_decode_continues_at_delta():
     ids, inputs = _prompt()
     ref, delta = _reference(ids, inputs)
     n = len(ids)
-    assert torch.equal(request_positions(inputs, 0, n), ref)
+    assert request_positions(inputs, 0, n) == ref.tolist()
     for start, stop in [(0, 4), (4, 9), (9, 17), (17, n), (2, 3), (16, 19)]:  # chunks cut inside the runs
-        assert torch.equal(request_positions(inputs, start, stop), ref[:, start:stop])
+        assert request_positions(inputs, start, stop) == ref[:, start:stop].tolist()
     assert delta != 0
     for p in (n, n + 5):
-        assert request_positions(inputs, p, p + 1).flatten().tolist() == [p + delta] * 3
+        assert request_positions(inputs, p, p + 1) == [[p + delta]] * 3
+    assert request_positions([], 4, 6) == [[4, 5]] * 3
 
 
 def test_step_positions_mixes_image_and_text_requests():
