@@ -147,7 +147,8 @@ TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                                   "Qwen2_5_VLForConditionalGeneration"})
 _VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy",
-                "projector_hidden_act", "multimodal_projector_bias", "image_token_id")
+                "projector_hidden_act", "multimodal_projector_bias", "image_token_id", "vision_start_token_id",
+                "vision_end_token_id")
 
 
 def text_part(config):

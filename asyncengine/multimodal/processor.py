@@ -52,6 +52,12 @@ class MultiModalProcessor:
         limits = ImageLimits(max_images=mm.limit_mm_per_prompt, max_pixels=mm.mm_max_pixels)
         return cls(model_info.path, model_info.hf_config, limits)
 
+    def image_part_text(self, tokenizer) -> str:
+        """What a chat message's image part becomes in its text: the image token, between the
+        vision start/end tokens where the model has them (Qwen2-VL, as its chat template writes it)."""
+        ids = [self.info.get("vision_start_token_id"), self.image_token_id, self.info.get("vision_end_token_id")]
+        return "".join(tokenizer.convert_ids_to_tokens([i for i in ids if i is not None]))
+
     @property
     def enabled(self) -> bool:
         return self.info is not None

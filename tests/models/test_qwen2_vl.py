@@ -88,3 +88,24 @@ def test_same_image_hits_the_prefix_cache_another_does_not(qwen2_vl):
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
     llm.shutdown()
+
+
+def test_processor_wraps_chat_images_and_checks_grids(qwen2_vl):
+    """A chat image part becomes <|vision_start|><|image_pad|><|vision_end|> (as Qwen2-VL's chat
+    template writes it); prepared inputs whose grid disagrees with their rows are refused."""
+    import msgspec
+    import transformers
+
+    from asyncengine.errors import InvalidRequestError
+    from asyncengine.models.model_info import read_hf_config
+    from asyncengine.multimodal.processor import MultiModalProcessor
+
+    d, _ = qwen2_vl
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    mm = MultiModalProcessor(d, read_hf_config(d))
+    assert mm.image_part_text(tok) == IMG
+    ids, inputs = mm.process(tok.encode(f"a {IMG} b"), {"image": [image(9, (168, 56))]})
+    assert [m.grid_thw for m in inputs] == [[1, 4, 12]] and inputs[0].length == 12
+    assert mm.check_prepared(ids, inputs) == inputs
+    with pytest.raises(InvalidRequestError):
+        mm.check_prepared(ids, [msgspec.structs.replace(inputs[0], grid_thw=[1, 4, 10])])  # 40 patches, not 48
