@@ -109,3 +109,16 @@ def test_processor_wraps_chat_images_and_checks_grids(qwen2_vl):
     assert mm.check_prepared(ids, inputs) == inputs
     with pytest.raises(InvalidRequestError):
         mm.check_prepared(ids, [msgspec.structs.replace(inputs[0], grid_thw=[1, 4, 10])])  # 40 patches, not 48
+
+
+def test_qwen2_5_vl_parity_chunked(tmp_path):
+    """Qwen2.5-VL through the same class (its windowed ViT is transformers'; the LM and M-RoPE are
+    Qwen2-VL's): token-exact, prefill chunks cutting the image runs, text-only rows beside."""
+    d = make_tiny_qwen2_vl(str(tmp_path), version="2.5")
+    picked = [REQUESTS[i] for i in (1, 2, 3)]
+    refs, prompt_ids = hf_qwen2_vl_greedy(d, picked)
+    llm = LLM(d, dtype="float32", device="cpu", **REGIMES["chunked"])
+    outs = llm.generate([_prompt(t, im) for t, im, _ in picked], [_params(n) for _, _, n in picked], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompt_ids
+    compare([o.outputs[0].token_ids for o in outs], refs)
+    llm.shutdown()
