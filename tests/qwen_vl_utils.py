@@ -42,8 +42,10 @@ def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2") -> str:
     model = model_cls(cfg)
     scale_weights(model)
     model.save_pretrained(out_dir)
-    ip = transformers.Qwen2VLImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-                                            patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
+    # the Pillow backend (transformers' default one needs torchvision)
+    ip_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    ip = ip_cls(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, patch_size=PATCH, merge_size=MERGE,
+                temporal_patch_size=2)
     proc_cls = transformers.Qwen2VLProcessor if version == "2" else transformers.Qwen2_5_VLProcessor
     proc_cls(image_processor=ip, tokenizer=tok).save_pretrained(out_dir)
     return out_dir
