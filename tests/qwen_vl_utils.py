@@ -1,6 +1,6 @@
 """A tiny random Qwen2-VL checkpoint (dynamic-resolution ViT + Qwen2 LM with M-RoPE) saved with
-its processor, and transformers' own greedy reference (its processor + model), for the Qwen2-VL
-tests. Patch 14, merge 2: an image gives (h/28) x (w/28) placeholder rows; the processor's
+its image processor and tokenizer, and transformers' own greedy reference (its image processor +
+model), for the Qwen2-VL tests. Patch 14, merge 2: an image gives (h/28) x (w/28) placeholder rows; the processor's
 ``min_pixels`` is lowered to 28 x 28 (a 28 x 84 image stays as it is) and ``max_pixels`` to
 112 x 112 (a larger image is shrunk)."""
 from __future__ import annotations
@@ -46,21 +46,39 @@ def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2") -> str:
     ip_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
     ip = ip_cls(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, patch_size=PATCH, merge_size=MERGE,
                 temporal_patch_size=2)
-    proc_cls = transformers.Qwen2VLProcessor if version == "2" else transformers.Qwen2_5_VLProcessor
-    proc_cls(image_processor=ip, tokenizer=tok).save_pretrained(out_dir)
+    ip.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
     return out_dir
 
 
+def hf_inputs(model_dir: str, text: str, images) -> dict:
+    """What transformers' Qwen2VLProcessor makes (its class wants torchvision for its video part,
+    absent here, so its three steps are done as it does them): the image processor's pixel values
+    and grids; each ``<|image_pad|>`` of the text repeated grid.prod() / merge**2 times, then
+    tokenized; ``mm_token_type_ids`` 1 on image tokens."""
+    ip = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    out = {}
+    if images:
+        out = dict(ip(images=images, return_tensors="pt"))
+        parts = text.split("<|image_pad|>")
+        rows = [int(g.prod()) // ip.merge_size ** 2 for g in out["image_grid_thw"]]
+        text = parts[0] + "".join("<|image_pad|>" * n + p for n, p in zip(rows, parts[1:]))
+    ids = tok(text, return_tensors="pt")
+    out["input_ids"], out["attention_mask"] = ids["input_ids"], ids["attention_mask"]
+    out["mm_token_type_ids"] = (ids["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")).int()
+    return out
+
+
 def hf_qwen2_vl_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
-    """transformers' processor + its Qwen2(.5)-VL model's generate, one request at a time,
+    """transformers' image processor (:func:`hf_inputs`) + its Qwen2(.5)-VL model's generate, one request at a time,
     greedy, fp32, EOS ignored. ``requests``: (text with <|image_pad|> marks, images, max tokens).
     Returns (references, the processor's prompt ids: placeholders expanded)."""
-    proc = transformers.AutoProcessor.from_pretrained(model_dir)  # Qwen2-VL's or Qwen2.5-VL's
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     refs, prompts = [], []
     with torch.inference_mode():
         for text, images, max_tokens in requests:
-            inp = proc(text=text, images=images or None, return_tensors="pt")
+            inp = hf_inputs(model_dir, text, images)
             out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             n = inp["input_ids"].shape[1]
