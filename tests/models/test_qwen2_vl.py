@@ -122,3 +122,42 @@ def test_qwen2_5_vl_parity_chunked(tmp_path):
     assert [o.prompt_token_ids for o in outs] == prompt_ids
     compare([o.outputs[0].token_ids for o in outs], refs)
     llm.shutdown()
+
+
+def _count_native(worker):
+    """Count the native step's calls (it runs a quantized model's steps on the CPU)."""
+    step = worker.model.native_step
+    assert step is not None, "the native step should apply to an int8 Qwen2-VL"
+
+    class Counting:
+        calls = 0
+
+        def accepts(self, *a):
+            return step.accepts(*a)
+
+        def __call__(self, *a):
+            Counting.calls += 1
+            return step(*a)
+
+    worker.model.native_step = Counting()
+
+
+def test_native_step_takes_the_mrope_rows(qwen2_vl, monkeypatch):
+    """int8 weights: the native C step (models/llama_native.py) runs prefill chunks and decodes
+    with the cos/sin rows the M-RoPE lookup built; token-exact with the per-op path."""
+    d, _ = qwen2_vl
+    picked = [REQUESTS[i] for i in (0, 1, 2, 3)]
+    outs = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", native)
+        llm = LLM(d, dtype="float32", device="cpu", quantization="int8", num_kv_blocks=128, block_size=8,
+                  max_num_batched_tokens=16)
+        if native == "1":
+            llm.engine.collective_rpc(_count_native)
+        res = llm.generate([_prompt(t, im) for t, im, _ in picked], [_params(n) for _, _, n in picked],
+                           use_tqdm=False)
+        outs[native] = [o.outputs[0].token_ids for o in res]
+        if native == "1":
+            assert llm.engine.collective_rpc(lambda w: type(w.model.native_step).calls)[0] > 10
+        llm.shutdown()
+    assert outs["1"] == outs["0"]
