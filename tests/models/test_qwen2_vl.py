@@ -2,8 +2,11 @@
 greedy, the near-tie rule): dynamic-resolution images of several sizes (square, wide, tall, one
 shrunk by ``max_pixels``, two of different sizes in one prompt), M-RoPE positions through the
 engine, alone, mixed with text-only requests, with prefill chunks that start and end inside an
-image's placeholder rows, and under preemption. The prefix cache keys blocks by image hash: the
-same image reuses them, the same text with another image does not."""
+image's placeholder rows, and under preemption; Qwen2.5-VL through the same class; the native C
+step (int8) with the M-RoPE rows. The prefix cache keys blocks by image hash: the same image
+reuses them, the same text with another image does not. (The reference's inputs are made as
+transformers' Qwen2VLProcessor makes them, tests/qwen_vl_utils.py: the class itself wants
+torchvision.)"""
 from __future__ import annotations
 
 import pytest
