@@ -15,16 +15,17 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
 SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2") -> str:
+def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2", tie: bool = False) -> str:
     """``version`` "2": Qwen2-VL; "2.5": Qwen2.5-VL (its windowed ViT: windows of 2 x 2 merged rows,
-    the second block full attention)."""
+    the second block full attention). ``tie``: the head is the embedding, said at the top level only
+    (as Qwen2-VL-2B's config.json says it)."""
     save_tiny_tokenizer(out_dir, 512)
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     tok.add_special_tokens({"additional_special_tokens": SPECIALS})
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     text = dict(vocab_size=520, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0,
-                eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+                eos_token_id=1, pad_token_id=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     common = dict(patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3, num_heads=4,
                   depth=2)
@@ -37,7 +38,7 @@ def make_tiny_qwen2_vl(out_dir: str, seed: int = 0, version: str = "2") -> str:
                       fullatt_block_indexes=[1])
     cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                      video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = model_cls(cfg)
     scale_weights(model)

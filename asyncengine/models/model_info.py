@@ -151,6 +151,9 @@ _VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_sel
                 "vision_end_token_id")
 
 
+_QWEN_VL = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
+
+
 def text_part(config):
     """A multimodal config's ``text_config`` (still naming the multimodal architecture, so the
     registry picks the class that skips the vision weights, or runs them: ``llava``); any other
@@ -161,6 +164,8 @@ def text_part(config):
         text.architectures = archs
         text.llava = {k: getattr(config, k) for k in _VISION_KEYS if hasattr(config, k)}
         text.llava["vision_config"] = config.vision_config.to_dict()
+        if _QWEN_VL.intersection(archs):  # the top level says (Qwen2-VL-2B ties the head; its text config cannot)
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         return text
     if text is None or not TEXT_PART_ARCHITECTURES.intersection(archs):
         return config

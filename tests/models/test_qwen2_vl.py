@@ -10,6 +10,7 @@ torchvision.)"""
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 
 from model_utils import compare
 from qwen_vl_utils import hf_qwen2_vl_greedy, make_tiny_qwen2_vl
@@ -116,8 +117,10 @@ def test_processor_wraps_chat_images_and_checks_grids(qwen2_vl):
 
 def test_qwen2_5_vl_parity_chunked(tmp_path):
     """Qwen2.5-VL through the same class (its windowed ViT is transformers'; the LM and M-RoPE are
-    Qwen2-VL's): token-exact, prefill chunks cutting the image runs, text-only rows beside."""
-    d = make_tiny_qwen2_vl(str(tmp_path), version="2.5")
+    Qwen2-VL's): token-exact, prefill chunks cutting the image runs, text-only rows beside. Its
+    head is tied to the embedding, said at the config's top level only."""
+    d = make_tiny_qwen2_vl(str(tmp_path), version="2.5", tie=True)
+    assert "lm_head.weight" not in safetensors.torch.load_file(f"{d}/model.safetensors")
     picked = [REQUESTS[i] for i in (1, 2, 3)]
     refs, prompt_ids = hf_qwen2_vl_greedy(d, picked)
     llm = LLM(d, dtype="float32", device="cpu", **REGIMES["chunked"])
