@@ -167,3 +167,23 @@ def test_native_step_takes_the_mrope_rows(qwen2_vl, monkeypatch):
             assert llm.engine.collective_rpc(lambda w: type(w.model.native_step).calls)[0] > 10
         llm.shutdown()
     assert outs["1"] == outs["0"]
+
+
+def test_the_hub_layout_of_names_loads(qwen2_vl, tmp_path):
+    """Checkpoints on the Hub name the LM ``model.*`` and the tower ``visual.*`` (transformers 5
+    saves ``model.language_model.*`` / ``model.visual.*``): both load to the same tokens."""
+    import shutil
+
+    d, (refs, _) = qwen2_vl
+    hub = tmp_path / "hub"
+    shutil.copytree(d, hub)
+    tensors = safetensors.torch.load_file(f"{d}/model.safetensors")
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in tensors.items()}
+    assert any(k.startswith("visual.") for k in renamed) and "model.embed_tokens.weight" in renamed
+    safetensors.torch.save_file(renamed, f"{hub}/model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(hub), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16)
+    text, images, n = REQUESTS[3]
+    out = llm.generate(_prompt(text, images), _params(n), use_tqdm=False)[0]
+    compare([out.outputs[0].token_ids], [refs[3]])
+    llm.shutdown()
