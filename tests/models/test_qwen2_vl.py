@@ -187,3 +187,27 @@ def test_the_hub_layout_of_names_loads(qwen2_vl, tmp_path):
     out = llm.generate(_prompt(text, images), _params(n), use_tqdm=False)[0]
     compare([out.outputs[0].token_ids], [refs[3]])
     llm.shutdown()
+
+
+def test_grids_cross_to_an_engine_core_process(qwen2_vl):
+    """engine_core_process=True: each image's patches and grid cross the core's pipe (msgspec), the
+    async front end processes them on a worker thread; the same tokens as transformers."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+
+    d, (refs, _) = qwen2_vl
+    picked = [1, 3]
+
+    async def main():
+        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
+                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
+        async with eng:
+            async def one(i):
+                text, images, n = REQUESTS[i]
+                async for out in eng.generate(_prompt(text, images), _params(n)):
+                    pass
+                return out.outputs[0].token_ids
+            return await asyncio.gather(*(one(i) for i in picked))
+
+    compare(asyncio.run(main()), [refs[i] for i in picked])
