@@ -18,6 +18,9 @@ class MultiModalInput(msgspec.Struct, frozen=True, kw_only=True):
     length: int  # placeholder tokens: the encoder output's rows, one per position
     data: bytes  # the image processor's float32 pixel values
     shape: list[int]  # their shape, e.g. [3, 336, 336]
+    # dynamic resolution (Qwen2-VL): the image's patch grid (t, h, w) before the spatial merge; the
+    # data are then its flattened patches, [t*h*w, C*tp*p*p]. Empty for fixed-size towers (LLaVA)
+    grid_thw: list[int] = []
 
     @property
     def end(self) -> int:

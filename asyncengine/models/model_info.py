@@ -144,9 +144,14 @@ TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 # vision-language checkpoints we serve with their images: the text part stands for the config (so
 # every reader of the LM's sizes finds them), the vision facts ride along as a plain dict ``llava``
-VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration"})
+VISION_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                                  "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
 _VISION_KEYS = ("image_token_index", "vision_feature_layer", "vision_feature_select_strategy",
-                "projector_hidden_act", "multimodal_projector_bias", "scale_factor")
+                "projector_hidden_act", "multimodal_projector_bias", "scale_factor", "image_token_id",
+                "vision_start_token_id", "vision_end_token_id")
+
+
+_QWEN_VL = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
 
 
 def text_part(config):
@@ -163,6 +168,8 @@ def text_part(config):
         if "Idefics3ForConditionalGeneration" in archs:  # its outer config ties the head or not
             text.llava["image_token_index"] = config.image_token_id
             text.tie_word_embeddings = bool(config.tie_word_embeddings)
+        if _QWEN_VL.intersection(archs):  # the top level says (Qwen2-VL-2B ties the head; its text config cannot)
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         return text
     if text is None or not TEXT_PART_ARCHITECTURES.intersection(archs):
         return config

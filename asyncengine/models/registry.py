@@ -25,6 +25,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "LlavaForConditionalGeneration": "asyncengine.models.llava:LlavaForConditionalGeneration",
     # Idefics3 / SmolVLM: SigLIP-shaped tower + pixel-shuffle connector + our Llama (models/idefics3.py)
     "Idefics3ForConditionalGeneration": "asyncengine.models.idefics3:Idefics3ForConditionalGeneration",
+    # dynamic-resolution ViT (transformers') + our Qwen2 with M-RoPE (models/qwen2_vl.py)
+    "Qwen2VLForConditionalGeneration": "asyncengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "asyncengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Phi3ForCausalLM": "asyncengine.models.phi3:Phi3ForCausalLM",
     # mixture of experts (models/moe.py)
     "MixtralForCausalLM": "asyncengine.models.moe:MixtralForCausalLM",

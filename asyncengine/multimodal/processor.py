@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from asyncengine.config.sub_configs import MultiModalConfig
 from asyncengine.contracts.multimodal import MultiModalInput
 from asyncengine.errors import InvalidRequestError
+from asyncengine.multimodal.grid_images import expand_grid_images, grid_input_ok
 from asyncengine.multimodal.image_io import ImageLimits, load_image
 
 
@@ -54,8 +55,10 @@ class MultiModalProcessor:
         self.model_path = model_path
         self._image_processor = None
         if self.info is not None:
-            self.image_token_id = int(self.info["image_token_index"])
-            self.tokens_per_image = num_image_tokens(self.info)
+            self.image_token_id = int(self.info.get("image_token_index", self.info.get("image_token_id")))
+            # dynamic resolution (Qwen2-VL): rows per image from its grid (multimodal/grid_images.py)
+            self.merge = self.info["vision_config"].get("spatial_merge_size")
+            self.tokens_per_image = None if self.merge else num_image_tokens(self.info)
 
     @classmethod
     def of(cls, mm: MultiModalConfig, model_info, model_impl: str = "auto") -> "MultiModalProcessor | None":
@@ -65,6 +68,12 @@ class MultiModalProcessor:
             return None  # (the Transformers backend runs the text model alone: it takes no images)
         limits = ImageLimits(max_images=mm.limit_mm_per_prompt, max_pixels=mm.mm_max_pixels)
         return processor_class(vision_info(model_info.hf_config))(model_info.path, model_info.hf_config, limits)
+
+    def image_part_text(self, tokenizer) -> str:
+        """What a chat message's image part becomes in its text: the image token, between the
+        vision start/end tokens where the model has them (Qwen2-VL, as its chat template writes it)."""
+        ids = [self.info.get("vision_start_token_id"), self.image_token_id, self.info.get("vision_end_token_id")]
+        return "".join(tokenizer.convert_ids_to_tokens([i for i in ids if i is not None]))
 
     @property
     def enabled(self) -> bool:
@@ -104,6 +113,8 @@ class MultiModalProcessor:
                                       f"{len(images)} images: put one <image> where each image goes")
         if not images:
             return ids, []
+        if self.merge:
+            return expand_grid_images(ids, tok, self.image_processor(images, return_tensors="np"), self.merge)
         import numpy as np  # lazy: with the image processor
 
         pixels = np.asarray(self.image_processor(images, return_tensors="np")["pixel_values"], dtype=np.float32)
@@ -127,7 +138,8 @@ class MultiModalProcessor:
         if len(inputs) > self.limits.max_images:
             raise InvalidRequestError(f"{len(inputs)} images in one prompt, over the limit of {self.limits.max_images}")
         for m in inputs:
-            if not isinstance(m, MultiModalInput) or m.length != self.tokens_per_image or m.offset < 0 \
+            if not isinstance(m, MultiModalInput) or m.offset < 0 or not (
+                    grid_input_ok(m, self.merge) if self.merge else m.length == self.tokens_per_image) \
                     or ids[m.offset:m.end] != [self.image_token_id] * m.length \
                     or len(m.data) != 4 * _prod(m.shape):
                 raise InvalidRequestError("mm_inputs do not match this prompt (make them with prepare_images)")

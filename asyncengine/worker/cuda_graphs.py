@@ -85,12 +85,12 @@ class DecodeGraphs:
 def decode_graphs_for(runner: Any, model_config: ModelConfig, sched: SchedulerConfig) -> DecodeGraphs | None:
     """The runner's decode graphs, captured at start, where they apply: a capturable backend, one
     rank, no per-step host decisions (Mamba state slots, MoE expert groups, per-group block tables,
-    an encoder's per-step sequence splits).
+    an encoder's per-step sequence splits, M-RoPE's per-step positions).
     A capture failure costs speed, never correctness: the runner then runs eagerly."""
     if not (backend_info(runner.attn_backend.name).cuda_graphs and not model_config.enforce_eager
             and runner.tp.size == 1 and runner.pp.size == 1 and runner.state_cache is None
             and not getattr(runner.model, "is_moe", False) and not getattr(runner.model, "uses_token_types", False)
-            and len(runner.kv_groups) <= 1):
+            and not getattr(runner.model, "uses_mrope", False) and len(runner.kv_groups) <= 1):
         return None
     try:
         # a decode batch has at most max_num_batched_tokens rows: the input buffers' size

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import torch
 
 from asyncengine.contracts.multimodal import MultiModalInput
+from asyncengine.worker.mrope_positions import step_positions
 
 
 class EncoderCache:
@@ -39,6 +40,11 @@ class EncoderCache:
         for m in mm_inputs:
             if m.end > num_computed:  # a prefix hit past its run: never needed
                 self.users.setdefault(m.hash, set()).add(req_id)
+
+    def reset(self) -> None:
+        """Forget every request (the core abandoned them all); outputs stay, for reuse."""
+        self.inputs.clear()
+        self.users.clear()
 
     def forget(self, req_id: str) -> None:
         for m in self.inputs.pop(req_id, ()):
@@ -83,15 +89,32 @@ class EncoderCache:
                 self._release(m.hash, rid)
         return torch.cat(rows).to(self.device), torch.cat(feats)
 
+    def positions(self, req_ids: list[str], seqs) -> torch.Tensor | None:
+        """M-RoPE models: the step's [3, rows] positions from its requests' images (None: none has one)."""
+        return step_positions(req_ids, seqs, self.inputs, self.device)
+
     def _encode(self, todo: list[MultiModalInput]) -> None:
         """Encode the images not yet cached, one batch per pixel shape, once per hash."""
-        by_shape: dict[tuple, dict[str, MultiModalInput]] = {}
+        by_shape: dict[tuple | str, dict[str, MultiModalInput]] = {}
         for m in todo:
-            by_shape.setdefault(tuple(m.shape), {})[m.hash] = m
+            by_shape.setdefault("grid" if m.grid_thw else tuple(m.shape), {})[m.hash] = m
         for shape, group in by_shape.items():
+            if shape == "grid":
+                self._encode_grids(list(group.values()))
+                continue
             px = torch.stack([torch.frombuffer(bytearray(m.data), dtype=torch.float32).view(shape)
                               for m in group.values()]).to(self.device, self.dtype)
             out = self.model.encode_images(px)
             for i, h in enumerate(group):
                 self.outputs[h] = out[i]
             self.num_encoded += len(group)
+
+    def _encode_grids(self, todo: list[MultiModalInput]) -> None:
+        """Dynamic-resolution images (Qwen2-VL): their flattened patches in one call with their
+        grids (the tower keeps each image's attention within the image); output split per image."""
+        px = torch.cat([torch.frombuffer(bytearray(m.data), dtype=torch.float32).view(m.shape) for m in todo])
+        grids = torch.tensor([m.grid_thw for m in todo], dtype=torch.long, device=self.device)
+        out = self.model.encode_images(px.to(self.device, self.dtype), grids)
+        for m, rows in zip(todo, out.split([m.length for m in todo])):
+            self.outputs[m.hash] = rows
+        self.num_encoded += len(todo)

@@ -174,8 +174,7 @@ class ModelRunner:
         and the draft model's computed positions."""
         self.requests.clear()
         if self.encoder_cache is not None:
-            self.encoder_cache.inputs.clear()
-            self.encoder_cache.users.clear()
+            self.encoder_cache.reset()
         self._prompt_logprob_ids.clear()
         self._pooling_ids.clear()
         self.sampling.clear()
@@ -233,9 +232,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The hidden states of the sampled rows. Rows are listed in increasing order, so as many
-        rows as the batch has are all of them: then no index tensor and no gather (every decode
-        step of a pure decode batch)."""
+        """The hidden states of the sampled rows. Rows come in increasing order, so as many rows as the
+        batch has are all of them: then no index tensor, no gather (each step of a pure decode batch)."""
         if len(rows) == hidden.shape[0]:
             return hidden
         return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
@@ -306,8 +304,8 @@ class ModelRunner:
         nd = lay.num_decodes
         if self.lora is not None:
             self.lora.set_rows(row_lora_ids(lay, decodes, prefills, specs))
-        mm = None if self.encoder_cache is None else self.encoder_cache.step_embeds(
-            [st.req_id for st in (*decodes, *(st for st, _ in prefills), *(st for st, _ in specs))], lay.seqs)
+        req_ids = [st.req_id for st in (*decodes, *(st for st, _ in prefills), *(st for st, _ in specs))]
+        mm = None if self.encoder_cache is None else self.encoder_cache.step_embeds(req_ids, lay.seqs)
         graph_size = self.graphs.size_for(nd) if self.graphs is not None and nd == len(lay.seqs) \
             and not getattr(self.model, "lora_active", False) and mm is None else None
         if graph_size is not None:  # a pure decode step: replay the captured graph of its padded size
@@ -321,6 +319,8 @@ class ModelRunner:
             "ssm": self.state_cache.step_meta([st.state_slot for st in decodes], lay.ssm_chunks)}
         if mm is not None:
             stage["mm_embeds"] = mm
+        if getattr(self.model, "uses_mrope", False):  # Qwen2-VL: (t, h, w) per token (worker/mrope_positions.py)
+            stage["mrope_positions"] = self.encoder_cache.positions(req_ids, lay.seqs)
         if self.link is not None and not self.pp.is_first:  # the previous stage's stream
             t_wait = time.perf_counter()
             stage["intermediate"] = self.link.recv(lay.num_rows)

@@ -46,7 +46,7 @@ def split_images(messages: list, engine) -> tuple[list, list]:
         if mm is None or engine.tokenizer is None:
             j = next(j for j, p in enumerate(content) if p.type == "image_url")
             raise APIError(400, "this model takes no images", param=f"messages[{i}].content[{j}]")
-        token = engine.tokenizer.convert_ids_to_tokens(mm.image_token_id)
+        token = mm.image_part_text(engine.tokenizer)
         parts = []
         for j, p in enumerate(content):
             if p.type != "image_url":

@@ -3,6 +3,7 @@ request needs it, sliced to the rows each chunk covers (a chunk may start or end
 run), released past the run or when the request leaves, and kept within its budget once released."""
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import torch
 
@@ -65,3 +66,36 @@ def test_a_request_that_leaves_releases_and_a_prefix_hit_skips():
     cache.add("b", [mm(1.0, 0)], L + 1)  # a prefix hit past the whole run: never encoded
     assert not cache.users and cache.step_embeds(["b"], [chunk(0, L + 1, 1)]) is None
     assert cache.num_encoded == 1
+
+
+class FakeGridVision(torch.nn.Module):
+    """Dynamic resolution: patches [sum t*h*w, 1] and grids in, one row per 2x2 patches out
+    (the mean of its four patches' values), concatenated image after image."""
+
+    def __init__(self):
+        super().__init__()
+        self.grids = []
+
+    def encode_images(self, patches, grid_thw):
+        self.grids.append(grid_thw.tolist())
+        return patches.reshape(-1, 4).mean(dim=1, keepdim=True)
+
+
+def grid_mm(value: float, offset: int, grid: list[int]) -> MultiModalInput:
+    px = np.full((grid[0] * grid[1] * grid[2], 1), value, dtype=np.float32)
+    m = MultiModalInput(hash=f"g{value}", offset=offset, length=px.shape[0] // 4, data=px.tobytes(),
+                        shape=list(px.shape), grid_thw=grid)
+    # the grid crosses the core boundary with the rest (msgspec)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m), type=MultiModalInput) == m
+    return m
+
+
+def test_grid_images_of_different_sizes_encode_in_one_call_and_split():
+    model = FakeGridVision()
+    cache = EncoderCache(model, torch.device("cpu"), torch.float32)
+    cache.add("a", [grid_mm(1.0, 1, [1, 2, 6]), grid_mm(2.0, 5, [1, 4, 4])], 0)  # 3 rows, then 4 rows
+    rows, feats = cache.step_embeds(["a"], [chunk(0, 0, 8)])
+    assert model.grids == [[[1, 2, 6], [1, 4, 4]]]
+    assert rows.tolist() == [1, 2, 3, 5, 6, 7]
+    assert feats[:, 0].tolist() == [1, 1, 1, 2, 2, 2]
+    assert [t.shape[0] for t in cache.outputs.values()] == [3, 4]
