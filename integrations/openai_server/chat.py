@@ -134,7 +134,10 @@ async def chat_completions(request: Request) -> Response:
     if image_urls:  # fetched or read as the server's flags allow; decoded and checked by the engine
         mm = media.processor_of(st.engine)
         mm_data = {"image": await media.load_sources(image_urls, st.media, mm.limits.max_bytes)}
-    n_prompt = len(ids) + len(image_urls) * (media.processor_of(st.engine).tokens_per_image - 1 if image_urls else 0)
+    # each image's placeholder rows beyond its one token, where they are known before decoding it (a
+    # dynamic-resolution model's rows depend on the image's size: the engine checks those after)
+    per_image = media.processor_of(st.engine).tokens_per_image if image_urls else None
+    n_prompt = len(ids) + len(image_urls) * ((per_image or 1) - 1)
     st.check_length(n_prompt, max_tokens, "messages")
     so, field = guided.requested(req)
     # compiled while watching the client: one that leaves cancels its compile (the worker is killed)
