@@ -156,3 +156,32 @@ def test_image_prompt_round_trips_through_the_offload_tier(llava, tmp_path):
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
     assert llm.engine.collective_rpc(_num_encoded) == [1]
     llm.shutdown()
+
+
+def test_image_prompt_through_pd_transfer(llava, tmp_path):
+    """P/D (a prefill core writes the prompt's KV to a transfer file, a decode core loads it): an
+    image prompt's KV crosses and the answer is transformers' own; a file written for the same
+    tokens with another image is refused (its digest covers the images), not loaded."""
+    d, (refs, _) = llava
+    xfer = str(tmp_path / "xfer")
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_transfer_dir=xfer)
+    pre, dec = LLM(d, kv_role="prefill", **kw), LLM(d, kv_role="decode", **kw)
+
+    def run(llm, rid, i, images=None, n=None) -> list[int]:
+        text, imgs, max_tokens = REQUESTS[i]
+        req, _ = llm.processor.make_request(rid, _prompt(text, images or imgs), _params(n or max_tokens))
+        llm.engine.add_request(req)
+        toks: list[int] = []
+        while llm.engine.has_unfinished():
+            toks += [t for o in llm.engine.step() if o.req_id == rid for t in o.new_token_ids]
+        return toks
+
+    run(pre, "x", 0, n=1)
+    compare([run(dec, "x", 0)], [refs[0]])
+    assert dec.engine.stats()["kv_transfer_imported_requests"] == 1
+    run(pre, "y", 5, images=[image(9)], n=1)  # the same tokens as request 5, another image
+    compare([run(dec, "y", 5)], [refs[5]])
+    s = dec.engine.stats()
+    assert s["kv_transfer_imported_requests"] == 1 and s["kv_transfer_rejected_files"] >= 1
+    pre.shutdown()
+    dec.shutdown()
