@@ -1,8 +1,8 @@
 """Images through the OpenAI server: the official openai client sends a base64 PNG as an
 ``image_url`` content part and streams an answer that is token-exact with transformers' processor +
-model on the same rendered prompt (and through the websocket chat); hostile images (a header declaring 100,000 x 100,000, a
-truncated file, too many images, remote and out-of-folder URLs) are each a 400, and the engine is
-left clean."""
+model on the same rendered prompt (so does the websocket chat); hostile images (a header declaring
+100,000 x 100,000, a truncated file, too many images, remote and out-of-folder URLs) are each a
+400, and the engine is left clean."""
 from __future__ import annotations
 
 import asyncio
