@@ -10,7 +10,9 @@ Sync and async calls both work from anywhere (``integrations/engine_thread.py`` 
 the engine's loop). Leaving a stream early or cancelling the task aborts the engine request (its KV
 blocks are freed); ``timeout`` aborts a request that runs too long. Tools (``bind_tools``) and
 ``with_structured_output`` go through the engine's structured outputs (``tool_calls.py``, shared
-with the OpenAI server): a forced tool call or a JSON schema is guaranteed to parse. Engines built
+with the OpenAI server): a forced tool call or a JSON schema is guaranteed to parse. A vision model's
+user messages may carry images: ``{"type": "image_url", "image_url": {"url": "data:..."}}`` or
+LangChain's ``{"type": "image", "base64": ..., "mime_type": ...}`` blocks (chat_images.py). Engines built
 here from a model name are shared by every chat model with the same model and ``engine_options``.
 """
 from __future__ import annotations
@@ -23,8 +25,7 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage,
-                                     SystemMessage, ToolMessage)
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -37,51 +38,13 @@ from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.errors import EngineOverloaded
 from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
+from .chat_images import chat_prompt, image_token
 from .engine_thread import EngineBridge, bridge_of, close_shared_engines, shared_engine
-from .tool_calls import ToolPlan, assistant_turn, response_format_params, with_tools_prompt
+from .langchain_messages import to_engine_messages
+from .tool_calls import ToolPlan, response_format_params, with_tools_prompt
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _KNOBS = SAMPLING_KNOBS  # None: unset, the engine fills it from the model's defaults
-
-def _text(content) -> str:
-    """A message's text: a string, or the text parts of a content list (tool-use parts are carried
-    by ``tool_calls``); anything else (images, audio, files) is refused."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content or ():
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append(part.get("text") or "")
-        elif isinstance(part, dict) and part.get("type") in ("tool_use", "tool_call", "function_call"):
-            continue
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"only text content is supported by this model, not {kind!r}")
-    return "\n".join(parts)
-
-
-def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
-    """LangChain messages -> the engine's chat messages. Earlier tool calls are written back in the
-    format the model is asked to call in (``tool_calls.assistant_turn``); tool results are ``tool`` turns."""
-    out = []
-    for m in messages:
-        if isinstance(m, SystemMessage):
-            out.append({"role": "system", "content": _text(m.content)})
-        elif isinstance(m, HumanMessage):
-            out.append({"role": "user", "content": _text(m.content)})
-        elif isinstance(m, AIMessage):
-            out.append(assistant_turn(_text(m.content), [{"name": c["name"], "arguments": c["args"]}
-                                                           for c in m.tool_calls]))
-        elif isinstance(m, ToolMessage):
-            out.append({"role": "tool", "content": _text(m.content)})
-        elif isinstance(m, ChatMessage):
-            out.append({"role": m.role, "content": _text(m.content)})
-        else:
-            raise ValueError(f"unsupported message type {type(m).__name__}")
-    return out
-
 
 def _lc_tool_choice(tool_choice, tools: list[dict]):
     """LangChain's tool_choice spellings -> OpenAI's (what ToolPlan reads)."""
@@ -190,7 +153,8 @@ class ChatAsyncEngine(BaseChatModel):
             structured_outputs=structured, output_kind=OutputKind.DELTA)
 
     def _prepare(self, messages: list[BaseMessage], stop, kwargs):
-        """(engine messages, SamplingParams, ToolPlan, model name, bridge) of one call."""
+        """(engine prompt: the messages, or with images token ids + images; SamplingParams, ToolPlan,
+        model name, bridge) of one call."""
         tools = kwargs.get("tools")
         plan = ToolPlan(tools, _lc_tool_choice(kwargs.get("tool_choice"), tools or []),
                         kwargs.get("parallel_tool_calls"))
@@ -198,9 +162,11 @@ class ChatAsyncEngine(BaseChatModel):
         from_tools = plan.structured()
         if from_tools is not None and from_format is not None:
             raise ValueError("give response_format or a tool_choice that forces a tool call, not both")
-        msgs = with_tools_prompt(to_engine_messages(messages), plan.prompt())
         name, bridge = self._model_for(kwargs)
-        return msgs, self._sampling_params(stop, kwargs, from_tools or from_format, bridge), plan, name, bridge
+        images: list = []
+        msgs = with_tools_prompt(to_engine_messages(messages, images, image_token(bridge.engine)), plan.prompt())
+        prompt = chat_prompt(bridge.engine, msgs, images)  # with images: rendered here, ids + images
+        return prompt, self._sampling_params(stop, kwargs, from_tools or from_format, bridge), plan, name, bridge
 
     def _deadline(self, kwargs) -> float | None:
         t = kwargs.get("timeout", self.timeout)

@@ -4,8 +4,9 @@
     llm = AsyncEngineLLM(model="smollm2-135m-instruct", max_tokens=128)
     llm.chat([ChatMessage(role="user", content="Hi")]);  await llm.astream_chat(...)
 
-``chat`` / ``stream_chat`` render the model's chat template; ``complete`` / ``stream_complete``
-continue raw text. Sync and async calls work from anywhere, and leaving a stream early aborts the
+``chat`` / ``stream_chat`` render the model's chat template (a vision model's messages may carry
+``ImageBlock``s: bytes, a path or a data: URL, integrations/chat_images.py); ``complete`` /
+``stream_complete`` continue raw text. Sync and async calls work from anywhere, and leaving a stream early aborts the
 engine request, as with the LangChain model (both run on ``engine_thread.EngineBridge`` and share
 engines built from a model name).
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
-                                              LLMMetadata, MessageRole)
+                                              ImageBlock, LLMMetadata, MessageRole, TextBlock)
 from llama_index.core.llms import LLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from pydantic import Field, PrivateAttr
@@ -26,6 +27,7 @@ from asyncengine.models.sampling_defaults import sampling_params_from
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SAMPLING_KNOBS, OutputKind, SamplingParams
 
+from .chat_images import chat_prompt, image_from_url, image_token
 from .engine_thread import EngineBridge, bridge_of
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
@@ -33,13 +35,36 @@ _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", Message
           MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
 
 
-def _messages(messages: Sequence[ChatMessage]) -> list[dict]:
+def _image(block: ImageBlock):
+    """An ImageBlock as what the engine decodes: its bytes (given, or the file its path names), or
+    its data: URL; other URLs are not fetched (integrations/chat_images.py)."""
+    if block.image is not None or block.path is not None:
+        return block.resolve_image().read()
+    return image_from_url(str(block.url) if block.url is not None else None)
+
+
+def _messages(messages: Sequence[ChatMessage], images: list | None = None,
+              image_token: str | None = None) -> list[dict]:
+    """LlamaIndex messages -> the engine's chat messages: the text blocks, and each ImageBlock as
+    ``image_token`` (a model that takes images; else refused) with its data appended to ``images``."""
     out = []
     for m in messages:
         role = _ROLES.get(m.role)
         if role is None:
             raise ValueError(f"unsupported message role {m.role!r}")
-        out.append({"role": role, "content": m.content or ""})
+        if not any(isinstance(b, ImageBlock) for b in m.blocks):
+            out.append({"role": role, "content": m.content or ""})
+            continue
+        if image_token is None:
+            raise ValueError("this model takes no images (an ImageBlock in a message)")
+        parts = []
+        for b in m.blocks:
+            if isinstance(b, TextBlock):
+                parts.append(b.text)
+            elif isinstance(b, ImageBlock):
+                images.append(_image(b))
+                parts.append(image_token)
+        out.append({"role": role, "content": "\n".join(parts)})
     return out
 
 
@@ -98,6 +123,11 @@ class AsyncEngineLLM(LLM):
         t = kwargs.get("timeout", self.timeout)
         return time.monotonic() + t if t else None
 
+    def _chat(self, messages: Sequence[ChatMessage]):
+        """The prompt of a chat call: the messages, or with images token ids + images."""
+        engine, images = self.bridge.engine, []
+        return chat_prompt(engine, _messages(messages, images, image_token(engine)), images)
+
     # ---------------------------------------------------------------- streams (the primitives)
 
     def _texts(self, prompt, kwargs) -> Iterator[tuple[str, RequestOutput]]:
@@ -126,7 +156,7 @@ class AsyncEngineLLM(LLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         def gen() -> ChatResponseGen:
             text, n = "", 0
-            for delta, out in self._texts(_messages(messages), kwargs):
+            for delta, out in self._texts(self._chat(messages), kwargs):
                 text += delta
                 n += len(out.outputs[0].token_ids) if out.outputs else 0
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
@@ -144,7 +174,7 @@ class AsyncEngineLLM(LLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         async def gen() -> ChatResponseAsyncGen:
             text, n = "", 0
-            async for delta, out in self._atexts(_messages(messages), kwargs):
+            async for delta, out in self._atexts(self._chat(messages), kwargs):
                 text += delta
                 n += len(out.outputs[0].token_ids) if out.outputs else 0
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,

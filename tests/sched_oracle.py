@@ -187,11 +187,12 @@ def check_accounting(s: Scheduler) -> None:
 
 def check_no_running_request_skipped(s: Scheduler, so: SchedulerOutput) -> None:
     """Continuous batching: a step leaves out a running request only when it has nothing to compute
-    now, or when the token budget ran out."""
+    now, when the token budget ran out, or when its next image's encoding did not fit the step."""
     if so.total_num_scheduled_tokens == s.max_num_batched_tokens:
         return
     for r in s.running:
-        assert r.request_id in so.num_scheduled_tokens or s._tokens_to_schedule(r) == 0, (
+        assert r.request_id in so.num_scheduled_tokens or s._tokens_to_schedule(r) == 0 \
+            or r.request_id in s.encoder.deferred, (
             f"{r.request_id} was running with tokens to compute and budget left, but not scheduled")
 
 

@@ -71,3 +71,50 @@ def hf_llava_greedy(model_dir: str, requests) -> tuple[list[Reference], list[lis
             refs.append(Reference(out.sequences[0, n:].tolist(), margins))
             prompts.append(inp["input_ids"][0].tolist())
     return refs, prompts
+
+
+# ---- hostile images (tests/integrations/test_hostile_images.py, benchmarks/hostile_images.py)
+
+def data_url(b: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(b).decode()
+
+
+def image_message(*urls: str, text: str = "What is this?") -> list[dict]:
+    """One OpenAI chat user message: the images as ``image_url`` parts, then the text."""
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                         {"type": "text", "text": text}]}]
+
+
+def declared_size_png(width: int, height: int) -> bytes:
+    """A ~60-byte PNG whose header declares ``width`` x ``height`` pixels (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) \
+        + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b"")
+
+
+def padded_jpeg(total_bytes: int) -> bytes:
+    """A valid JPEG of about ``total_bytes``: a small picture behind comment segments (64 KiB each)."""
+    import struct
+
+    small = png_bytes(image(5, (64, 64)), "JPEG", quality=90)
+    com = b"\xff\xfe" + struct.pack(">H", 0xFFFF) + bytes(0xFFFD)
+    return small[:2] + com * max(1, (total_bytes - len(small)) // len(com)) + small[2:]
+
+
+def hostile_chats() -> dict[str, list[dict]]:
+    """The issue's hostile set, as chat messages: a 1x1-pixel-sized PNG that declares 100,000 x
+    100,000, a 20 MB JPEG, truncated PNG and JPEG files, 40 images in one message."""
+    good = data_url(png_bytes(image(1)))
+    return {
+        "bomb_100k_x_100k": image_message(data_url(declared_size_png(100_000, 100_000))),
+        "jpeg_20mb": image_message(data_url(padded_jpeg(20 * 10**6), "image/jpeg")),
+        "truncated_png": image_message(data_url(png_bytes(image(4, (64, 64)))[:300])),
+        "truncated_jpeg": image_message(data_url(png_bytes(image(6, (64, 64)), "JPEG")[:400], "image/jpeg")),
+        "forty_images": image_message(*[good] * 40),
+    }

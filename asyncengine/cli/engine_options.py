@@ -216,6 +216,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("mm_max_pixels", "decoded pixels of one image (width x height), checked before decoding",
                  type=POSITIVE_INT),
     EngineOption("mm_encoder_cache_tokens", "image-encoder output rows the worker keeps for reuse", type=int),
+    EngineOption("max_num_encoder_input_tokens", "image placeholder rows one step may send through the "
+                                                 "image encoder (an image larger than this goes alone)",
+                 type=POSITIVE_INT, default_text="--max-num-batched-tokens"),
 )
 
 # EngineConfig fields deliberately not on the command line, and why

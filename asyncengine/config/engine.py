@@ -17,7 +17,7 @@ from asyncengine.config.device import (QUANTIZATION_MODES, check_device, check_d
 from asyncengine.errors import ConfigError
 from asyncengine.config.request_limits import RequestLimits
 from asyncengine.config.lora import check_lora_limits
-from asyncengine.config.multimodal import check_multimodal
+from asyncengine.config.multimodal import check_encoder_budget, check_multimodal
 from asyncengine.config.runner import check_runner
 from asyncengine.config.sub_configs import SubConfigViews
 
@@ -169,6 +169,9 @@ class EngineConfig(SubConfigViews):
     limit_mm_per_prompt: int = 8  # images (issue 37, docs/multimodal.md): these three; config/multimodal.py
     mm_max_pixels: int = 4096 * 4096  # decoded pixels of one image, checked before it is decoded
     mm_encoder_cache_tokens: int = 8192  # encoder output rows the worker keeps (worker/encoder_cache.py)
+    # image encoder budget (issue 37, core/encoder_budget.py): placeholder rows of images not yet
+    # encoded that one step may reach; None = max_num_batched_tokens (a larger image goes alone)
+    max_num_encoder_input_tokens: int | None = None
     runner: Literal["auto", "generate", "pooling"] = "auto"  # pooling models (issue 34): config/runner.py
     # 8-bit KV cache (issue 39, docs/kv_cache_int8.md): int8 rows + one scale per token per KV head
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
@@ -244,6 +247,7 @@ class EngineConfig(SubConfigViews):
         self._check_kv_offload()
         check_lora_limits(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         check_multimodal(self.limit_mm_per_prompt, self.mm_max_pixels, self.mm_encoder_cache_tokens)
+        check_encoder_budget(self.max_num_encoder_input_tokens)
         if self.model_impl not in ("auto", "native", "transformers"):  # Transformers backend (issue 32)
             raise ConfigError(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         check_runner(self.runner)

@@ -122,6 +122,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_chunked_prefill: bool
     priority_aging_s: float
     async_scheduling: bool
+    # images: placeholder rows of not-yet-encoded images one step may reach (core/encoder_budget.py);
+    # None = max_num_batched_tokens
+    max_num_encoder_input_tokens: int | None = None
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):

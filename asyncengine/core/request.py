@@ -132,6 +132,18 @@ class Request:
         mm = block_extra(self.mm_inputs, start, stop)
         return f"{self.cache_salt or ''}{mm}" if mm else self.cache_salt
 
+    def new_prompt_logprobs(self, chunk) -> list | None:
+        """The part of a step's prompt logprobs ``(first position, entries)`` not delivered yet (a
+        recompute after preemption computes them again)."""
+        if chunk is None:
+            return None
+        start, entries = chunk
+        skip = self.num_prompt_logprobs - start
+        assert skip >= 0, f"{self.request_id}: prompt logprobs from {start}, expected {self.num_prompt_logprobs}"
+        new = entries[skip:] if skip else entries
+        self.num_prompt_logprobs = max(self.num_prompt_logprobs, start + len(entries))
+        return new or None
+
     def token_id_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]

@@ -26,11 +26,13 @@ requests; those that can share sample 0's prompt wait for it (core/parallel_samp
 connector (``kv_connector/base.py``; None = none): a waiting request's prompt tokens past its
 prefix-cache hit may come from outside, and a finished request's blocks may be held for a transfer
 out (core/kv_transfer_state.py). LoRA: at most ``max_loras`` adapters run (core/lora_admission.py).
+Images: a chunk stops before an image whose encoding does not fit the step (core/encoder_budget.py).
 """
 from __future__ import annotations
 
 import time
 
+from asyncengine.core.encoder_budget import EncoderBudget
 from asyncengine.core.kv_cache_manager import KVCacheManager
 from asyncengine.core.kv_transfer_state import KVTransferState
 from asyncengine.core.lora_admission import put_back, too_many_loras
@@ -64,6 +66,8 @@ class Scheduler:
         self.samples = ParallelSamples(kv, self.waiting)  # n > 1: samples of each request, held ones
         self.kv_transfer = KVTransferState(kv, kv_connector, self.waiting)  # loads in, leases out
         self.stats = SchedulerStats()
+        self.encoder = EncoderBudget(config.max_num_encoder_input_tokens or config.max_num_batched_tokens,
+                                     self.running, chunked=config.enable_chunked_prefill)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -182,6 +186,7 @@ class Scheduler:
         if self.kv_transfer.leases:
             self.kv_transfer.expire_leases()
         plan = StepPlan(budget=self.max_num_batched_tokens)
+        self.encoder.begin_step()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -193,7 +198,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             t = self._tokens_to_schedule(req)
-            n = self.kv.cut_chunk(req, min(t, budget))
+            n = self.encoder.fit(req, req.num_computed_tokens, self.kv.cut_chunk(req, min(t, budget)))
             if n <= 0:
                 i += 1
                 continue
@@ -253,7 +258,9 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            n = self.kv.cut_chunk(req, n)
+            n = self.encoder.fit(req, num_hit + num_ext, self.kv.cut_chunk(req, n))
+            if n <= 0:
+                break  # its next image waits for a step with encoder budget left
             blocks = self.kv.allocate_slots(req, n + num_ext, hit_blocks)
             if blocks is None:
                 # priority policy: a better waiting request may take a worse one's blocks
@@ -324,19 +331,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results back
 
-    @staticmethod
-    def _new_prompt_logprobs(req: Request, chunk) -> list | None:
-        """The part of a step's prompt logprobs ``(first position, entries)`` not delivered yet (a
-        recompute after preemption computes them again)."""
-        if chunk is None:
-            return None
-        start, entries = chunk
-        skip = req.num_prompt_logprobs - start
-        assert skip >= 0, f"{req.request_id}: prompt logprobs from {start}, expected {req.num_prompt_logprobs}"
-        new = entries[skip:] if skip else entries
-        req.num_prompt_logprobs = max(req.num_prompt_logprobs, start + len(entries))
-        return new or None
-
     def kv_connector_stats(self) -> dict:
         """The connector's counters, and the blocks held for transfers (empty without a connector)."""
         return self.kv_transfer.stats()
@@ -356,7 +350,7 @@ class Scheduler:
                 req = self.requests.get(rid)
                 if rid in sampled or req is None:
                     continue
-                plp = self._new_prompt_logprobs(req, chunk)
+                plp = req.new_prompt_logprobs(chunk)
                 if plp:
                     outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], new_prompt_logprobs=plp,
                                                     num_cached_tokens=max(req.num_cached_tokens, 0)))
@@ -391,7 +385,7 @@ class Scheduler:
                 finish_reason=status.finish_reason if status else None,
                 stop_reason=req.stop_reason if status else None,
                 new_logprobs=logprobs[j][:len(new_ids)] if logprobs is not None and logprobs[j] is not None else None,
-                new_prompt_logprobs=self._new_prompt_logprobs(req, prompt_lps.get(rid)) if prompt_lps else None,
+                new_prompt_logprobs=req.new_prompt_logprobs(prompt_lps.get(rid)) if prompt_lps else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0), num_preemptions=req.num_preemptions,
                 pooled=out.pooled.get(rid) if out.pooled else None))
             if status is not None:

@@ -28,6 +28,8 @@ class EncoderCache:
         self.users: dict[str, set[str]] = {}  # hash -> requests that still need it
         self.inputs: dict[str, list[MultiModalInput]] = {}  # req_id -> its images
         self.num_encoded = 0  # images run through the encoder (tests, stats)
+        self.num_encoded_rows = 0  # their output rows, and the most one step encoded: the scheduler's
+        self.max_step_rows = 0  # encoder budget bounds these (core/encoder_budget.py)
 
     @classmethod
     def for_model(cls, model, device, dtype, budget_tokens: int = 8192) -> "EncoderCache | None":
@@ -47,6 +49,9 @@ class EncoderCache:
         self.users.clear()
 
     def forget(self, req_id: str) -> None:
+        """Release a finished or preempted request's images; what that frees is evicted at the next
+        step's start, after the step's new requests are added (one may need the same image: the
+        scheduler counted it as held, core/encoder_budget.py)."""
         for m in self.inputs.pop(req_id, ()):
             self._release(m.hash, req_id)
 
@@ -56,7 +61,6 @@ class EncoderCache:
             users.discard(req_id)
             if not users:
                 del self.users[h]
-        self._evict()
 
     def _evict(self) -> None:
         total = sum(t.shape[0] for t in self.outputs.values())
@@ -69,6 +73,7 @@ class EncoderCache:
     def step_embeds(self, req_ids: list[str], seqs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat rows, feature rows) for this step's placeholder rows, or None when it has none.
         ``req_ids[i]``'s tokens are ``seqs[i]`` (a SeqChunk: query_start, query_len, context_len)."""
+        self._evict()
         spans = []  # (first flat row, image, first row of its output, rows)
         for rid, seq in zip(req_ids, seqs):
             for m in self.inputs.get(rid, ()):
@@ -87,6 +92,7 @@ class EncoderCache:
         for rid, row, m, first, n in spans:
             if first + n == m.length:  # this request is past the image's run
                 self._release(m.hash, rid)
+        self._evict()
         return torch.cat(rows).to(self.device), torch.cat(feats)
 
     def positions(self, req_ids: list[str], seqs) -> torch.Tensor | None:
@@ -98,6 +104,9 @@ class EncoderCache:
         by_shape: dict[tuple | str, dict[str, MultiModalInput]] = {}
         for m in todo:
             by_shape.setdefault("grid" if m.grid_thw else tuple(m.shape), {})[m.hash] = m
+        rows = sum(m.length for group in by_shape.values() for m in group.values())
+        self.num_encoded_rows += rows
+        self.max_step_rows = max(self.max_step_rows, rows)
         for shape, group in by_shape.items():
             if shape == "grid":
                 self._encode_grids(list(group.values()))

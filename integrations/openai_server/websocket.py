@@ -17,6 +17,7 @@ Server -> client:
      "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
     {"type": "error", "id": ID or null, "error": {"message", "type", "param", "code"}}
 
+A content may be a list of parts with ``image_url`` ones, as /v1/chat/completions takes them (media.py).
 ID is any string or number the client picks (the server picks one when it is missing and echoes
 it). Frames of different ids interleave. A cancelled generation ends with a "done" frame whose
 finish_reason is "abort"; when the client disconnects, every generation of the connection is
@@ -41,7 +42,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from asyncengine.config import request_limits
 from asyncengine.errors import AsyncEngineError
 
-from . import guided
+from . import guided, media
 from .chat import ChatPlan
 from .errors import APIError, from_engine
 from .generation import sampling_params, submit_n
@@ -136,12 +137,18 @@ class _Connection:
         if so is not None:               # the engine off this loop (errors come as this id's error frame)
             params = msgspec.structs.replace(params, structured_outputs=so)
         plan = ChatPlan(st, frame)  # chat_template_kwargs, the reasoning parser (no tools on this endpoint)
-        ids = await plan.prompt(st, frame.messages)
+        messages, image_urls = media.split_images(frame.messages, st.engine)  # image parts: the image token
+        ids = await plan.prompt(st, messages)
         params = plan.reasoning_gate(st, params)  # a grammar starts after the reasoning span
-        st.check_length(len(ids), max_tokens, "messages")
+        prompt: dict = {"prompt_token_ids": ids}
+        if image_urls:  # as /v1/chat/completions takes them (media.py); decoded and checked by the engine
+            mm = media.processor_of(st.engine)
+            prompt["multi_modal_data"] = {"image": await media.load_sources(image_urls, st.media, mm.limits.max_bytes)}
+        st.check_length(len(ids) + len(image_urls) * (mm.tokens_per_image - 1 if image_urls else 0), max_tokens,
+                        "messages")
         rid = f"ws-{uuid.uuid4().hex}"
         try:
-            stream = submit_n(st.engine, {"prompt_token_ids": ids}, params, 1, rid, lora)
+            stream = submit_n(st.engine, prompt, params, 1, rid, lora)
         except AsyncEngineError as e:
             raise from_engine(e, st.engine) from None
         self.request_ids[cid] = stream.request_id

@@ -34,6 +34,7 @@ SAMPLE_VALUES = {
     "enable_lora": (None, True), "max_loras": ("3", 3), "max_lora_rank": ("32", 32), "max_cpu_loras": ("4", 4),
     "model_impl": ("transformers", "transformers"),
     "limit_mm_per_prompt": ("3", 3), "mm_max_pixels": ("1000000", 1000000), "mm_encoder_cache_tokens": ("512", 512),
+    "max_num_encoder_input_tokens": ("48", 48),
     "runner": ("pooling", "pooling"),
     "gpu_memory_utilization": ("0.5", 0.5), "enforce_eager": (None, True),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}',

@@ -1,8 +1,8 @@
 """Images through the OpenAI server: the official openai client sends a base64 PNG as an
 ``image_url`` content part and streams an answer that is token-exact with transformers' processor +
-model on the same rendered prompt; hostile images (a header declaring 100,000 x 100,000, a
-truncated file, too many images, remote and out-of-folder URLs) are each a 400, and the engine is
-left clean."""
+model on the same rendered prompt (so does the websocket chat); hostile images (a header declaring
+100,000 x 100,000, a truncated file, too many images, remote and out-of-folder URLs) are each a
+400, and the engine is left clean."""
 from __future__ import annotations
 
 import asyncio
@@ -120,3 +120,32 @@ def test_text_model_refuses_images(server):
     c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="takes no images"):
         c.chat.completions.create(model="tiny-llama", messages=_message(_url(png_bytes(image(1)))), max_tokens=2)
+
+
+async def test_websocket_chat_takes_an_image_and_refuses_a_broken_one(vlm):
+    """/v1/ws/chat (the web page's socket) takes image_url parts as /v1/chat/completions does: the
+    same answer as transformers; a truncated image is an error frame for that id only."""
+    import json
+
+    import websockets
+
+    s, d, _ = vlm
+    img = image(13, (30, 40))
+    frame = {"type": "chat", "id": 1, "messages": _message(_url(png_bytes(img))), "max_tokens": 8,
+             "temperature": 0, "ignore_eos": True}
+
+    async def recv(ws) -> dict:
+        return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+    async with websockets.connect(s.ws_url) as ws:
+        await ws.send(json.dumps(frame))
+        text, f = "", await recv(ws)
+        while f["type"] == "delta":
+            text, f = text + f["text"], await recv(ws)
+        assert f["type"] == "done" and f["finish_reason"] == "length", f
+        broken = _message(_url(png_bytes(image(4, (64, 64)))[:300]))
+        await ws.send(json.dumps({**frame, "id": 2, "messages": broken}))
+        err = await recv(ws)
+        assert err["type"] == "error" and err["id"] == 2 and "image" in err["error"]["message"], err
+    assert text == _reference(d, img, 8)
+    await asyncio.to_thread(s.wait_clean)

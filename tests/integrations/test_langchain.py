@@ -92,7 +92,7 @@ class TestChatAsyncEngineUnit(ChatModelUnitTests):
 
 class OurFeatures:
     """What the chat model supports, for every integration class: JSON mode yes; text only (the
-    engine has no image, audio or file inputs)."""
+    tiny llama takes no images; a vision model's images: test_chat_images.py)."""
 
     @property
     def chat_model_class(self):

@@ -128,3 +128,52 @@ def test_page_sends_the_key_as_a_subprotocol_never_in_a_url(strict_server):
         assert page.text_content("#status").startswith("done (")
         page.close()
     strict_server.wait_clean()
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory):
+    """A live server over the tiny LLaVA (tests/vlm_utils.py)."""
+    from live_server import LiveServer, make_engine
+    from vlm_utils import make_tiny_llava
+
+    d = make_tiny_llava(str(tmp_path_factory.mktemp("llava_web")))
+    s = LiveServer(make_engine(d, num_kv_blocks=64), own_engine=True).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.browser
+def test_page_sends_an_image(vlm_server):
+    """The Image button: a PNG chosen in the page goes as an image_url part (a data: URL) with the
+    text; the answer streams in, and it is what the API answers for the same image and text."""
+    import openai
+    from vlm_utils import data_url, image, image_message, png_bytes
+
+    png = png_bytes(image(12, (45, 33)))
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.add_init_script(EXTRA_PARAMS)
+        page.goto(vlm_server.base_url + "/")
+        page.wait_for_function("document.getElementById('status').textContent === 'connected'")
+        page.evaluate(WATCH)
+        page.evaluate("window.__extra = {ignore_eos: true}")
+        page.fill("#max-tokens", "12")
+        page.fill("#temperature", "0")
+        page.set_input_files("#image-file", files=[{"name": "pic.png", "mimeType": "image/png", "buffer": png}])
+        page.locator("#attachment img").wait_for()
+        page.fill("#input", "What is this?")
+        page.press("#input", "Enter")
+        page.locator(".msg.user img").first.wait_for()
+        page.locator(".msg.assistant[data-done='true']").first.wait_for()
+        text = page.locator(".msg.assistant").first.text_content()
+        assert text, "the answer bubble stayed empty"
+        assert page.evaluate("window.__updates") >= 2, "the answer arrived in one piece, not streamed"
+        assert page.locator("#attachment img").count() == 0  # sent: no longer pending
+        assert page.locator(".msg.user").first.text_content() == "What is this?"
+        page.close()
+    c = openai.OpenAI(base_url=vlm_server.base_url + "/v1", api_key="x", max_retries=0)
+    r = c.chat.completions.create(model=MODEL, messages=image_message(data_url(png), text="What is this?"),
+                                  max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert text == r.choices[0].message.content
+    vlm_server.wait_clean()

@@ -68,6 +68,27 @@ def test_llava_parity(llava, regime):
     llm.shutdown()
 
 
+def _max_step_rows(worker) -> int:
+    return worker.runner.encoder_cache.max_step_rows
+
+
+@pytest.mark.parametrize("enc_budget", [None, 32, 8])
+def test_llava_encoder_budget(llava, enc_budget):
+    """max_num_encoder_input_tokens (core/encoder_budget.py): no step encodes more placeholder rows
+    than the budget (16-row images: 32 = two at most; 8 = less than one image, so each goes alone;
+    None = the step's 64 tokens), chunks stop before the image that does not fit, tokens stay exact."""
+    d, (refs, prompt_ids) = llava
+    llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=256, block_size=4, max_num_batched_tokens=64,
+              max_num_encoder_input_tokens=enc_budget)
+    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+                        use_tqdm=False)
+    compare([o.outputs[0].token_ids for o in outs], refs)
+    most = llm.engine.collective_rpc(_max_step_rows)[0]
+    assert most == {None: 48, 32: 32, 8: TOKENS_PER_IMAGE}[enc_budget]
+    assert llm.engine.collective_rpc(_num_encoded) == [4]
+    llm.shutdown()
+
+
 def test_same_image_hits_the_prefix_cache_another_does_not(llava):
     d, _ = llava
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
@@ -109,3 +130,58 @@ def test_images_cross_to_an_engine_core_process(llava):
             return await asyncio.gather(*(one(i) for i in picked))
 
     compare(asyncio.run(main()), [refs[i] for i in picked])
+
+
+def test_image_prompt_round_trips_through_the_offload_tier(llava, tmp_path):
+    """The KV offload tier (here its disk, across a restart) keys blocks by the same hashes, images
+    included: the same image's prompt is read back (its image is not encoded again) and answers the
+    same; the same text with another image reads nothing back."""
+    d, _ = llava
+    text = "<image> describe this picture please"
+
+    def engine():
+        return LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_offload_dir=str(tmp_path))
+
+    llm = engine()
+    first = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    llm.shutdown()
+    llm = engine()  # a restart: only the disk remembers
+    again = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    hits = llm.engine.stats()["kv_offload_disk_hit_tokens"]
+    assert hits == (len(again.prompt_token_ids) - 1) // 4 * 4 >= 1 + TOKENS_PER_IMAGE  # past the image's run
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.collective_rpc(_num_encoded) == [0]
+    other = llm.generate(_prompt(text, [image(8)]), _params(6), use_tqdm=False)[0]
+    assert llm.engine.stats()["kv_offload_disk_hit_tokens"] == hits  # the image opens the prompt: no block
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    assert llm.engine.collective_rpc(_num_encoded) == [1]
+    llm.shutdown()
+
+
+def test_image_prompt_through_pd_transfer(llava, tmp_path):
+    """P/D (a prefill core writes the prompt's KV to a transfer file, a decode core loads it): an
+    image prompt's KV crosses and the answer is transformers' own; a file written for the same
+    tokens with another image is refused (its digest covers the images), not loaded."""
+    d, (refs, _) = llava
+    xfer = str(tmp_path / "xfer")
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_transfer_dir=xfer)
+    pre, dec = LLM(d, kv_role="prefill", **kw), LLM(d, kv_role="decode", **kw)
+
+    def run(llm, rid, i, images=None, n=None) -> list[int]:
+        text, imgs, max_tokens = REQUESTS[i]
+        req, _ = llm.processor.make_request(rid, _prompt(text, images or imgs), _params(n or max_tokens))
+        llm.engine.add_request(req)
+        toks: list[int] = []
+        while llm.engine.has_unfinished():
+            toks += [t for o in llm.engine.step() if o.req_id == rid for t in o.new_token_ids]
+        return toks
+
+    run(pre, "x", 0, n=1)
+    compare([run(dec, "x", 0)], [refs[0]])
+    assert dec.engine.stats()["kv_transfer_imported_requests"] == 1
+    run(pre, "y", 5, images=[image(9)], n=1)  # the same tokens as request 5, another image
+    compare([run(dec, "y", 5)], [refs[5]])
+    s = dec.engine.stats()
+    assert s["kv_transfer_imported_requests"] == 1 and s["kv_transfer_rejected_files"] >= 1
+    pre.shutdown()
+    dec.shutdown()

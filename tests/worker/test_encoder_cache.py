@@ -61,11 +61,11 @@ def test_a_request_that_leaves_releases_and_a_prefix_hit_skips():
     cache.add("a", [mm(1.0, 0)], 0)
     cache.step_embeds(["a"], [chunk(0, 0, 3)])  # half of its run
     assert cache.users == {"h1.0": {"a"}} and "h1.0" in cache.outputs
-    cache.forget("a")  # finished or preempted
-    assert not cache.users and not cache.outputs
+    cache.forget("a")  # finished or preempted: released now, evicted at the next step's start
+    assert not cache.users and "h1.0" in cache.outputs
     cache.add("b", [mm(1.0, 0)], L + 1)  # a prefix hit past the whole run: never encoded
     assert not cache.users and cache.step_embeds(["b"], [chunk(0, L + 1, 1)]) is None
-    assert cache.num_encoded == 1
+    assert not cache.outputs and cache.num_encoded == 1
 
 
 class FakeGridVision(torch.nn.Module):
@@ -99,3 +99,16 @@ def test_grid_images_of_different_sizes_encode_in_one_call_and_split():
     assert rows.tolist() == [1, 2, 3, 5, 6, 7]
     assert feats[:, 0].tolist() == [1, 1, 1, 2, 2, 2]
     assert [t.shape[0] for t in cache.outputs.values()] == [3, 4]
+
+
+def test_a_request_added_as_another_leaves_keeps_their_image():
+    """A step that preempts (or finishes) one request and adds another with the same image: the
+    output stays for the new one (the scheduler counted it as held, not as encoder work)."""
+    model = FakeVision()
+    cache = EncoderCache(model, torch.device("cpu"), torch.float32, budget_tokens=0)
+    cache.add("a", [mm(3.0, 0)], 0)
+    cache.step_embeds(["a"], [chunk(0, 0, 2)])
+    cache.forget("a")  # the next step's message: a leaves, b arrives
+    cache.add("b", [mm(3.0, 1)], 0)
+    rows, feats = cache.step_embeds(["b"], [chunk(0, 0, 4)])
+    assert feats[:, 0].tolist() == [3, 4, 5] and model.calls == 1 and cache.max_step_rows == L

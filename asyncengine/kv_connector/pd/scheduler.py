@@ -39,6 +39,10 @@ PULL_THREADS = 4  # pulls in flight at once per decode core
 PULL_POLL_S = 0.005  # an idle step waits this long for a pull to end
 
 
+def _digest(req: "Request") -> bytes:
+    return tf.prompt_digest(req.prompt_token_ids, req.block_extra(0, req.num_prompt_tokens))
+
+
 def transfer_key(req: "Request") -> str | None:
     """The id a transfer file is named by: the user's request id (sample 0 of an ``n > 1`` request
     imports it; the other samples share sample 0's blocks through the prefix cache)."""
@@ -70,7 +74,7 @@ class PrefillExporter(SchedulerConnector):
             if key is None or not end - n < p <= end:
                 continue
             jobs.append(ExportJob(key=key, block_ids=self.kv.block_ids(rid)[:-(-p // bs)],
-                                  num_tokens=p, prompt_digest=tf.prompt_digest(req.prompt_token_ids)))
+                                  num_tokens=p, prompt_digest=_digest(req)))
             self.counters["kv_transfer_exported_requests"] += 1
             self.counters["kv_transfer_exported_tokens"] += p
         return KVConnectorMetadata(export=jobs) if jobs else None
@@ -111,7 +115,7 @@ class DecodeImporter(SchedulerConnector):
 
         def accept(h: tf.Header) -> bool:
             ok = (h.fingerprint == self.fingerprint and h.block_nbytes == self.block_nbytes
-                  and h.num_tokens == req.num_prompt_tokens and h.digest == tf.prompt_digest(req.prompt_token_ids))
+                  and h.num_tokens == req.num_prompt_tokens and h.digest == _digest(req))
             if not ok:
                 refused.append(h)  # another model/layout, or not this prompt
             if h.fingerprint != self.fingerprint:

@@ -42,8 +42,14 @@ def claimed_path(directory: str, request_id: str) -> str:
     return os.path.join(directory, f"{request_key(request_id)}.{os.getpid()}.claimed")
 
 
-def prompt_digest(token_ids) -> bytes:
-    return hashlib.sha256(array("q", token_ids).tobytes()).digest()
+def prompt_digest(token_ids, extra: str | None = None) -> bytes:
+    """What a transfer file's prompt is: its token ids and what the prefix cache keys beside them
+    (``Request.block_extra`` over the whole prompt: the images' hashes, the cache salt / LoRA), so
+    that the same tokens with another image never load this KV."""
+    h = hashlib.sha256(array("q", token_ids).tobytes())
+    if extra:
+        h.update(extra.encode())
+    return h.digest()
 
 
 class Header:
