@@ -2,7 +2,9 @@
 openai client against a live server on 127.0.0.1: ``model`` names an adapter (``--lora-modules`` at
 start, or ``/v1/load_lora_adapter`` later) and the tokens equal ``LLM.generate`` under the same
 adapter; /v1/models lists the adapters; unloading makes the name a 404; a bad adapter is a 400
-and changes nothing."""
+and changes nothing; the websocket chat
+resolves ``model`` as the chat endpoint does."""
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -214,3 +216,20 @@ def test_responses_and_messages_run_the_adapter_as_chat_does(setup):
     assert (m["model"], "".join(b["text"] for b in m["content"] if b["type"] == "text")) == ("sql", chat["sql"])
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input=msgs, max_output_tokens=5)
+    assert asyncio.run(_ws_chat(server, "sql", msgs, 5)) == chat["sql"]  # the websocket chat too
+
+
+async def _ws_chat(server, model: str, messages: list, max_tokens: int) -> str:
+    """The text of one websocket chat turn (``/v1/ws/chat``) under ``model``."""
+    import websockets  # lazy: only this test speaks the websocket protocol
+
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.send(json.dumps({"type": "chat", "id": "w", "model": model, "messages": messages,
+                                  "max_tokens": max_tokens, "temperature": 0.0}))
+        text = ""
+        while True:
+            f = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            assert f["type"] in ("delta", "done"), f
+            if f["type"] == "done":
+                return text
+            text += f["text"]
