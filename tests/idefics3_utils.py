@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from model_utils import Reference, save_tiny_tokenizer, scale_weights
+from vlm_utils import hf_greedy
 
 TILE, PATCH, SCALE = 32, 4, 2  # a 32 x 32 tile: 8 x 8 patches, pixel-shuffled 2 x 2
 TOKENS_PER_TILE = (TILE // PATCH) ** 2 // SCALE ** 2  # 16
@@ -40,19 +41,7 @@ def make_tiny_idefics3(out_dir: str, split: bool = True, tie: bool = False, seed
 
 
 def hf_idefics3_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
-    """transformers' processor + Idefics3ForConditionalGeneration.generate, one request at a time,
-    greedy, fp32, EOS ignored. ``requests``: (text with <image> marks, images, max tokens).
-    Returns (references, the processor's prompt ids: placeholders expanded)."""
+    """``vlm_utils.hf_greedy`` with transformers' processor + Idefics3ForConditionalGeneration."""
     proc = transformers.AutoProcessor.from_pretrained(model_dir)
     model = transformers.Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs, prompts = [], []
-    with torch.inference_mode():
-        for text, images, max_tokens in requests:
-            inp = proc(text=text, images=images or None, return_tensors="pt")
-            out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            n = inp["input_ids"].shape[1]
-            margins = [float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits]
-            refs.append(Reference(out.sequences[0, n:].tolist(), margins))
-            prompts.append(inp["input_ids"][0].tolist())
-    return refs, prompts
+    return hf_greedy(model, lambda text, images: proc(text=text, images=images or None, return_tensors="pt"), requests)

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from model_utils import Reference, save_tiny_tokenizer, scale_weights
+from vlm_utils import hf_greedy
 
 PATCH, MERGE = 14, 2
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 112 * 112
@@ -72,18 +73,7 @@ def hf_inputs(model_dir: str, text: str, images) -> dict:
 
 
 def hf_qwen2_vl_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
-    """transformers' image processor (:func:`hf_inputs`) + its Qwen2(.5)-VL model's generate, one request at a time,
-    greedy, fp32, EOS ignored. ``requests``: (text with <|image_pad|> marks, images, max tokens).
-    Returns (references, the processor's prompt ids: placeholders expanded)."""
+    """``vlm_utils.hf_greedy`` with transformers' image processor (:func:`hf_inputs`) + its
+    Qwen2(.5)-VL model. ``requests``: (text with <|image_pad|> marks, images, max tokens)."""
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs, prompts = [], []
-    with torch.inference_mode():
-        for text, images, max_tokens in requests:
-            inp = hf_inputs(model_dir, text, images)
-            out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            n = inp["input_ids"].shape[1]
-            margins = [float(torch.topk(lg[0].float(), 2).values.diff().abs()) for lg in out.logits]
-            refs.append(Reference(out.sequences[0, n:].tolist(), margins))
-            prompts.append(inp["input_ids"][0].tolist())
-    return refs, prompts
+    return hf_greedy(model, lambda text, images: hf_inputs(model_dir, text, images), requests)

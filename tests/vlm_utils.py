@@ -54,16 +54,15 @@ def png_bytes(img, fmt: str = "PNG", **kw) -> bytes:
     return buf.getvalue()
 
 
-def hf_llava_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
-    """transformers' processor + LlavaForConditionalGeneration.generate, one request at a time,
-    greedy, fp32, EOS ignored. ``requests``: (text with <image> marks, images, max tokens).
-    Returns (references, the processor's prompt ids: placeholders expanded)."""
-    proc = transformers.AutoProcessor.from_pretrained(model_dir)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(model, make_inputs, requests) -> tuple[list[Reference], list[list[int]]]:
+    """transformers' ``model.generate`` one request at a time, greedy, fp32, EOS ignored, on the
+    inputs ``make_inputs(text, images)`` builds (its processor's). ``requests``: (text with image
+    marks, images, max tokens). Returns (references, the processor's prompt ids: placeholders
+    expanded)."""
     refs, prompts = [], []
     with torch.inference_mode():
         for text, images, max_tokens in requests:
-            inp = proc(text=text, images=images or None, return_tensors="pt")
+            inp = make_inputs(text, images)
             out = model.generate(**inp, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             n = inp["input_ids"].shape[1]
@@ -71,6 +70,13 @@ def hf_llava_greedy(model_dir: str, requests) -> tuple[list[Reference], list[lis
             refs.append(Reference(out.sequences[0, n:].tolist(), margins))
             prompts.append(inp["input_ids"][0].tolist())
     return refs, prompts
+
+
+def hf_llava_greedy(model_dir: str, requests) -> tuple[list[Reference], list[list[int]]]:
+    """:func:`hf_greedy` with transformers' processor + LlavaForConditionalGeneration."""
+    proc = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_greedy(model, lambda text, images: proc(text=text, images=images or None, return_tensors="pt"), requests)
 
 
 # ---- hostile images (tests/integrations/test_hostile_images.py, benchmarks/hostile_images.py)
@@ -118,3 +124,39 @@ def hostile_chats() -> dict[str, list[dict]]:
         "truncated_jpeg": image_message(data_url(png_bytes(image(6, (64, 64)), "JPEG")[:400], "image/jpeg")),
         "forty_images": image_message(*[good] * 40),
     }
+
+
+def vlm_prompt(text: str, images: list):
+    """``LLM.generate``'s prompt for a text with image marks and its images (a bare text without)."""
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def greedy(n: int, **kw):
+    from asyncengine import SamplingParams  # lazy: the helpers' imports stay light
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def num_encoded(worker) -> int:
+    """Encoder inputs the worker's encoder cache has run (a collective_rpc target)."""
+    return worker.runner.encoder_cache.num_encoded
+
+
+def core_process_tokens(model_dir: str, requests: list) -> list[list[int]]:
+    """``requests`` (text, images, max tokens) through an AsyncLLMEngine whose core is its own
+    process (the images' encoder inputs cross its pipe as msgspec), concurrently; their tokens."""
+    import asyncio
+
+    from asyncengine import AsyncLLMEngine, EngineConfig
+
+    async def main():
+        eng = AsyncLLMEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu", engine_core_process=True,
+                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
+        async with eng:
+            async def one(text, images, n):
+                async for out in eng.generate(vlm_prompt(text, images), greedy(n)):
+                    pass
+                return out.outputs[0].token_ids
+            return await asyncio.gather(*(one(*r) for r in requests))
+
+    return asyncio.run(main())

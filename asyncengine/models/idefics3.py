@@ -19,7 +19,7 @@ from torch import nn
 from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.models.llama import LlamaForCausalLM
-from asyncengine.models.weight_loading import check_complete, load_tensor
+from asyncengine.models.vision_language import VisionLanguageModel
 
 
 def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ class Connector(nn.Module):
         return self.modality_projection.proj(pixel_shuffle(x, self.scale))
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
     is_multimodal = True
 
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
@@ -78,15 +78,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         out = self.vision_model(pixel_values=pixel_values, return_dict=True)
         return self.connector(out.last_hidden_state)
 
-    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None, mm_embeds=None):
-        """``mm_embeds``: (flat rows, their image feature rows) this step's placeholder rows take."""
-        if mm_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, meta, intermediate)
-        rows, feats = mm_embeds
-        x = self.embed(input_ids)
-        x[rows] = feats.to(x.dtype)
-        return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=x)
-
     # ------------------------------------------------------------------ weights
 
     def _split(self, weights):
@@ -103,17 +94,3 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                 else:
                     yield name, tensor
         return text(), vision
-
-    def weight_targets(self, weights):
-        text, vision = self._split(weights)
-        yield from super().weight_targets(text)
-        for name, tensor in vision:
-            yield name, name, None, tensor
-
-    def load_weights(self, weights) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, target, shard, tensor in self.weight_targets(weights):
-            loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
-        check_complete(modules, params, loaded)

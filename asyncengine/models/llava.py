@@ -18,7 +18,7 @@ from torch import nn
 from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.models.llama import LlamaForCausalLM
-from asyncengine.models.weight_loading import check_complete, load_tensor
+from asyncengine.models.vision_language import VisionLanguageModel
 
 _ACTS = {"gelu": nn.GELU, "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU,
          "quick_gelu": None}
@@ -39,7 +39,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
     is_multimodal = True
 
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
@@ -75,15 +75,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             feats = [f[:, 1:] for f in feats]
         return self.multi_modal_projector(feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1))
 
-    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None, mm_embeds=None):
-        """``mm_embeds``: (flat rows, their image feature rows) this step's placeholder rows take."""
-        if mm_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, meta, intermediate)
-        rows, feats = mm_embeds
-        x = self.embed(input_ids)
-        x[rows] = feats.to(x.dtype)
-        return super().forward(input_ids, positions, kv_caches, meta, inputs_embeds=x)
-
     # ------------------------------------------------------------------ weights
 
     def _split(self, weights):
@@ -104,18 +95,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                     yield name, tensor
         return text(), vision
 
-    def weight_targets(self, weights):
-        text, vision = self._split(weights)
-        yield from super().weight_targets(text)
-        for name, tensor in vision:
-            yield name, name, None, tensor
-
-    def load_weights(self, weights) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, target, shard, tensor in self.weight_targets(weights):
-            loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
-        check_complete(modules, params, loaded)
+    def after_load(self) -> None:
         emb = self.vision_tower.embeddings  # its non-persistent buffer: not in the checkpoint
         emb.position_ids = torch.arange(emb.num_positions, device=emb.position_ids.device).unsqueeze(0)

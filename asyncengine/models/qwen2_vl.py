@@ -20,7 +20,7 @@ from asyncengine.errors import ConfigError
 from asyncengine.layers.parallel import FULL, SINGLE, PPGroup, TPGroup
 from asyncengine.layers.rotary import RotaryEmbedding
 from asyncengine.models.llama import Qwen2ForCausalLM
-from asyncengine.models.weight_loading import check_complete, load_tensor
+from asyncengine.models.vision_language import VisionLanguageModel
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -60,7 +60,7 @@ def vision_tower(vc: dict):
     raise ConfigError(f"a Qwen2-VL vision tower of type {kind!r} is not supported")
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
     is_multimodal = True
     uses_mrope = True  # the runner passes [3, T] positions for steps with images
 
@@ -95,8 +95,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             rows, feats = mm_embeds
             x = self.embed(input_ids)
             x[rows] = feats.to(x.dtype)
-        return super().forward(input_ids, positions if mrope_positions is None else mrope_positions,
-                               kv_caches, meta, intermediate, inputs_embeds=x)
+        # the text model's forward itself (the mixin's reads no M-RoPE positions)
+        return Qwen2ForCausalLM.forward(self, input_ids, positions if mrope_positions is None else mrope_positions,
+                                        kv_caches, meta, intermediate, inputs_embeds=x)
 
     # ------------------------------------------------------------------ weights
 
@@ -117,19 +118,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                     yield name, tensor
         return text(), vision
 
-    def weight_targets(self, weights):
-        text, vision = self._split(weights)
-        yield from super().weight_targets(text)
-        for name, tensor in vision:
-            yield name, name, None, tensor
-
-    def load_weights(self, weights) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, target, shard, tensor in self.weight_targets(weights):
-            loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
-        check_complete(modules, params, loaded)
+    def after_load(self) -> None:
         rot = self.visual.rotary_pos_emb  # its non-persistent buffers: not in the checkpoint
         dev = self.rotary.cos.device
         with torch.device("cpu"):

@@ -11,9 +11,9 @@ from PIL import Image
 
 from idefics3_utils import TOKENS_PER_TILE, hf_idefics3_greedy, make_tiny_idefics3
 from model_utils import compare
-from vlm_utils import image
+from vlm_utils import core_process_tokens, greedy, image, num_encoded, vlm_prompt
 
-from asyncengine import LLM, SamplingParams
+from asyncengine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -58,27 +58,15 @@ def unsplit(tmp_path_factory):
     return d, hf_idefics3_greedy(d, REQUESTS), _tiles(d, REQUESTS)
 
 
-def _prompt(text, images):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-
-
-def _params(n, **kw):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def _num_encoded(worker) -> int:
-    return worker.runner.encoder_cache.num_encoded
-
-
 def _run(checkpoint, **engine):
     d, (refs, prompt_ids), tiles = checkpoint
     llm = LLM(d, dtype="float32", device="cpu", **engine)
-    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+    outs = llm.generate([vlm_prompt(t, im) for t, im, _ in REQUESTS], [greedy(n) for _, _, n in REQUESTS],
                         use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompt_ids  # placeholders laid out as transformers does
     compare([o.outputs[0].token_ids for o in outs], refs)
     # every distinct tile encoded once (the first image comes twice), whatever the chunks or preemptions
-    assert llm.engine.collective_rpc(_num_encoded) == [tiles]
+    assert llm.engine.collective_rpc(num_encoded) == [tiles]
     stats = llm.engine.stats()
     llm.shutdown()
     return stats
@@ -105,16 +93,16 @@ def test_same_image_hits_the_prefix_cache_another_does_not(split):
     d = split[0]
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=128, block_size=4)
     text = "<image> describe this picture please"
-    first = llm.generate(_prompt(text, [image(7)]), _params(6, logprobs=0), use_tqdm=False)[0]
+    first = llm.generate(vlm_prompt(text, [image(7)]), greedy(6, logprobs=0), use_tqdm=False)[0]
     s1 = llm.engine.stats()
-    same = llm.generate(_prompt(text, [image(7)]), _params(6, logprobs=0), use_tqdm=False)[0]
+    same = llm.generate(vlm_prompt(text, [image(7)]), greedy(6, logprobs=0), use_tqdm=False)[0]
     s2 = llm.engine.stats()
     hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
     n = len(same.prompt_token_ids)
     assert hits == (n - 1) // 4 * 4 and hits >= 5 * TOKENS_PER_TILE  # all but the block of the last token
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
     assert same.outputs[0].cumulative_logprob == pytest.approx(first.outputs[0].cumulative_logprob, abs=1e-4)
-    other = llm.generate(_prompt(text, [image(8)]), _params(6, logprobs=0), use_tqdm=False)[0]
+    other = llm.generate(vlm_prompt(text, [image(8)]), greedy(6, logprobs=0), use_tqdm=False)[0]
     s3 = llm.engine.stats()
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
     # (the tiny LM may pick the same tokens for another image; its probabilities differ)
@@ -125,25 +113,10 @@ def test_same_image_hits_the_prefix_cache_another_does_not(split):
 def test_tiles_cross_to_an_engine_core_process(split):
     """engine_core_process=True: the tiles' encoder inputs cross the core's pipe (msgspec) and the
     async front end lays them out on a worker thread; the same tokens as transformers."""
-    import asyncio
-
-    from asyncengine import AsyncLLMEngine, EngineConfig
-
     d, (refs, _), _ = split
     picked = [0, 1, 3]
 
-    async def main():
-        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
-                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
-        async with eng:
-            async def one(i):
-                text, images, n = REQUESTS[i]
-                async for out in eng.generate(_prompt(text, images), _params(n)):
-                    pass
-                return out.outputs[0].token_ids
-            return await asyncio.gather(*(one(i) for i in picked))
-
-    compare(asyncio.run(main()), [refs[i] for i in picked])
+    compare(core_process_tokens(d, [REQUESTS[i] for i in picked]), [refs[i] for i in picked])
 
 
 def test_pixel_shuffle_is_transformers():

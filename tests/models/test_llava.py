@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 
 from model_utils import compare
-from vlm_utils import TOKENS_PER_IMAGE, hf_llava_greedy, image, make_tiny_llava
+from vlm_utils import (TOKENS_PER_IMAGE, core_process_tokens, greedy, hf_llava_greedy, image, make_tiny_llava,
+                       num_encoded, vlm_prompt)
 
-from asyncengine import LLM, SamplingParams
+from asyncengine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,28 +39,16 @@ def llava(tmp_path_factory):
     return d, hf_llava_greedy(d, REQUESTS)
 
 
-def _prompt(text, images):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-
-
-def _params(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _num_encoded(worker) -> int:
-    return worker.runner.encoder_cache.num_encoded
-
-
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_llava_parity(llava, regime):
     d, (refs, prompt_ids) = llava
     llm = LLM(d, dtype="float32", device="cpu", **REGIMES[regime])
-    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+    outs = llm.generate([vlm_prompt(t, im) for t, im, _ in REQUESTS], [greedy(n) for _, _, n in REQUESTS],
                         use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompt_ids  # placeholders expanded as transformers does
     compare([o.outputs[0].token_ids for o in outs], refs)
     # four distinct images (the first comes twice): each encoded once, whatever the chunks or preemptions
-    assert llm.engine.collective_rpc(_num_encoded) == [4]
+    assert llm.engine.collective_rpc(num_encoded) == [4]
     stats = llm.engine.stats()
     if regime == "preempt":
         assert stats["num_preemptions"] > 0
@@ -80,12 +69,12 @@ def test_llava_encoder_budget(llava, enc_budget):
     d, (refs, prompt_ids) = llava
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=256, block_size=4, max_num_batched_tokens=64,
               max_num_encoder_input_tokens=enc_budget)
-    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+    outs = llm.generate([vlm_prompt(t, im) for t, im, _ in REQUESTS], [greedy(n) for _, _, n in REQUESTS],
                         use_tqdm=False)
     compare([o.outputs[0].token_ids for o in outs], refs)
     most = llm.engine.collective_rpc(_max_step_rows)[0]
     assert most == {None: 48, 32: 32, 8: TOKENS_PER_IMAGE}[enc_budget]
-    assert llm.engine.collective_rpc(_num_encoded) == [4]
+    assert llm.engine.collective_rpc(num_encoded) == [4]
     llm.shutdown()
 
 
@@ -93,15 +82,15 @@ def test_same_image_hits_the_prefix_cache_another_does_not(llava):
     d, _ = llava
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
     text = "<image> describe this picture please"
-    first = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    first = llm.generate(vlm_prompt(text, [image(7)]), greedy(6), use_tqdm=False)[0]
     s1 = llm.engine.stats()
-    same = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    same = llm.generate(vlm_prompt(text, [image(7)]), greedy(6), use_tqdm=False)[0]
     s2 = llm.engine.stats()
     hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
     n = len(same.prompt_token_ids)
     assert hits == (n - 1) // 4 * 4 and hits >= TOKENS_PER_IMAGE  # all but the block of the last token
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    other = llm.generate(_prompt(text, [image(8)]), _params(6), use_tqdm=False)[0]
+    other = llm.generate(vlm_prompt(text, [image(8)]), greedy(6), use_tqdm=False)[0]
     s3 = llm.engine.stats()
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
@@ -111,25 +100,10 @@ def test_same_image_hits_the_prefix_cache_another_does_not(llava):
 def test_images_cross_to_an_engine_core_process(llava):
     """engine_core_process=True: the images' encoder inputs cross the core's pipe (msgspec) and the
     async front end processes them on a worker thread; the same tokens as transformers."""
-    import asyncio
-
-    from asyncengine import AsyncLLMEngine, EngineConfig
-
     d, (refs, _) = llava
     picked = [0, 1, 3]
 
-    async def main():
-        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
-                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
-        async with eng:
-            async def one(i):
-                text, images, n = REQUESTS[i]
-                async for out in eng.generate(_prompt(text, images), _params(n)):
-                    pass
-                return out.outputs[0].token_ids
-            return await asyncio.gather(*(one(i) for i in picked))
-
-    compare(asyncio.run(main()), [refs[i] for i in picked])
+    compare(core_process_tokens(d, [REQUESTS[i] for i in picked]), [refs[i] for i in picked])
 
 
 def test_image_prompt_round_trips_through_the_offload_tier(llava, tmp_path):
@@ -143,18 +117,18 @@ def test_image_prompt_round_trips_through_the_offload_tier(llava, tmp_path):
         return LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, kv_offload_dir=str(tmp_path))
 
     llm = engine()
-    first = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    first = llm.generate(vlm_prompt(text, [image(7)]), greedy(6), use_tqdm=False)[0]
     llm.shutdown()
     llm = engine()  # a restart: only the disk remembers
-    again = llm.generate(_prompt(text, [image(7)]), _params(6), use_tqdm=False)[0]
+    again = llm.generate(vlm_prompt(text, [image(7)]), greedy(6), use_tqdm=False)[0]
     hits = llm.engine.stats()["kv_offload_disk_hit_tokens"]
     assert hits == (len(again.prompt_token_ids) - 1) // 4 * 4 >= 1 + TOKENS_PER_IMAGE  # past the image's run
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert llm.engine.collective_rpc(_num_encoded) == [0]
-    other = llm.generate(_prompt(text, [image(8)]), _params(6), use_tqdm=False)[0]
+    assert llm.engine.collective_rpc(num_encoded) == [0]
+    other = llm.generate(vlm_prompt(text, [image(8)]), greedy(6), use_tqdm=False)[0]
     assert llm.engine.stats()["kv_offload_disk_hit_tokens"] == hits  # the image opens the prompt: no block
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
-    assert llm.engine.collective_rpc(_num_encoded) == [1]
+    assert llm.engine.collective_rpc(num_encoded) == [1]
     llm.shutdown()
 
 
@@ -169,7 +143,7 @@ def test_image_prompt_through_pd_transfer(llava, tmp_path):
 
     def run(llm, rid, i, images=None, n=None) -> list[int]:
         text, imgs, max_tokens = REQUESTS[i]
-        req, _ = llm.processor.make_request(rid, _prompt(text, images or imgs), _params(n or max_tokens))
+        req, _ = llm.processor.make_request(rid, vlm_prompt(text, images or imgs), greedy(n or max_tokens))
         llm.engine.add_request(req)
         toks: list[int] = []
         while llm.engine.has_unfinished():

@@ -14,9 +14,9 @@ import safetensors.torch
 
 from model_utils import compare
 from qwen_vl_utils import hf_qwen2_vl_greedy, make_tiny_qwen2_vl
-from vlm_utils import image
+from vlm_utils import core_process_tokens, greedy, image, num_encoded, vlm_prompt
 
-from asyncengine import LLM, SamplingParams
+from asyncengine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,29 +47,17 @@ def qwen2_vl(tmp_path_factory):
     return d, hf_qwen2_vl_greedy(d, REQUESTS)
 
 
-def _prompt(text, images):
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-
-
-def _params(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _num_encoded(worker) -> int:
-    return worker.runner.encoder_cache.num_encoded
-
-
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_qwen2_vl_parity(qwen2_vl, regime):
     d, (refs, prompt_ids) = qwen2_vl
     llm = LLM(d, dtype="float32", device="cpu", **REGIMES[regime])
-    outs = llm.generate([_prompt(t, im) for t, im, _ in REQUESTS], [_params(n) for _, _, n in REQUESTS],
+    outs = llm.generate([vlm_prompt(t, im) for t, im, _ in REQUESTS], [greedy(n) for _, _, n in REQUESTS],
                         use_tqdm=False)
     # placeholders expanded as transformers does, image by image (each its own grid)
     assert [o.prompt_token_ids for o in outs] == prompt_ids
     compare([o.outputs[0].token_ids for o in outs], refs)
     # five distinct images (the first comes twice): each encoded once, whatever the chunks or preemptions
-    assert llm.engine.collective_rpc(_num_encoded) == [5]
+    assert llm.engine.collective_rpc(num_encoded) == [5]
     stats = llm.engine.stats()
     assert (stats["num_preemptions"] > 0) == (regime == "preempt")
     llm.shutdown()
@@ -79,15 +67,15 @@ def test_same_image_hits_the_prefix_cache_another_does_not(qwen2_vl):
     d, _ = qwen2_vl
     llm = LLM(d, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
     text = f"{IMG} describe this picture please"
-    first = llm.generate(_prompt(text, [image(7, (112, 56))]), _params(6), use_tqdm=False)[0]
+    first = llm.generate(vlm_prompt(text, [image(7, (112, 56))]), greedy(6), use_tqdm=False)[0]
     s1 = llm.engine.stats()
-    same = llm.generate(_prompt(text, [image(7, (112, 56))]), _params(6), use_tqdm=False)[0]
+    same = llm.generate(vlm_prompt(text, [image(7, (112, 56))]), greedy(6), use_tqdm=False)[0]
     s2 = llm.engine.stats()
     hits = s2["prefix_cache_hits"] - s1["prefix_cache_hits"]
     n = len(same.prompt_token_ids)
     assert hits == (n - 1) // 4 * 4 and hits >= 8  # all but the block of the last token: the image's too
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    other = llm.generate(_prompt(text, [image(8, (112, 56))]), _params(6), use_tqdm=False)[0]
+    other = llm.generate(vlm_prompt(text, [image(8, (112, 56))]), greedy(6), use_tqdm=False)[0]
     s3 = llm.engine.stats()
     assert s3["prefix_cache_hits"] == s2["prefix_cache_hits"]  # the image opens the prompt: no block shared
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
@@ -124,7 +112,7 @@ def test_qwen2_5_vl_parity_chunked(tmp_path):
     picked = [REQUESTS[i] for i in (1, 2, 3)]
     refs, prompt_ids = hf_qwen2_vl_greedy(d, picked)
     llm = LLM(d, dtype="float32", device="cpu", **REGIMES["chunked"])
-    outs = llm.generate([_prompt(t, im) for t, im, _ in picked], [_params(n) for _, _, n in picked], use_tqdm=False)
+    outs = llm.generate([vlm_prompt(t, im) for t, im, _ in picked], [greedy(n) for _, _, n in picked], use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompt_ids
     compare([o.outputs[0].token_ids for o in outs], refs)
     llm.shutdown()
@@ -160,7 +148,7 @@ def test_native_step_takes_the_mrope_rows(qwen2_vl, monkeypatch):
                   max_num_batched_tokens=16)
         if native == "1":
             llm.engine.collective_rpc(_count_native)
-        res = llm.generate([_prompt(t, im) for t, im, _ in picked], [_params(n) for _, _, n in picked],
+        res = llm.generate([vlm_prompt(t, im) for t, im, _ in picked], [greedy(n) for _, _, n in picked],
                            use_tqdm=False)
         outs[native] = [o.outputs[0].token_ids for o in res]
         if native == "1":
@@ -184,7 +172,7 @@ def test_the_hub_layout_of_names_loads(qwen2_vl, tmp_path):
     safetensors.torch.save_file(renamed, f"{hub}/model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(hub), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16)
     text, images, n = REQUESTS[3]
-    out = llm.generate(_prompt(text, images), _params(n), use_tqdm=False)[0]
+    out = llm.generate(vlm_prompt(text, images), greedy(n), use_tqdm=False)[0]
     compare([out.outputs[0].token_ids], [refs[3]])
     llm.shutdown()
 
@@ -192,22 +180,7 @@ def test_the_hub_layout_of_names_loads(qwen2_vl, tmp_path):
 def test_grids_cross_to_an_engine_core_process(qwen2_vl):
     """engine_core_process=True: each image's patches and grid cross the core's pipe (msgspec), the
     async front end processes them on a worker thread; the same tokens as transformers."""
-    import asyncio
-
-    from asyncengine import AsyncLLMEngine, EngineConfig
-
     d, (refs, _) = qwen2_vl
     picked = [1, 3]
 
-    async def main():
-        eng = AsyncLLMEngine(EngineConfig(model=d, dtype="float32", device="cpu", engine_core_process=True,
-                                          num_kv_blocks=128, block_size=8, freeze_gc_after_load=False))
-        async with eng:
-            async def one(i):
-                text, images, n = REQUESTS[i]
-                async for out in eng.generate(_prompt(text, images), _params(n)):
-                    pass
-                return out.outputs[0].token_ids
-            return await asyncio.gather(*(one(i) for i in picked))
-
-    compare(asyncio.run(main()), [refs[i] for i in picked])
+    compare(core_process_tokens(d, [REQUESTS[i] for i in picked]), [refs[i] for i in picked])
