@@ -160,3 +160,25 @@ def core_process_tokens(model_dir: str, requests: list) -> list[list[int]]:
             return await asyncio.gather(*(one(*r) for r in requests))
 
     return asyncio.run(main())
+
+
+def stream_chat(base_url: str, messages: list[dict], max_tokens: int) -> tuple[str, object]:
+    """One greedy chat completion streamed by the official ``openai`` client (EOS ignored): its
+    text and its usage."""
+    import asyncio
+
+    import openai
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0) as c:
+            stream = await c.chat.completions.create(
+                model="tiny-llama", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            text, usage = "", None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                usage = chunk.usage or usage
+            return text, usage
+
+    return asyncio.run(main())

@@ -10,8 +10,6 @@ A model defines ``_split(weights)`` -> (the LM's (name, tensor) pairs under the 
 a list of the vision (name, tensor) pairs), ``encode_images`` and, if it needs one, ``after_load``."""
 from __future__ import annotations
 
-from asyncengine.models.weight_loading import check_complete, load_tensor
-
 
 class VisionLanguageModel:
     def forward(self, input_ids, positions, kv_caches, meta, intermediate=None, mm_embeds=None):
@@ -36,10 +34,5 @@ class VisionLanguageModel:
             yield name, name, None, tensor
 
     def load_weights(self, weights) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, target, shard, tensor in self.weight_targets(weights):
-            loaded.add(load_tensor(self, modules, params, name, target, shard, tensor))
-        check_complete(modules, params, loaded)
+        super().load_weights(weights)  # the text model's loader, through weight_targets above
         self.after_load()

@@ -103,14 +103,20 @@ class MultiModalProcessor:
                                       f"{self.limits.max_images} (limit_mm_per_prompt)")
         return [load_image(x, self.limits) for x in items]
 
-    def process(self, ids: list[int], mm_data) -> tuple[list[int], list[MultiModalInput]]:
-        """The prompt's ids with each image token expanded to its run, and the images' inputs."""
+    def placed_images(self, ids: list[int], mm_data) -> list:
+        """The request's images, one per image token in ``ids`` (else an InvalidRequestError)."""
         images = self.images_of(mm_data)
-        tok, n = self.image_token_id, self.tokens_per_image
+        tok = self.image_token_id
         found = sum(1 for t in ids if t == tok)
         if found != len(images):
             raise InvalidRequestError(f"the prompt has {found} image placeholders (token {tok}) for "
                                       f"{len(images)} images: put one <image> where each image goes")
+        return images
+
+    def process(self, ids: list[int], mm_data) -> tuple[list[int], list[MultiModalInput]]:
+        """The prompt's ids with each image token expanded to its run, and the images' inputs."""
+        images = self.placed_images(ids, mm_data)
+        tok, n = self.image_token_id, self.tokens_per_image
         if not images:
             return ids, []
         if self.merge:

@@ -15,7 +15,7 @@ import transformers
 from PIL import Image
 
 from live_server import LiveServer, make_engine
-from vlm_utils import image, make_tiny_llava, png_bytes
+from vlm_utils import image, make_tiny_llava, png_bytes, stream_chat
 
 from asyncengine.integrations.openai_server.media import MediaPolicy
 
@@ -58,19 +58,7 @@ def test_openai_client_streams_an_answer_about_a_png(vlm):
     s, d, _ = vlm
     img = image(11, (45, 33))
 
-    async def main():
-        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
-            stream = await c.chat.completions.create(
-                model="tiny-llama", messages=_message(_url(png_bytes(img))), max_tokens=8, temperature=0,
-                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            text, usage = "", None
-            async for chunk in stream:
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
-                usage = chunk.usage or usage
-            return text, usage
-
-    text, usage = asyncio.run(main())
+    text, usage = stream_chat(s.base_url, _message(_url(png_bytes(img))), 8)
     assert text == _reference(d, img, 8)
     assert usage.completion_tokens == 8 and usage.prompt_tokens > 16  # the image's 16 placeholders counted
     s.wait_clean()

@@ -4,17 +4,14 @@ the image's placeholder count follows its size, and the streamed answer equals t
 model on the same rendered prompt (greedy, fp32)."""
 from __future__ import annotations
 
-import asyncio
-import base64
 
-import openai
 import pytest
 import torch
 import transformers
 
 from live_server import LiveServer, make_engine
 from qwen_vl_utils import hf_inputs, make_tiny_qwen2_vl
-from vlm_utils import image, png_bytes
+from vlm_utils import data_url, image, image_message, png_bytes, stream_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -30,12 +27,6 @@ def qwen_vl(tmp_path_factory):
     s = LiveServer(make_engine(d, limit_mm_per_prompt=2, max_model_len=256), own_engine=True).start()
     yield s, d
     s.stop()
-
-
-def _message(img, text="What is this?"):
-    url = "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": text}]}]
 
 
 def _reference(d: str, img, max_tokens: int) -> str:
@@ -54,19 +45,7 @@ def test_openai_client_streams_an_answer_about_a_png(qwen_vl):
     s, d = qwen_vl
     img = image(5, (56, 84))
 
-    async def main():
-        async with openai.AsyncOpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0) as c:
-            stream = await c.chat.completions.create(
-                model="tiny-llama", messages=_message(img), max_tokens=6, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            text, usage = "", None
-            async for chunk in stream:
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
-                usage = chunk.usage or usage
-            return text, usage
-
-    text, usage = asyncio.run(main())
+    text, usage = stream_chat(s.base_url, image_message(data_url(png_bytes(img))), 6)
     assert text == _reference(d, img, 6)
     assert usage.completion_tokens == 6 and usage.prompt_tokens > (56 // 28) * (84 // 28)  # its rows counted
     s.wait_clean()
