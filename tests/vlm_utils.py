@@ -182,3 +182,15 @@ def stream_chat(base_url: str, messages: list[dict], max_tokens: int) -> tuple[s
             return text, usage
 
     return asyncio.run(main())
+
+
+# (text with <image> marks, images, max tokens): one image, two, an image first, and text-only rows
+# between them: the parity workload of the <image>-token models (LLaVA, Idefics3)
+IMAGE_REQUESTS = [
+    ("The quick <image> brown fox", [image(1)], 10),
+    ("def f(x):", [], 8),
+    ("<image>\nParis is the capital of", [image(2, (64, 30))], 12),
+    ("Two: <image> and <image>, compare", [image(3), image(4, (20, 20))], 9),
+    ("The lazy dog", [], 6),
+    ("<image> again the first", [image(1)], 7),
+]

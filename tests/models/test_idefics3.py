@@ -11,21 +11,14 @@ from PIL import Image
 
 from idefics3_utils import TOKENS_PER_TILE, hf_idefics3_greedy, make_tiny_idefics3
 from model_utils import compare
-from vlm_utils import core_process_tokens, greedy, image, num_encoded, vlm_prompt
+from vlm_utils import IMAGE_REQUESTS, core_process_tokens, greedy, image, num_encoded, vlm_prompt
 
 from asyncengine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# (text, images, max tokens): one image, two, an image first, text-only rows between them; the
-# sizes give 2 x 2 tiles + the global one (square-ish), 1 x 2 + 1 (wide) when split
-REQUESTS = [
-    ("The quick <image> brown fox", [image(1)], 10),
-    ("def f(x):", [], 8),
-    ("<image>\nParis is the capital of", [image(2, (64, 30))], 12),
-    ("Two: <image> and <image>, compare", [image(3), image(4, (20, 20))], 9),
-    ("The lazy dog", [], 6),
-    ("<image> again the first", [image(1)], 7),
+# the sizes give 2 x 2 tiles + the global one (square-ish), 1 x 2 + 1 (wide) when split
+REQUESTS = IMAGE_REQUESTS + [  # tests/vlm_utils.py, and:
     # one colour: its five tiles are the same pixels, one hash (one encoding, five runs)
     ("A plain <image> page", [Image.new("RGB", (40, 50), (200, 30, 30))], 5),
 ]

@@ -8,22 +8,14 @@ from __future__ import annotations
 import pytest
 
 from model_utils import compare
-from vlm_utils import (TOKENS_PER_IMAGE, core_process_tokens, greedy, hf_llava_greedy, image, make_tiny_llava,
-                       num_encoded, vlm_prompt)
+from vlm_utils import (IMAGE_REQUESTS, TOKENS_PER_IMAGE, core_process_tokens, greedy, hf_llava_greedy, image,
+                       make_tiny_llava, num_encoded, vlm_prompt)
 
 from asyncengine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# (text, images, max tokens): one image, two, an image first, and text-only rows between them
-REQUESTS = [
-    ("The quick <image> brown fox", [image(1)], 10),
-    ("def f(x):", [], 8),
-    ("<image>\nParis is the capital of", [image(2, (64, 30))], 12),
-    ("Two: <image> and <image>, compare", [image(3), image(4, (20, 20))], 9),
-    ("The lazy dog", [], 6),
-    ("<image> again the first", [image(1)], 7),
-]
+REQUESTS = IMAGE_REQUESTS  # tests/vlm_utils.py
 REGIMES = {
     "alone": dict(num_kv_blocks=256, block_size=16),
     # chunks of 8 tokens, blocks of 4: chunks start and end inside 16-token placeholder runs
