@@ -24,11 +24,14 @@ does for a row-parallel MLP:
 Per-expert storage (``expert_linears``, GGUF files): each expert is an :class:`ExpertMLP`, two
 :class:`~asyncengine.layers.linear.Linear` (``gate_up_proj``, ``down_proj``), instead of a slice of
 ``w13`` / ``w2``: the loader then picks each expert's storage as for any Linear, so a GGUF's
-experts stay in their block format (Q8_0, Q4_0, Q4_K...) and run through the quantized kernels,
-one matmul pair per active expert as above.
+experts stay in their block format (Q8_0, Q4_0, Q4_K...) and run through the quantized kernels.
+On the CPU such a layer runs as one C call (layers/moe_native.py, kernels/cpu/moe.c): router,
+grouping and every active expert's GEMMs without Python between them, the same call the native
+decode step makes.
 
 Load balance: with ``record_load`` set, each forward adds its tokens-per-expert counts to
-``expert_load`` (a [E] int64 tensor), read and cleared by the runner for ``stats()``.
+``expert_load`` (a [E] int64 tensor; the C layer to ``native_load``), read and cleared by the
+runner for ``stats()`` (:func:`take_expert_load`).
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ import torch
 from torch import nn
 
 from asyncengine.errors import ConfigError
+from asyncengine.kernels.cpu import moe as cpu_moe
+from asyncengine.layers import moe_native
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.linear import Linear, QuantizedTensor
 from asyncengine.layers.moe_router import RouterSpec, route
@@ -129,6 +134,8 @@ class SparseMoE(nn.Module):
         self._filled: set[tuple[int, str]] = set()
         self.record_load = False
         self.expert_load = None
+        self.native_cache = None  # moe_native.table's (key, table)
+        self.native_load = None  # int64 [E]: the C layer's token counts (moe_native.load_counter)
 
     # ------------------------------------------------------------------ weights
 
@@ -248,6 +255,9 @@ class SparseMoE(nn.Module):
         return torch.mm(self.act_and_mul(torch.mm(x, self.w13[local].t())), self.w2[local].t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = moe_native.takes(self, x)
+        if native is not None:  # kernels/cpu/moe.c: the whole layer in one call
+            return cpu_moe.forward(native, x, moe_native.load_counter(self))
         weights, ids = route(self.gate(x), self.spec, self.e_score_correction_bias)
         out = self.experts_forward(x, weights, ids)
         if self.shared_expert is not None:
@@ -266,4 +276,7 @@ def take_expert_load(layers: list[SparseMoE]) -> list[int] | None:
         if m.expert_load is not None:
             total = m.expert_load if total is None else total + m.expert_load
             m.expert_load = None
+        if m.native_load is not None and bool(m.native_load.any()):  # counted by kernels/cpu/moe.c
+            total = m.native_load.clone() if total is None else total + m.native_load
+            m.native_load.zero_()
     return None if total is None else total.tolist()

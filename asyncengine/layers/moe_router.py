@@ -52,8 +52,8 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
     logits = logits.float()
     if spec.kind == "topk_softmax":
         top, ids = logits.topk(spec.top_k, dim=-1)
-        return torch.softmax(top, dim=-1), ids
-    if spec.kind == "sigmoid":
+        weights = torch.softmax(top, dim=-1)
+    elif spec.kind == "sigmoid":
         scores = torch.sigmoid(logits)
         choose = scores if bias is None else scores + bias.float()
         if spec.num_groups > 1:
@@ -65,6 +65,6 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
         weights = scores.gather(1, ids)
     else:
         weights, ids = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
-    if spec.renormalize:
+    if spec.renormalize and spec.kind != "topk_softmax":  # (a softmax over the k already sums to one)
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights * spec.scale if spec.scale != 1.0 else weights), ids

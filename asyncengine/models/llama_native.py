@@ -7,13 +7,16 @@ runs every layer (ctypes releases the lock for it); Python keeps scheduling, the
 LM head and sampling.
 
 When it runs (:func:`native_step_reason` says why not, otherwise None): CPU, fp32 activations,
-every projection in a GGUF block format, the cpu attention backend's kernels, one rank, no q/k
-norm (Qwen3 keeps the per-op path), a step of at most ``MAX_TOKENS`` rows all attended by the
-kernel. Rows under LoRA adapters run in it too: after each projection's GEMM, kernels/cpu/lora.c
-adds each adapter's low-rank product to its rows, from the slot stacks of ``model.lora``
-(lora/hooks.py) on the CPU in fp32 (a tensor-parallel or non-CPU LoRA keeps the per-op path and its
-hooks). ``ASYNCENGINE_NATIVE_STEP=0`` turns it off (the per-op model is the reference, and the
-test holds the two to the same greedy tokens); ``=1`` makes a model it cannot serve an error.
+every projection in a GGUF block format, the cpu attention backend's kernels, one rank, per-head
+q/k norms (Qwen3) or none, a step of at most ``MAX_TOKENS`` rows all attended by the kernel.
+Mixture-of-experts layers with block-quantized experts (GGUF MoE files: Mixtral, Qwen2/3-MoE) run
+in it as one call each to kernels/cpu/moe.c, the call the per-op model's MoE layer makes too
+(layers/moe_native.py), so both paths give the same bits. Rows under LoRA adapters run in it
+too (not on MoE models): after each projection's GEMM, kernels/cpu/lora.c adds each adapter's
+low-rank product to its rows, from the slot stacks of ``model.lora`` (lora/hooks.py) on the CPU
+in fp32 (a tensor-parallel or non-CPU LoRA keeps the per-op path and its hooks).
+``ASYNCENGINE_NATIVE_STEP=0`` turns it off (the per-op model is the reference, and the test holds
+the two to the same greedy tokens); ``=1`` makes a model it cannot serve an error.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ from asyncengine.attention.cpu_backend import CpuAttentionMetadata
 from asyncengine.attention.int8_cache import Int8AttentionMetadata
 from asyncengine.kernels.cpu import lora as cpu_lora, quant
 from asyncengine.kernels.cpu.build import load
+from asyncengine.layers import moe_native
 from asyncengine.layers.linear import Linear
+from asyncengine.layers.moe import SparseMoE
 from asyncengine.models.llama import LlamaForCausalLM
 
 # Steps up to this many token rows (decode batches, speculative rows, short prefill chunks) run
@@ -42,7 +47,8 @@ class _Layer(ctypes.Structure):
                 ("qkv_bias", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gate_up_type", ctypes.c_int32),
                 ("down_type", ctypes.c_int32), ("window", ctypes.c_int32), ("act_int8", ctypes.c_int32),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("moe", ctypes.c_void_p),
+                ("moe_load", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -83,8 +89,6 @@ def native_step_reason(model) -> str | None:
         return model.native_step_unsupported
     if model.rotary.rotary_dim != model.args.head_dim:
         return "partial rotary (Phi-4-mini) is not in the native step"
-    if getattr(model, "is_moe", False):
-        return "mixture-of-experts layers are not in the native step (the torch step runs them)"
     if model.args.qk_norm and any(n.eps != model.norm.eps for layer in model.layers
                                   for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)):
         return "q/k norms with another epsilon than the layer norms'"
@@ -95,11 +99,18 @@ def native_step_reason(model) -> str | None:
     if model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return f"activations are {model.norm.weight.dtype} on {model.norm.weight.device}, not float32 on cpu"
     for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        if isinstance(layer.mlp, SparseMoE):
+            why = moe_native.native_reason(layer.mlp)
+            if why is not None:
+                return f"a mixture-of-experts layer: {why}"
+            mlp = ()
+        else:
+            mlp = (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if layer.mlp.act_and_mul.name != "silu":
+                return f"activation {layer.mlp.act_and_mul.name}"
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
             if not lin.quantized:
                 return "a projection is dense (the native step runs block-quantized weights)"
-        if layer.mlp.act_and_mul.name != "silu":
-            return f"activation {layer.mlp.act_and_mul.name}"
     return None
 
 
@@ -117,10 +128,15 @@ class NativeStep:
         self._layers = None
         self._lora = None  # (the LoRAModel, its projection table): built once, its slots never move
         self.lora_calls = 0  # steps run here with adapter rows (the tests hold it above zero)
+        # the dense MLPs' intermediate size (the step's scratch; 0 when every layer is MoE)
+        self.inter = max((getattr(layer.mlp, "inter", 0) for layer in model.layers), default=0)
 
     def forget(self) -> None:
         """Drop the tables (they point into the KV caches and the LoRA slots): sleep, weight updates."""
         self._keep = self._layers = self._caches_key = self._lora = None
+        for layer in self.model.layers:  # the MoE layers' C tables point into their weights too
+            if isinstance(layer.mlp, SparseMoE):
+                moe_native.forget(layer.mlp)
 
     @classmethod
     def for_model(cls, model) -> "NativeStep | None":
@@ -139,7 +155,7 @@ class NativeStep:
 
     def accepts(self, num_tokens: int, meta) -> bool:
         m = self.model
-        if m.lora_active and lora_native_reason(m.lora) is not None:
+        if m.lora_active and (lora_native_reason(m.lora) is not None or getattr(m, "is_moe", False)):
             return False
         return (num_tokens <= MAX_TOKENS and isinstance(meta, (CpuAttentionMetadata, Int8AttentionMetadata))
                 and not meta.prefills and getattr(meta.backend, "kernels", False) and meta.backend.dtype == torch.float32)
@@ -152,23 +168,35 @@ class NativeStep:
             m = self.model
             table = (_Layer * len(m.layers))()
             for i, (layer, (kc, vc)) in enumerate(zip(m.layers, kv_caches)):
-                at, mlp = layer.self_attn, layer.mlp
-                qkv, o, gu, down = at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj
-                acts = {lin.activations or quant.ACTIVATIONS for lin in (qkv, o, gu, down)}
-                if len(acts) != 1 or not (kc.is_contiguous() and vc.is_contiguous()):
-                    raise ValueError("native step: mixed activation modes or a non-contiguous KV cache")
-                table[i] = _Layer(
-                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    qkv.qweight.data_ptr(), o.qweight.data_ptr(), gu.qweight.data_ptr(), down.qweight.data_ptr(),
-                    qkv.bias.data_ptr() if qkv.bias is not None else None, kc.data_ptr(), vc.data_ptr(),
-                    quant.type_id(qkv.qtype, qkv.packed), quant.type_id(o.qtype, o.packed),
-                    quant.type_id(gu.qtype, gu.packed), quant.type_id(down.qtype, down.packed),
-                    at.sliding_window or 0, int(acts.pop() == "int8"),
-                    at.q_norm.weight.data_ptr() if at.q_norm is not None else None,
-                    at.k_norm.weight.data_ptr() if at.k_norm is not None else None)
+                table[i] = self._layer(layer, kc, vc)
             self._layers, self._caches_key = table, key
-            self._keep = kv_caches  # the table points into them
+            self._keep = (kv_caches, [layer.mlp.native_cache for layer in m.layers
+                                      if isinstance(layer.mlp, SparseMoE)])  # the table points into them
         return self._layers
+
+    def _layer(self, layer, kc, vc) -> _Layer:
+        at, mlp = layer.self_attn, layer.mlp
+        moe = moe_native.table(mlp) if isinstance(mlp, SparseMoE) else None
+        if isinstance(mlp, SparseMoE) and moe is None:
+            raise ValueError("native step: a MoE layer's experts mix activation modes")
+        qkv, o = at.qkv_proj, at.o_proj
+        gu, down = (None, None) if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
+        lins = [lin for lin in (qkv, o, gu, down) if lin is not None]
+        acts = {lin.activations or quant.ACTIVATIONS for lin in lins}
+        if len(acts) != 1 or not (kc.is_contiguous() and vc.is_contiguous()):
+            raise ValueError("native step: mixed activation modes or a non-contiguous KV cache")
+        load = moe_native.load_counter(mlp) if moe is not None else None
+        return _Layer(
+            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            qkv.qweight.data_ptr(), o.qweight.data_ptr(), gu.qweight.data_ptr() if gu else None,
+            down.qweight.data_ptr() if down else None,
+            qkv.bias.data_ptr() if qkv.bias is not None else None, kc.data_ptr(), vc.data_ptr(),
+            quant.type_id(qkv.qtype, qkv.packed), quant.type_id(o.qtype, o.packed),
+            quant.type_id(gu.qtype, gu.packed) if gu else 0, quant.type_id(down.qtype, down.packed) if down else 0,
+            at.sliding_window or 0, int(acts.pop() == "int8"),
+            at.q_norm.weight.data_ptr() if at.q_norm is not None else None,
+            at.k_norm.weight.data_ptr() if at.k_norm is not None else None,
+            moe.address if moe is not None else None, load.data_ptr() if load is not None else None)
 
     def _lora_step(self, t: int) -> cpu_lora.StepLoRA | None:
         """This step's adapters for the C step (None: base rows only)."""
@@ -199,9 +227,8 @@ class NativeStep:
         kc0 = kv_caches[0][0]
         hk, nb, bs, _ = kc0.shape
         d = backend.head_dim  # (an int8 cache's rows are longer: values + scale)
-        dims = _Dims(len(m.layers), a.hidden_size, m.num_heads, m.num_kv_heads, d,
-                     m.layers[0].mlp.inter, nb, bs, m.norm.eps, backend.scale, torch.get_num_threads(),
-                     int(backend.kv_int8))
+        dims = _Dims(len(m.layers), a.hidden_size, m.num_heads, m.num_kv_heads, d, self.inter, nb, bs, m.norm.eps,
+                     backend.scale, torch.get_num_threads(), int(backend.kv_int8))
         p = meta.paged
         batch = _Batch(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), p.block_ids.data_ptr(),
                        p.block_starts.data_ptr(), p.query_starts.data_ptr(), p.query_lens.data_ptr(),

@@ -10,8 +10,8 @@ differs is read from the config: the router (Mixtral always renormalises its top
 
 The expert tensors bypass the Llama loader's fusing (their ``gate_proj`` is not the dense MLP's):
 :meth:`MoeLlamaForCausalLM.load_weights` hands them to their layer, then checks every owned
-expert was filled. The native C decode step does not run MoE layers (llama_native says why), so
-these models always take the torch step.
+expert was filled. Block-quantized experts (GGUF files) run as one C call per layer
+(layers/moe_native.py), in the per-op model and in the native decode step alike.
 """
 from __future__ import annotations
 
@@ -254,6 +254,8 @@ class OlmoeAttention(Attention):
 
 
 class OlmoeForCausalLM(MoeLlamaForCausalLM):
+    native_step_unsupported = "OLMoE's q/k norms span all heads (the native step norms each head)"
+
     def __init__(self, hf_config, max_positions: int, tp: TPGroup = SINGLE, pp: PPGroup = FULL) -> None:
         super().__init__(hf_config, max_positions, tp, pp)
         clip = getattr(hf_config, "clip_qkv", None)
@@ -273,6 +275,8 @@ class GraniteMoeForCausalLM(MoeLlamaForCausalLM):
     ``output_linear``), a top-k-then-softmax router, and Granite's four scalars: embeddings x
     ``embedding_multiplier``, each branch x ``residual_multiplier``, the softmax scale
     ``attention_multiplier``, logits / ``logits_scaling``."""
+
+    native_step_unsupported = "Granite's multipliers are not in the native step"
 
     renames = {".block_sparse_moe.router.layer.": ".mlp.gate.", ".block_sparse_moe.router.": ".mlp.gate.",
                ".block_sparse_moe.": ".mlp."}

@@ -227,3 +227,35 @@ int ae_q_gemm_i8(int type, const float *x, int64_t M, int64_t K, const uint8_t *
     free(ds);
     return rc;
 }
+
+/* x [M, K] -> what a weight of `type` multiplies with: q [M, K] int8 and d, s, xsum [M, K / 32] (a
+ * K-quant: q8_K blocks, d per 256, s unused; xsum: per-32 sums of q where the x8 layout or a
+ * K-quant needs them). For callers of ae_q_rows_q8. Returns -1 for a K the format cannot take. */
+int ae_q_prepare_act(int type, const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *xsum) {
+    if (!weight_ok(type, K, type & AE_Q_X8 ? 8 : 1)) return -1;
+    if (is_kquant(type & ~AE_Q_X8)) k_quantize_rows(x, M, K, q, d);
+    else quantize_rows(x, M, K, q, d, s);
+    if ((type & AE_Q_X8) || is_kquant(type & ~AE_Q_X8))
+        for (int64_t i = 0; i < M * (K / 32); i++) {
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += q[i * 32 + j];
+            xsum[i] = t;
+        }
+    return 0;
+}
+
+/* Rows [n0, n1) of out = x (prepared by ae_q_prepare_act for this type) times dequant(W)^T, on the
+ * calling thread (no OpenMP region: the caller shares row ranges out itself). n0 and n1 multiples
+ * of 8 (or n1 = N), so every row is computed as the whole GEMM computes it. */
+int ae_q_rows_q8(int type, const int8_t *q, const float *d, const float *s, const int32_t *xsum, int64_t M,
+                 int64_t K, const uint8_t *w, int64_t N, int64_t n0, int64_t n1, float *out, int64_t ldo) {
+    if (!weight_ok(type, K, N) || n0 < 0 || n1 > N || n0 > n1) return -1;
+    switch (ae_q_isa()) {
+#if AE_Q_X86
+        case AE_Q_ISA_VNNI: rows_i8_vnni(type, q, d, s, xsum, M, K, w, N, n0, n1, out, ldo); break;
+        case AE_Q_ISA_AVX2: rows_i8_avx2(type, q, d, s, xsum, M, K, w, N, n0, n1, out, ldo); break;
+#endif
+        default: rows_i8_c(type, q, d, s, xsum, M, K, w, N, n0, n1, out, ldo); break;
+    }
+    return 0;
+}

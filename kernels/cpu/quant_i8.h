@@ -175,7 +175,7 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
     const int32_t *xsum, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias, float *out,
     int64_t ldo, int accumulate) {
     if (is_kquant(type)) { /* d: per 256 values (q8_K); xsum: per 32 */
-        AE_FN(chunk_k)(type, n0, n1, q, d, xsum, M, K, w, bias, out, ldo, accumulate);
+        AE_FN(chunk_k)(type, n0, n1, q, d, xsum, M, K, w, N, bias, out, ldo, accumulate);
         return;
     }
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
@@ -247,6 +247,19 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_i8)(
             }
         }
     }
+}
+
+/* Rows [n0, n1) of out on one thread, no OpenMP region (ae_q_rows_q8: a caller that shares the
+ * row blocks of several weights out over its own threads); x prepared by ae_q_prepare_act. */
+static AE_TGT void AE_FN(rows_i8)(int type, const int8_t *q, const float *d, const float *s, const int32_t *xsum,
+                                  int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t n0, int64_t n1,
+                                  float *out, int64_t ldo) {
+#define AE_Q_CASE(t, f) \
+    case t | f: AE_FN(chunk_i8)(t, f != 0, n0, n1, q, d, s, xsum, M, K, w, N, NULL, out, ldo, 0); break;
+    switch (type) {
+        AE_Q_FOR_EACH_FORMAT(AE_Q_CASE)
+    }
+#undef AE_Q_CASE
 }
 
 /* One entry point per ISA (quant_i8.c's dispatcher calls it); type may carry AE_Q_X8. The switch on

@@ -88,16 +88,21 @@ static inline AE_TGT __attribute__((always_inline)) int32_t AE_FN(k_dot)(const i
 #endif
 
 #define AE_K_MB 4 /* rows of x per tile: each decoded super-block serves all of them */
+#ifndef AE_K_PF
+#define AE_K_PF 16384 /* bytes of the weight stream prefetched ahead (as the x8 kernel: AE_X8_PF) */
+#endif
 
 /* res[i] = row n of W (its nb super-blocks at wr) times q8_K row i of x, for mb rows. */
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int type, const int mb,
                                                                     const uint8_t *wr, int64_t nb, const int8_t *q,
                                                                     int64_t K, const float *d, const int32_t *xsum,
-                                                                    float *res) {
+                                                                    float *res, const uint8_t *wend) {
     const int bs = block_bytes(type);
     float acc[AE_K_MB] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wr + b * bs;
+        if (blk + AE_K_PF < wend) /* the hardware prefetcher alone leaves DRAM bandwidth unused */
+            for (int off = 0; off < bs; off += 64) __builtin_prefetch(blk + AE_K_PF + off, 0, 3);
 #if AE_LVL >= 1
         __m256i w[8], wu[8], scl[8];
         uint8_t s8[8] = {0}, m8[8] = {0};
@@ -139,8 +144,9 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int 
 /* Rows [n0, n1) of out for every row of x (type a compile-time constant: see chunk_i8). */
 static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_k)(
     const int type, int64_t n0, int64_t n1, const int8_t *q, const float *d, const int32_t *xsum, int64_t M,
-    int64_t K, const uint8_t *w, const float *bias, float *out, int64_t ldo, int accumulate) {
+    int64_t K, const uint8_t *w, int64_t N, const float *bias, float *out, int64_t ldo, int accumulate) {
     const int64_t nb = K / AE_QK, row_bytes = nb * block_bytes(type);
+    const uint8_t *wend = w + N * row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += AE_K_MB) {
         const int64_t mb = M - m0 < AE_K_MB ? M - m0 : AE_K_MB;
         const int8_t *qt = q + m0 * K;
@@ -150,10 +156,10 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(chunk_k)(
             float res[AE_K_MB];
             const uint8_t *wr = w + n * row_bytes;
             switch (mb) {
-                case 4: AE_FN(k_row)(type, 4, wr, nb, qt, K, dt, xt, res); break;
-                case 3: AE_FN(k_row)(type, 3, wr, nb, qt, K, dt, xt, res); break;
-                case 2: AE_FN(k_row)(type, 2, wr, nb, qt, K, dt, xt, res); break;
-                default: AE_FN(k_row)(type, 1, wr, nb, qt, K, dt, xt, res); break;
+                case 4: AE_FN(k_row)(type, 4, wr, nb, qt, K, dt, xt, res, wend); break;
+                case 3: AE_FN(k_row)(type, 3, wr, nb, qt, K, dt, xt, res, wend); break;
+                case 2: AE_FN(k_row)(type, 2, wr, nb, qt, K, dt, xt, res, wend); break;
+                default: AE_FN(k_row)(type, 1, wr, nb, qt, K, dt, xt, res, wend); break;
             }
             const float bn = bias ? bias[n] : 0.0f;
             for (int64_t i = 0; i < mb; i++) {

@@ -1,7 +1,8 @@
 /* One native call for the decoder layers of a Llama-family step (fp32 activations, block-quantized
  * weights): per layer add + RMSNorm, QKV projection (+ bias), per-head q/k RMSNorm (Qwen3), rotary, KV-cache write, paged
- * attention, output projection, add + RMSNorm, gate/up projection, SiLU-and-mul, down projection;
- * then the final add + RMSNorm. It calls the same kernels, in the same order, on the same
+ * attention, output projection, add + RMSNorm, gate/up projection, SiLU-and-mul, down projection
+ * (or a mixture-of-experts layer: moe.c, the per-op model's own call for it); then the final add +
+ * RMSNorm. It calls the same kernels, in the same order, on the same
  * buffers as the per-op model (asyncengine/models/llama.py), so its results are those of the
  * per-op path bit for bit; what it removes is the ~10 Python-level calls per layer between them
  * (and the interpreter lock: ctypes releases it for the whole call, so an app's Python runs
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "lora.h"
+#include "moe.h"
 
 /* the kernels of quant.c, quant_i8.c, ops.c, attention.c */
 int ae_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, const float *bias,
@@ -54,6 +56,8 @@ typedef struct {
     int32_t window;                   /* sliding window, 0 = none */
     int32_t act_int8;                 /* 1: int8 activations (ae_q_gemm_i8), 0: fp32 (ae_q_gemm) */
     const float *q_norm, *k_norm;     /* [D] per-head RMSNorm weights of q and k (Qwen3), or NULL */
+    const ae_moe_layer *moe;          /* a mixture-of-experts MLP (moe.c; gate_up and down unused), or NULL */
+    int64_t *moe_load;                /* [E] its routed-token counts, added to (may be NULL) */
 } ae_step_layer;
 
 /* The model's shapes and constants. */
@@ -141,6 +145,15 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
         rc |= gemm(L->act_int8, L->o_type, att, T, q_size, L->o, H, NULL, x, nt);
         if (P) ae_lora_apply(P + 1, &g, att, q_size, q_size, x, H, h_part, 1, nt);
         ae_ops_add_rms_norm(x, res, res, h, L->post_norm, T, H, dm->eps, 0, 0);
+        if (L->moe) { /* the step's LoRA never reaches here: llama_native refuses adapters on MoE models */
+            const int e = ae_moe_forward(L->moe, h, T, H, x, L->moe_load, nt);
+            if (e == -2) {
+                rc = -2;
+                break;
+            }
+            rc |= e;
+            continue;
+        }
         rc |= gemm(L->act_int8, L->gate_up_type, h, T, H, L->gate_up, 2 * I, NULL, gu, nt);
         if (P) ae_lora_apply(P + 2, &g, h, H, H, gu, 2 * I, gu_parts, 2, nt);
         ae_ops_silu_mul(gu, 2 * I, act, T, I, 0, 0);
@@ -150,5 +163,5 @@ int ae_llama_step(const ae_step_layer *layers, const ae_step_dims *dm, const ae_
     if (!rc) ae_ops_add_rms_norm(x, res, res, hidden, final_norm, T, H, dm->eps, 0, 0);
     free(buf);
     if (lora) ae_lora_groups_free(&g);
-    return rc ? -1 : 0;
+    return rc == -2 ? -2 : rc ? -1 : 0;
 }

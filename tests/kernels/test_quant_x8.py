@@ -139,3 +139,34 @@ def test_a_partial_group_stays_in_rows_and_the_tied_head_gathers_from_x8():
     emb.set_activations("int8")
     assert emb.packed
     assert torch.equal(emb(ids), rows_emb) and torch.equal(emb.logits(h), rows_logits)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_row_ranges_on_prepared_activations_equal_the_whole_gemm(qtype, packed):
+    """ae_q_prepare_act + ae_q_rows_q8 (kernels/cpu/moe.c shares a GEMM's 64-row items out over
+    its own threads): any split of the rows at multiples of 8 gives the whole GEMM's bits."""
+    import ctypes
+
+    lib = build.load()
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ae_q_prepare_act.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.ae_q_rows_q8.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
+    n, k, m = 200, 96, 5
+    w = quant.quantize(torch.randn(n, k), qtype)
+    if packed:
+        repack.pack(w, qtype, k)
+    x = torch.randn(m, k)
+    whole = quant.gemm(x, w, qtype, k, activations="int8", packed=packed)
+    t = quant.type_id(qtype, packed)
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, s = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    xsum = torch.empty(m, k // 32, dtype=torch.int32)
+    assert lib.ae_q_prepare_act(t, x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), xsum.data_ptr()) == 0
+    out = torch.full((m, n), float("nan"))
+    for n0, n1 in ((0, 64), (64, 72), (72, 200)):
+        assert lib.ae_q_rows_q8(t, q.data_ptr(), d.data_ptr(), s.data_ptr(), xsum.data_ptr(), m, k, w.data_ptr(), n,
+                                n0, n1, out.data_ptr(), n) == 0
+    assert torch.equal(out, whole)
+    assert lib.ae_q_rows_q8(t, q.data_ptr(), d.data_ptr(), s.data_ptr(), xsum.data_ptr(), m, k, w.data_ptr(), n,
+                            0, n + 8, out.data_ptr(), n) == -1  # past the weight's rows: refused

@@ -177,3 +177,36 @@ def test_tensor_and_expert_parallel_shards_hold_their_slice_of_the_blocks(expert
             assert torch.equal(w, ref), (rank, name)
             seen.add(name)
     assert seen == set(full) and len(full) == 2 * 4 * 2
+
+
+@pytest.mark.parametrize("arch,qtype,hidden,activations", [
+    ("mixtral", "Q4_0", 64, "fp32"), ("qwen2_moe", "Q8_0", 64, "int8"), ("qwen3_moe", "Q4_K_M", 256, "int8")])
+def test_native_decode_step_runs_moe_layers_token_exact_with_the_per_op_path(arch, qtype, hidden, activations,
+                                                                                gguf_file, monkeypatch):
+    """The native C step runs the MoE layers (kernels/cpu/moe.c, the per-op layer's own call), so
+    a batch of 6 requests over 4 sequence slots decodes the per-op path's tokens, and the step
+    really ran; the experts' load counts reach stats() from it."""
+    from test_llama_native import _calls, _count_native
+
+    _, path = gguf_file(arch, qtype, hidden)
+    reqs = [(p, m + 10) for p, m in _requests(320, n=6, seed=13)]
+    got = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("ASYNCENGINE_NATIVE_STEP", native)
+        llm = LLM(str(path), dtype="float32", quantized_activations=activations, skip_tokenizer_init=True,
+                  max_num_seqs=4)
+        try:
+            llm.engine.collective_rpc(_count_native)
+            outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
+                                [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs],
+                                use_tqdm=False)
+            calls = llm.engine.collective_rpc(_calls)[0]
+            routed = sum(llm.engine.stats()["moe_expert_tokens"])
+        finally:
+            llm.shutdown()
+        got[native] = ([o.outputs[0].token_ids for o in outs], calls, routed)
+    (native_ids, calls, routed), (per_op_ids, none, routed_per_op) = got["1"], got["0"]
+    assert none is None and calls > sum(m for _, m in reqs) // 4
+    assert native_ids == per_op_ids
+    tokens = sum(len(p) + m - 1 for p, m in reqs)  # every prompt token and every decoded one but the last
+    assert routed == routed_per_op == tokens * 2 * 2  # top 2 of each of 2 layers
