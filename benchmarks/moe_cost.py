@@ -112,6 +112,25 @@ def loop_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fp32_rows(a) -> dict:
+    """fp32 stacked experts: batch 1 against a dense MLP, batch 64 against the per-expert loop."""
+    h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
+    moe = make_moe(h, i, e, k)
+    dense_gu = torch.randn(2 * k * i, h) / h ** 0.5
+    dense_d = torch.randn(h, k * i) / (k * i) ** 0.5
+
+    def dense(x):
+        gate, up = F.linear(x, dense_gu).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, dense_d)
+
+    x1, x64 = torch.randn(1, h), torch.randn(64, h)
+    torch.testing.assert_close(moe(x64), loop_moe(moe, x64), rtol=1e-4, atol=1e-4)
+    return {"batch1_moe_ms": timed(lambda: moe(x1), a.reps) * 1e3,
+            "batch1_dense_same_active_ms": timed(lambda: dense(x1), a.reps) * 1e3,
+            "batch64_grouped_ms": timed(lambda: moe(x64), a.reps) * 1e3,
+            "batch64_loop_ms": timed(lambda: loop_moe(moe, x64), a.reps) * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
@@ -126,38 +145,13 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.qtype:
-        with torch.inference_mode():
-            rows = quantized_batch1(a)
-        rows["batch1_ratio"] = rows["batch1_moe_ms"] / rows["batch1_dense_same_active_ms"]
-        rows["batch1_ratio_native"] = rows["batch1_moe_ms"] / rows["batch1_dense_native_same_active_ms"]
-        result = {"config": vars(a), "cpu": cpu_info(), "torch": torch.__version__,
-                  **{k2: round(v, 4) for k2, v in rows.items()}}
-        print(json.dumps(result, indent=1))
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return
-    h, i, e, k = a.hidden, a.inter, a.experts, a.top_k
-    moe = make_moe(h, i, e, k)
-    dense_gu = torch.randn(2 * k * i, h) / h ** 0.5
-    dense_d = torch.randn(h, k * i) / (k * i) ** 0.5
-
-    def dense(x):
-        gate, up = F.linear(x, dense_gu).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, dense_d)
-
-    rows = {}
     with torch.inference_mode():
-        x1 = torch.randn(1, h)
-        rows["batch1_moe_ms"] = timed(lambda: moe(x1), a.reps) * 1e3
-        rows["batch1_dense_same_active_ms"] = timed(lambda: dense(x1), a.reps) * 1e3
-        x64 = torch.randn(64, h)
-        torch.testing.assert_close(moe(x64), loop_moe(moe, x64), rtol=1e-4, atol=1e-4)
-        rows["batch64_grouped_ms"] = timed(lambda: moe(x64), a.reps) * 1e3
-        rows["batch64_loop_ms"] = timed(lambda: loop_moe(moe, x64), a.reps) * 1e3
+        rows = quantized_batch1(a) if a.qtype else fp32_rows(a)
     rows["batch1_ratio"] = rows["batch1_moe_ms"] / rows["batch1_dense_same_active_ms"]
-    rows["batch64_speedup"] = rows["batch64_loop_ms"] / rows["batch64_grouped_ms"]
+    if a.qtype:
+        rows["batch1_ratio_native"] = rows["batch1_moe_ms"] / rows["batch1_dense_native_same_active_ms"]
+    else:
+        rows["batch64_speedup"] = rows["batch64_loop_ms"] / rows["batch64_grouped_ms"]
     result = {"config": vars(a), "cpu": cpu_info(), "torch": torch.__version__,
               **{k2: round(v, 4) for k2, v in rows.items()}}
     print(json.dumps(result, indent=1))
