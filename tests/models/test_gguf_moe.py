@@ -210,3 +210,31 @@ def test_native_decode_step_runs_moe_layers_token_exact_with_the_per_op_path(arc
     assert native_ids == per_op_ids
     tokens = sum(len(p) + m - 1 for p, m in reqs)  # every prompt token and every decoded one but the last
     assert routed == routed_per_op == tokens * 2 * 2  # top 2 of each of 2 layers
+
+
+@pytest.mark.parametrize("regime", [dict(max_num_batched_tokens=16, block_size=8),  # chunked prefill
+                                    dict(num_kv_blocks=16, block_size=4)],  # preemption
+                         ids=["chunked", "preempt"])
+def test_native_moe_layers_in_the_regimes(regime, tok, gguf_file):
+    """The C MoE layer on every step kind: prefill chunks of any length (the per-op layer), decodes
+    (the native step), recomputation after preemption, and a prompt whose prefix is cached: 8
+    requests, then one extending request 0's prompt, equal transformers' greedy tokens on the
+    file's values (near-tie rule)."""
+    model, path = gguf_file("qwen2_moe", "Q8_0")
+    ref = hf_model_with(model, load_gguf(path, tokenizer=False).tensors)
+    reqs = _requests(tok.get_vocab_size(), n=8, seed=17)
+    reqs[0] = (reqs[0][0] * 2, reqs[0][1])  # long enough to fill whole blocks
+    later = [(reqs[0][0] + [7, 8, 9], 6)]
+    llm = LLM(str(path), dtype="float32", quantized_activations="fp32", skip_tokenizer_init=True, max_num_seqs=8,
+              **regime)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": p} for p, _ in batch],
+                             [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in batch],
+                             use_tqdm=False) for batch in (reqs, later)]
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert_greedy_parity(ref, reqs + later, outs[0] + outs[1])
+    assert stats["prefix_cache_hit_rate"] > 0 and sum(stats["moe_expert_tokens"]) > 0
+    if "num_kv_blocks" in regime:
+        assert stats["num_preemptions"] > 0
