@@ -123,3 +123,19 @@ def test_every_int8_isa_gives_the_same_bits():
     finally:
         quant.set_isa("auto")
     assert len(outs) >= 1 and all(torch.equal(o, outs["scalar"]) for o in outs.values())
+
+
+def test_the_thread_count_does_not_change_the_bits():
+    """Each output row comes from one single-threaded call over a fixed 64-row item (moe.c), so 1,
+    2 or 3 threads give the same bits."""
+    moe = make_moe(RouterSpec(E, 2, "softmax_topk", True), qtype="Q8_0", shared="gated", activations="int8")
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(8))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(moe(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
