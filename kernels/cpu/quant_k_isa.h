@@ -130,7 +130,17 @@ static inline AE_TGT __attribute__((always_inline)) void AE_FN(k_row)(const int 
             if (type != AE_Q_Q6_K) {
                 const int32_t *xs = xsum + (i * K + b * AE_QK) / 32;
 #if AE_LVL >= 1
-                for (int j = 0; j < 8; j++) summ += m8[j] * xs[j];
+                { /* the 8 mins times the 8 sub-block sums of x, in one vector (the scalar loop cost
+                   * 10% of a Q4_K GEMV at M = 1: 45 -> 41 us on 1024 x 1024, one thread) */
+                    int64_t m64;
+                    memcpy(&m64, m8, 8);
+                    const __m256i p = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)xs),
+                                                         _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m64)));
+                    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+                    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+                    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+                    summ = _mm_cvtsi128_si32(t);
+                }
 #else
                 for (int j = 0; j < 8; j++) summ += m[j] * xs[j];
 #endif
