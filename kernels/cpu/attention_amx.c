@@ -10,8 +10,9 @@
  * tile: S^T = K Q^T on AMX (K read straight from the cache, Q^T packed once per item; fp32 sums of
  * exact bf16 products, the scale applied after, as the vdpbf16ps loop), the online softmax in fp32
  * on AVX-512 with the tile's 16 rows in the lanes (no horizontal reductions), P rounded to bf16 and
- * transposed for O = P V (rounding P as vLLM's and SGLang's CPU kernels do), P V into fp32 tiles,
- * added to fp32 accumulators.
+ * transposed for O = P V (rounding P as vLLM's and SGLang's CPU kernels do), P V accumulated on
+ * the tiles onto the fp32 accumulators (tile_pv), whose scale changes only when a row's maximum
+ * grows past a margin (tile_softmax).
  *
  * A row's result depends on its own keys only (other keys get P = 0 exactly, and packed keys
  * outside the item's range are zeros), and chunks start at multiples of 64 positions: the same bits
@@ -46,7 +47,6 @@ struct amx_ws { /* one thread's work space (64-byte aligned: tiles and packs are
     uint16_t vp[AMX_CHUNK * AMX_MAX_D]; /* V tiles: [32-key half][dim slice of 16] */
     float s[AMX_CHUNK * 16];            /* one row tile's scores, [key][row], then its P (fp32) */
     uint16_t p[16 * AMX_CHUNK];         /* its probabilities, bf16 */
-    float o[16 * 64];                   /* its P V over 64 dims */
     float acc[AMX_ROWS * AMX_MAX_D];
     float m[AMX_ROWS], l[AMX_ROWS], corr[AMX_ROWS];
     int lo[AMX_ROWS], hi[AMX_ROWS];
@@ -94,11 +94,10 @@ static TGT void pack_chunk_v(struct amx_ws *w, const struct amx_item *it, int ks
     }
 }
 
-/* 2^t for t <= 0 on 16 lanes: 2^n 2^f, |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative
- * error < 3e-6: P is rounded to bf16 for the P V product anyway), 2^n by vscalefps. Lanes the
- * caller masks are zeroed by it (this never returns 0 exactly). */
+/* 2^t for finite t <= AMX_RESCALE on 16 lanes: 2^n 2^f, |f| <= 1/2, 2^f by its degree-5 Taylor
+ * polynomial (relative error < 3e-6: P is rounded to bf16 for the P V product anyway), 2^n by
+ * vscalefps (0 far below: no clamp needed). Lanes the caller masks are zeroed by it. */
 static inline TGT __m512 amx_exp2_16(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -138,9 +137,13 @@ static TGT void tile_qk(struct amx_ws *w, const struct amx_item *it, int t, int 
 
 /* The online softmax of row tile t over the chunk, its 16 rows in the lanes, in base 2 (scores
  * times scale * log2 e; the running maxima too): P (bf16, [16 rows][64 keys], zero outside the
- * rows' ranges and groups [g0, g1)), the running maxima and sums, and the factors the accumulators
- * must be scaled by (w->corr). full: every real row of the tile sees every key of the groups (no
- * masks; padding rows then get scores of their zero queries, never stored). */
+ * rows' ranges and groups [g0, g1)), the running sums, and the factors the accumulators must be
+ * scaled by (w->corr). A row's reference maximum moves only when the chunk's maximum exceeds it by
+ * more than AMX_RESCALE (base 2): its P is then at most 2^AMX_RESCALE, exact enough in bf16 and
+ * fp32, and most chunks leave corr = 1, so tile_pv accumulates on the tiles with no vector pass.
+ * full: every real row of the tile sees every key of the groups (no masks; padding rows then get
+ * scores of their zero queries, never stored). */
+#define AMX_RESCALE 8.0f
 static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t, int kstart, int g0, int g1,
                              int h0, int h1, int full) {
     const __m512i lo = _mm512_loadu_si512(w->lo + 16 * t), hi = _mm512_loadu_si512(w->hi + 16 * t);
@@ -148,7 +151,7 @@ static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t,
     /* scores to base 2 in one multiply; soft-capped ones are rewritten in place first */
     const __m512 c = it->softcap > 0.0f ? _mm512_set1_ps(1.0f) : _mm512_mul_ps(_mm512_set1_ps(it->scale), log2e);
     __mmask16 mk[AMX_CHUNK];
-    __m512 mx = minf;
+    __m512 mx = minf; /* of the raw scores: c > 0, so max(s) * c is max(s * c), bit for bit */
     for (int j = 16 * g0; j < 16 * g1; j++) {
         const __m512i pos = _mm512_set1_epi32(kstart + j);
         mk[j] = full ? (__mmask16)0xFFFF
@@ -157,28 +160,30 @@ static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t,
         if (it->softcap > 0.0f) {
             v = _mm512_mul_ps(ae_softcap16(_mm512_mul_ps(v, _mm512_set1_ps(it->scale)), it->softcap), log2e);
             _mm512_store_ps(w->s + 16 * j, v);
-        } else {
-            v = _mm512_mul_ps(v, c);
         }
-        mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(minf, mk[j], v));
+        mx = full ? _mm512_max_ps(mx, v) : _mm512_mask_max_ps(mx, mk[j], mx, v);
     }
-    const __m512 mold = _mm512_loadu_ps(w->m + 16 * t), mnew = _mm512_max_ps(mold, mx);
+    mx = _mm512_mul_ps(mx, c);
+    const __m512 mold = _mm512_loadu_ps(w->m + 16 * t);
+    /* rows whose reference moves: a first key, or a maximum more than AMX_RESCALE above it */
     const __mmask16 seen = _mm512_cmp_ps_mask(mold, minf, _CMP_NEQ_OQ);
-    const __mmask16 any = _mm512_cmp_ps_mask(mnew, minf, _CMP_NEQ_OQ);
-    const __m512 base = _mm512_maskz_mov_ps(any, mnew); /* rows with no key yet: 0, not -inf - -inf */
-    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any,
-                                           _mm512_maskz_mov_ps(seen, amx_exp2_16(_mm512_sub_ps(mold, base))));
+    const __mmask16 up = _mm512_cmp_ps_mask(mx, _mm512_add_ps(mold, _mm512_set1_ps(AMX_RESCALE)), _CMP_GT_OQ);
+    const __m512 mref = _mm512_mask_mov_ps(mold, up, mx);
+    const __mmask16 any = _mm512_cmp_ps_mask(mref, minf, _CMP_NEQ_OQ);
+    const __m512 base = _mm512_maskz_mov_ps(any, mref); /* rows with no key yet: 0, not -inf - -inf */
+    /* corr 1 where the reference stays, and where no key was seen (the accumulator is still 0) */
+    const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up & seen, amx_exp2_16(_mm512_sub_ps(mold, mref)));
     __m512 sum = _mm512_setzero_ps();
     for (int j = 16 * g0; j < 16 * g1; j++) {
         const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(w->s + 16 * j), c, base);
-        const __m512 e = _mm512_maskz_mov_ps(mk[j], amx_exp2_16(x));
+        const __m512 e = full ? amx_exp2_16(x) : _mm512_maskz_mov_ps(mk[j], amx_exp2_16(x));
         sum = _mm512_add_ps(sum, e);
         _mm512_store_ps(w->s + 16 * j, e);
     }
     for (int j = 32 * h0; j < 16 * g0; j++) _mm512_store_ps(w->s + 16 * j, _mm512_setzero_ps());
     for (int j = 16 * g1; j < 32 * h1; j++) _mm512_store_ps(w->s + 16 * j, _mm512_setzero_ps());
     _mm512_storeu_ps(w->l + 16 * t, _mm512_fmadd_ps(_mm512_loadu_ps(w->l + 16 * t), corr, sum));
-    _mm512_storeu_ps(w->m + 16 * t, mnew);
+    _mm512_storeu_ps(w->m + 16 * t, mref);
     _mm512_storeu_ps(w->corr + 16 * t, corr);
     /* P^T -> P: keys (2i, 2i + 1) of a half, rounded and interleaved per row, are dword i of
      * every row of the A tile: a 16 x 16 dword transpose per half */
@@ -202,29 +207,36 @@ static TGT void tile_softmax(struct amx_ws *w, const struct amx_item *it, int t,
         _tile_dpbf16ps(C, 4, B);                                                            \
     }
 
-/* acc = acc * corr + P V for row tile t over the halves [h0, h1). */
+/* acc = acc * corr + P V for row tile t over the halves [h0, h1): the rows whose reference moved
+ * are rescaled in place (rare: tile_softmax), then P V accumulates onto the fp32 accumulators on
+ * the tiles themselves (a 16 x 16 slice of acc is a C tile, rows D * 4 bytes apart): no vector
+ * pass per chunk. A row's arithmetic is the same whatever rows share its tile. */
 static TGT void tile_pv(struct amx_ws *w, const struct amx_item *it, int t, int h0, int h1) {
     const int D = it->D, ncb = D / 16;
-    const int rows = it->nr - 16 * t < 16 ? it->nr - 16 * t : 16;
+    float *acc = w->acc + (long)16 * t * D;
+    for (int r = 0; r < 16; r++) {
+        const float cr = w->corr[16 * t + r];
+        if (cr == 1.0f) continue;
+        const __m512 c = _mm512_set1_ps(cr);
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + (long)r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + (long)r * D + d), c));
+    }
     for (int cb = 0; cb < ncb; cb += 4) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_loadd(0, acc + 16 * cb, D * 4);
+        _tile_loadd(1, acc + 16 * (cb + 1), D * 4);
+        if (cb + 2 < ncb) {
+            _tile_loadd(2, acc + 16 * (cb + 2), D * 4);
+            _tile_loadd(3, acc + 16 * (cb + 3), D * 4);
+        }
         for (int h = h0; h < h1; h++) {
             _tile_loadd(4, w->p + 32 * h, AMX_CHUNK * 2);
             PV_COL(0, 5) PV_COL(1, 6) PV_COL(2, 7) PV_COL(3, 5)
         }
-        _tile_stored(0, w->o, 256);
-        _tile_stored(1, w->o + 16, 256);
+        _tile_stored(0, acc + 16 * cb, D * 4);
+        _tile_stored(1, acc + 16 * (cb + 1), D * 4);
         if (cb + 2 < ncb) {
-            _tile_stored(2, w->o + 32, 256);
-            _tile_stored(3, w->o + 48, 256);
-        }
-        const int nv = ncb - cb < 4 ? ncb - cb : 4;
-        for (int r = 0; r < rows; r++) {
-            float *a = w->acc + (long)(16 * t + r) * D + 16 * cb;
-            const __m512 c = _mm512_set1_ps(w->corr[16 * t + r]);
-            for (int v = 0; v < nv; v++)
-                _mm512_storeu_ps(a + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * v), c,
-                                                             _mm512_loadu_ps(w->o + r * 64 + 16 * v)));
+            _tile_stored(2, acc + 16 * (cb + 2), D * 4);
+            _tile_stored(3, acc + 16 * (cb + 3), D * 4);
         }
     }
 }
@@ -292,6 +304,7 @@ static TGT void amx_item(struct amx_ws *w, const uint16_t *q, long q_stride, uin
     const int padded = (it.nr + 15) / 16 * 16;
     memset(w->q + (long)it.nr * D, 0, sizeof(uint16_t) * D * (padded - it.nr));
     for (int r = it.nr; r < padded; r++) w->lo[r] = 1 << 30, w->hi[r] = -1, w->m[r] = -INFINITY, w->l[r] = 0.0f;
+    memset(w->acc + (long)it.nr * D, 0, sizeof(float) * D * (padded - it.nr));
     for (int t = 0; t < padded / 16; t++) pack_kt(w->qt + (long)t * 16 * D, w->q + (long)t * 16 * D, D, 0xFFFF);
     amx_item_run(w, &it);
     for (int r = 0; r < it.nr; r++) {
