@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from throughput import model_vocab_size  # noqa: E402
+from throughput import generate_greedy, model_vocab_size  # noqa: E402
 from workloads import WORKLOADS, make_workload  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    from asyncengine import LLM, SamplingParams
+    from asyncengine import LLM
     from asyncengine.kernels.cpu import attention as A
 
     calls: list[tuple[int, int, int]] = []  # (sequences, adjacent pairs, pairs)
@@ -61,9 +61,7 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, **opts)
     A.PagedBatch.build = classmethod(recording_build)
     try:
-        llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
-                     [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False)
-                      for _, m in reqs], use_tqdm=False)
+        generate_greedy(llm, reqs)
     finally:
         A.PagedBatch.build = classmethod(build)
 

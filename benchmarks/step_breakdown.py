@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from single_stream import cpu_info  # noqa: E402
-from throughput import model_vocab_size  # noqa: E402
+from throughput import generate_greedy, model_vocab_size  # noqa: E402
 from workloads import WORKLOADS, make_workload  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    from asyncengine import LLM, SamplingParams
+    from asyncengine import LLM
     from asyncengine.attention.cpu_backend import CpuBackend
     from asyncengine.layers.activation import ActAndMul
     from asyncengine.layers.linear import Linear
@@ -74,9 +74,7 @@ def main() -> None:
     timed(ModelRunner, "_forward", lambda a: "forward (all layers)", seconds, calls)
     timed(ModelRunner, "_execute", lambda a: "step (runner)", seconds, calls)
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
-                 [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for _, m in reqs],
-                 use_tqdm=False)
+    generate_greedy(llm, reqs)
     elapsed = time.perf_counter() - t0
     step = seconds["step (runner)"]
     parts = [{"part": k, "s": round(v, 3), "share_of_steps": round(v / step, 3), "calls": calls[k]}

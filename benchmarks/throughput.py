@@ -78,19 +78,26 @@ def engine_options(args) -> dict:
     return {k: v for k, v in opts.items() if v is not None}
 
 
+def generate_greedy(llm, batch) -> list[list[int]]:
+    """``batch``'s (prompt ids, max_tokens) requests through ``llm.generate``, greedy, EOS ignored
+    (each yields exactly its max_tokens): the token ids of each."""
+    from asyncengine import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in batch]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for _, m in batch]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def run_asyncengine(args, reqs) -> dict:
-    from asyncengine import LLM, SamplingParams
+    from asyncengine import LLM
 
     opts = engine_options(args)
     llm = LLM(args.model, dtype=args.dtype, **opts)
     engine = llm.engine
 
     def generate(batch):
-        prompts = [{"prompt_token_ids": p} for p, _ in batch]
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False)
-                  for _, m in batch]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return generate_greedy(llm, batch)
 
     # warm-up on synthetic prompts (not workload ones, so the prefix cache cannot reuse them):
     # a batched prefill plus a few batched decode steps

@@ -193,10 +193,11 @@ def _apply_isa_env(lib) -> None:
         set_isa_level(lib, want, "ASYNCENGINE_CPU_ISA")
 
 
-def bind(signatures: dict[str, list]) -> dict | bool:
+def bind(signatures: dict[str, list], lib: ctypes.CDLL | None = None) -> dict | bool:
     """The library's functions named in ``signatures`` (name -> ctypes argtypes; they return
-    nothing), or False where the library is not built: what each kernel module caches."""
-    lib = load()
+    nothing), or False where the library is not built: what each kernel module caches. ``lib``:
+    another build of it instead (benchmarks/kernel_builds_ab.py compares two)."""
+    lib = lib if lib is not None else load()
     if lib is None:
         return False
     fns = {}
